@@ -1,0 +1,219 @@
+"""The engine: requests in, tokens out, one ``step()`` at a time.
+
+``step()`` is three calls (as in nano-vllm): the scheduler picks this step's chunks, the model
+runner computes logits for them, and postprocessing samples, detokenizes, checks stop
+conditions and frees finished sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.default_model import resolve_model
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.sampler import Logprobs, Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
+from paged_kv import BlockManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta: new tokens and text only)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    logprobs: list[Logprobs] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        torch.set_num_threads(config.threads)
+        path = resolve_model(config.model)
+        model_config = ModelConfig.from_folder(path)
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context of "
+                f"{model_config.max_position_embeddings} tokens"
+            )
+        self.model_path = path
+        self.tokenizer = Tokenizer(path, model_config.eos_token_ids)
+        self.runner = ModelRunner(config, path, self.max_model_len)
+        self.model_config = self.runner.model_config
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler()
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+        capacity = self.runner.num_blocks * config.block_size
+        log.info(
+            "engine ready: %s, max_model_len %d, KV capacity %d tokens in %d blocks of %d",
+            path, self.max_model_len, capacity, self.runner.num_blocks, config.block_size,
+        )
+
+    # -- requests ---------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Validate a prompt (text or token ids) and return its token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (and changes nothing) when it cannot be served."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the model's context of {self.max_model_len} tokens"
+            )
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if total > capacity:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the KV cache capacity of {capacity} tokens"
+            )
+        detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens)
+        seq = Sequence(request_id, ids, params, detok)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks; False if it is unknown or already finished."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits, sampling = self.runner.run(batch)
+        for s in batch:
+            seq = s.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(
+                    s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
+                )
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        outputs = []
+        if sampling:
+            sampled = self.sampler(logits, [s.seq.sampling for s in sampling])
+            for s, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+                outputs.append(self._postprocess(s.seq, token, lp))
+        return outputs
+
+    def _postprocess(self, seq: Sequence, token: int, logprobs: Logprobs | None) -> RequestOutput:
+        params = seq.params
+        seq.append_token(token)
+        self.num_generated_tokens += 1
+        reason = None
+        text = ""
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            reason = "stop"
+        elif token in params.stop_token_ids:
+            reason = "stop"
+        else:
+            text = seq.detokenizer.add(token)
+            if seq.detokenizer.stopped:
+                reason = "stop"
+        if reason is None and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            if not seq.detokenizer.stopped:
+                text += seq.detokenizer.finish()
+            self.scheduler.finish(seq, reason)
+            del self.seqs[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=[logprobs] if logprobs is not None else [],
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.pool.num_free,
+            kv_cache_usage=bm.pool.usage(),
+            prefix_cache_hit_rate=bm.hit_rate(),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generated_tokens=self.num_generated_tokens,
+        )

@@ -1,0 +1,206 @@
+"""The Llama-family decoder (Llama, Qwen2 with qkv bias, Qwen3 with q/k norm) over a paged KV cache.
+
+The forward pass takes a flat batch of tokens from many sequences (no padding): ``input_ids
+[T]``, ``positions [T]`` and an :class:`AttentionMetadata` that says which tokens belong to which
+sequence and where their KV lives. Every op that touches KV or is a candidate for a custom
+kernel goes through :mod:`kernels`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the step reads and writes KV. Built once per step, shared by all layers.
+
+    The first ``num_decodes`` sequences are decodes (one token each, tokens ``0..num_decodes-1``);
+    the rest are prefill/extend chunks whose tokens follow. ``*_seq_lens`` are context lengths
+    including this step's tokens; ``prefill_query_start_loc`` is relative to the first prefill
+    token.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32
+
+    @property
+    def num_prefills(self) -> int:
+        return self.prefill_seq_lens.shape[0]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with the ``rope_scaling`` the config asks for."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        # Llama 3.1's scheme: long wavelengths are slowed by `factor`, short ones kept, and the
+        # band in between interpolated smoothly (Meta's reference implementation).
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(medium, interpolated, out)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def rope_cos_sin_cache(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
+    """``[max_positions, head_dim]`` fp32: cos in the first half of each row, sin in the second."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_inv_freq(cfg))
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.eps = cfg.rms_norm_eps
+        # q, k and v projections fused into one matmul: rows [q | k | v].
+        self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        self.qkv_bias = _weight(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
+        self.o_weight = _weight(cfg.hidden_size, self.q_size)
+        self.q_norm = _weight(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _weight(cfg.head_dim) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = kernels.rms_norm(q, self.q_norm, self.eps)
+            k = kernels.rms_norm(k, self.k_norm, self.eps)
+        q = kernels.rotary_embedding(positions, q, cos_sin)
+        k = kernels.rotary_embedding(positions, k, cos_sin)
+        k_cache, v_cache = kv_cache[self.layer]
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+        nd = meta.num_decodes
+        if meta.num_prefills == 0:
+            out = kernels.decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            )
+        elif nd == 0:
+            out = kernels.extend_attention(
+                q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+                meta.prefill_query_start_loc, self.scale,
+            )
+        else:
+            out = torch.empty_like(q)
+            out[:nd] = kernels.decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            )
+            out[nd:] = kernels.extend_attention(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+                meta.prefill_query_start_loc, self.scale,
+            )
+        return F.linear(out.view(t, self.q_size), self.o_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = _weight(cfg.hidden_size)
+        self.attn = Attention(cfg, layer)
+        self.post_attn_norm = _weight(cfg.hidden_size)
+        self.gate_up_weight = _weight(2 * cfg.intermediate_size, cfg.hidden_size)  # [gate | up]
+        self.down_weight = _weight(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = kernels.rms_norm(x, self.input_norm, self.eps)
+        else:
+            h, residual = kernels.rms_norm(x, self.input_norm, self.eps, residual)
+        h = self.attn(h, positions, cos_sin, kv_cache, meta)
+        h, residual = kernels.rms_norm(h, self.post_attn_norm, self.eps, residual)
+        h = kernels.silu_and_mul(F.linear(h, self.gate_up_weight))
+        return F.linear(h, self.down_weight), residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; ``kv_cache`` is set by the runner.
+
+    ``kv_cache`` has shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _weight(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = _weight(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _weight(cfg.vocab_size, cfg.hidden_size)
+        self.register_buffer("cos_sin", rope_cos_sin_cache(cfg, max_positions), persistent=False)
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` (fp32) for the selected token positions."""
+        if self.kv_cache is None:
+            raise RuntimeError("the model has no KV cache attached")
+        x = F.embedding(input_ids, self.embed)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin, self.kv_cache, meta)
+        # Only the tokens that sample need the final norm and the (large) LM head.
+        x, _ = kernels.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps, residual[logits_indices])
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()

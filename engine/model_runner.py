@@ -1,0 +1,120 @@
+"""Owns the model and the paged KV cache; turns a scheduled batch into tensors and runs it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.loader import load_model
+from engine.model import AttentionMetadata
+from engine.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+def num_kv_blocks(cfg: ModelConfig, config: EngineConfig) -> int:
+    """How many KV blocks the budget buys (``kv_cache_gib``, or most of free GPU memory)."""
+    block_bytes = config.block_size * cfg.kv_bytes_per_token(config.torch_dtype)
+    if config.kv_cache_gib is not None:
+        budget = int(config.kv_cache_gib * _GIB)
+    elif config.device == "cpu":
+        budget = _GIB
+    else:
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        # Weights are already resident; keep 10% of what is left for activations.
+        budget = int(free * 0.9)
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise ValueError(
+            f"KV budget of {budget / _GIB:.3f} GiB holds no block ({block_bytes} bytes each)"
+        )
+    return blocks
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path, max_model_len: int):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model = load_model(model_path, config.torch_dtype, config.device, max_model_len)
+        self.model_config = self.model.cfg
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.num_blocks = num_kv_blocks(self.model_config, config)
+        cfg = self.model_config
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=config.torch_dtype, device=self.device,
+        )
+        self.model.kv_cache = self.kv_cache
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); weights %.2f GiB",
+            self.num_blocks, config.block_size, self.num_blocks * config.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.dtype,
+            weight_bytes / _GIB,
+        )
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(
+        self, batch: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledSeq]]:
+        """Flatten a batch (decodes first) into input ids, positions and attention metadata.
+
+        Returns the reordered batch too: row order of everything the step produces.
+        """
+        bs = self.config.block_size
+        # Any one-token chunk can use the decode kernel (its context is already in the cache).
+        decodes = [s for s in batch if s.num_new_tokens == 1]
+        prefills = [s for s in batch if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        for s in ordered:
+            seq = s.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.num_new_tokens > 1:
+                query_start.append(query_start[-1] + s.num_new_tokens)
+
+        def tables(group: list[ScheduledSeq]) -> torch.Tensor:
+            width = max((len(s.seq.block_table.block_ids) for s in group), default=0)
+            # Padding entries point at block 0: never read, since seq_lens masks them out.
+            rows = [s.seq.block_table.block_ids + [0] * (width - len(s.seq.block_table.block_ids)) for s in group]
+            return self._tensor(rows, torch.int32).view(len(group), width)
+
+        def lens(group: list[ScheduledSeq]) -> torch.Tensor:
+            return self._tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in group], torch.int32)
+
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decodes=len(decodes),
+            decode_block_tables=tables(decodes),
+            decode_seq_lens=lens(decodes),
+            prefill_block_tables=tables(prefills),
+            prefill_seq_lens=lens(prefills),
+            prefill_query_start_loc=self._tensor(query_start, torch.int32),
+        )
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, ordered
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run one step; returns logits for the sequences that sample, and those sequences."""
+        input_ids, positions, meta, ordered = self.prepare(batch)
+        last, rows, sampling = -1, [], []
+        for s in ordered:
+            last += s.num_new_tokens
+            if s.samples:
+                rows.append(last)
+                sampling.append(s)
+        logits = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64))
+        return logits, sampling

@@ -1,0 +1,117 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+Each step fills a token budget (``max_num_batched_tokens``): first every running sequence gets
+its next chunk (one token for a decode, up to the rest of the prompt for a prefill still in
+progress), then waiting sequences are admitted while the budget, ``max_num_seqs`` and free KV
+blocks allow. Running decodes go first so that admitting new prompts never stalls them
+(Sarathi-style stall-free batching).
+
+When a running sequence needs a block and none is free, the most recently admitted running
+sequence is preempted: its blocks are released and it goes back to the head of the queue to be
+recomputed from its tokens (prompt + output so far). Its output is unchanged because sampling
+state (the per-request generator) only advances when a token is actually sampled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+from paged_kv import BlockManager
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so its logits pick the next."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not self.block_manager.can_grow(seq.block_table, target):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            self.block_manager.grow(seq.block_table, target)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+
+        # While memory is short (someone was just preempted) admitting more would only thrash.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            if not seq.block_table.block_ids:
+                cached = self.block_manager.match_prefix(seq.block_table, seq.token_ids)
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = cached
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            if not self.block_manager.can_grow(seq.block_table, target):
+                # Do not sit on prefix-hit blocks while waiting: others may need them.
+                self.block_manager.free(seq.block_table)
+                seq.num_computed_tokens = 0
+                break
+            self.block_manager.grow(seq.block_table, target)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished (or aborted) and give its blocks back, wherever it is queued."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,71 @@
+"""A request as the engine sees it: its tokens, how many have KV, its block table and its state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampler import SamplingState, make_generator
+from engine.sampling_params import SamplingParams
+from paged_kv import BlockTable
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Invariant: ``num_computed_tokens < num_tokens`` while unfinished, i.e. there is always at
+    least one token (the last prompt token or the newest sampled one) still to run."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+    ):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        self.block_table = BlockTable()
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.detokenizer = detokenizer
+        self.sampling = SamplingState(
+            params=params,
+            prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
+            output_token_ids=[],
+            generator=make_generator(params.seed),
+        )
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sampling.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.sampling.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()

@@ -1,0 +1,73 @@
+"""The model's tokenizer (``tokenizer.json``), its special tokens, EOS ids and chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path, eos_token_ids: tuple[int, ...] = ()):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model folder {folder} has no tokenizer.json")
+        self.hf = HFTokenizer.from_file(str(path))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template: str | None = config.get("chat_template")
+        eos = set(eos_token_ids)
+        gen_path = folder / "generation_config.json"
+        if gen_path.is_file():
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            if gen_eos is not None:
+                eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        if self.eos_token is not None and self.hf.token_to_id(self.eos_token) is not None:
+            eos.add(self.hf.token_to_id(self.eos_token))
+        self.eos_token_ids = frozenset(eos)
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` with the model's jinja2 chat template (sandboxed)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use a plain completion prompt")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )

@@ -1,0 +1,90 @@
+"""Attention over the paged KV cache: decode (one query token per sequence) and extend
+(a ragged batch of new tokens, causal among themselves, full attention to the cached prefix).
+
+Both read K/V only from the cache: ``store_kv`` has already written the step's new tokens, so
+the new tokens' own K/V are at the tail of each sequence's context.
+
+Shapes: ``q [T, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``; ``block_tables
+[S, max_blocks]`` int32 (rows padded with any valid block id); ``seq_lens [S]`` = context length
+of each sequence *including* this step's tokens; ``query_start_loc [S + 1]`` int32 offsets of
+each sequence's queries in ``q`` (extend only). ``Hq`` is a multiple of ``Hkv`` (GQA).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """``[S, max_len, Hkv, D]`` contiguous copy of each sequence's first ``max_len`` slots."""
+    num_blocks = -(-max_len // cache.shape[1])
+    pages = cache[block_tables[:, :num_blocks].long()]  # [S, nb, bs, H, D]
+    s, nb, bs, h, d = pages.shape
+    return pages.view(s, nb * bs, h, d)[:, :max_len]
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Torch twin of paged decode attention: gather each context, one masked SDPA call."""
+    s, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    max_len = int(seq_lens.max())
+    k = _gather_context(k_cache, block_tables, max_len).transpose(1, 2)  # [S, Hkv, L, D]
+    v = _gather_context(v_cache, block_tables, max_len).transpose(1, 2)
+    # The query heads sharing a KV head act as a "query length" of `group` rows against
+    # that head's keys, which avoids materialising repeated K/V for GQA.
+    qg = q.view(s, hkv, group, d).to(k.dtype)
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(s, hq, d).to(q.dtype)
+
+
+def extend_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Torch twin of prefill/extend attention, one SDPA call per sequence."""
+    out = torch.empty_like(q)
+    hq, d = q.shape[1:]
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, ctx in enumerate(lens):
+        q_i = q[starts[i] : starts[i + 1]]
+        n = q_i.shape[0]
+        if n == 0:
+            continue
+        k = _gather_context(k_cache, block_tables[i : i + 1], ctx)[0]  # [ctx, Hkv, D]
+        v = _gather_context(v_cache, block_tables[i : i + 1], ctx)[0]
+        # Query j sits at absolute position ctx - n + j and sees keys 0..ctx - n + j.
+        rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+        # GQA: fold the query heads of one KV head into the row dimension.
+        qg = q_i.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+        o = F.scaled_dot_product_attention(
+            qg.to(k.dtype),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask.repeat(group, 1),
+            scale=scale,
+        )
+        out[starts[i] : starts[i + 1]] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(
+            n, hq, d
+        )
+    return out

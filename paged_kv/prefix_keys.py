@@ -1,0 +1,42 @@
+"""Hash-chained prefix keys of full KV blocks.
+
+The key of block i commits to every token before it: ``key_i = H(key_{i-1} || tokens of block i)``.
+Two sequences share block i's key exactly when their first ``(i + 1) * block_size`` tokens are
+equal, so a key identifies a reusable prefix, not just a chunk of tokens. The Mooncake traces
+use the same construction with 512-token blocks (their ``hash_ids``).
+
+Keys are 16-byte BLAKE2b digests: stable across processes and machines (Python's ``hash`` of a
+tuple is not guaranteed to be), which matters once keys travel to the Conductor and the KV pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Sequence
+
+PrefixKey = bytes
+
+_DIGEST_SIZE = 16
+
+
+def block_key(parent: PrefixKey | None, token_ids: Sequence[int]) -> PrefixKey:
+    """Key of one full block given the key of the block before it (None for the first block)."""
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    h.update(parent if parent is not None else b"\x00" * _DIGEST_SIZE)
+    # int64 encoding: token ids are non-negative and far below 2**63.
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def chain_keys(
+    token_ids: Sequence[int], block_size: int, parent: PrefixKey | None = None
+) -> list[PrefixKey]:
+    """Keys of every *full* block of ``token_ids``; a trailing partial block gets no key."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    keys: list[PrefixKey] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_key(parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
