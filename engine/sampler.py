@@ -1,0 +1,264 @@
+"""Turns one step's logits into next tokens, batched across sequences.
+
+Order of operations for each row (vLLM conventions):
+  1. penalties on the raw logits: repetition (prompt + output tokens), then frequency and
+     presence (output tokens only);
+  2. greedy rows (temperature 0) take the argmax of the penalized logits;
+  3. other rows: divide by temperature, then top-k, top-p, min-p, then draw a sample.
+
+Requested logprobs are the log-softmax of the logits after step 1 and the temperature
+division of step 3 (greedy rows: after penalties only, i.e. temperature 1), before any
+top-k/top-p/min-p truncation, so alternatives outside the truncated set still get a value.
+
+Sampling draws q ~ Exp(1) per vocabulary entry and takes argmax(probs / q), which picks token
+i with probability probs[i]. The noise of a seeded row comes only from that request's own
+generator, one [V] draw per step, so its tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# Dividing by a temperature this small can overflow float32 while the result is already
+# indistinguishable from argmax, so such rows are treated as greedy.
+_MIN_TEMPERATURE = 1e-5
+# exponential_ may return exactly 0; probs / 0 would be NaN for excluded (zero-probability)
+# tokens and argmax treats NaN as the maximum, so the noise is clamped away from 0.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request generator for `seed` on the device the logits live on (None if unseeded)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one sequence; the engine keeps it for the
+    request's lifetime and appends every sampled token to `output_token_ids`."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # The prompt never changes, so its [V] presence mask is built once instead of turning a
+    # possibly long token list into a tensor on every decode step.
+    _prompt_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def for_request(
+        cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str = "cpu"
+    ) -> SamplingState:
+        return cls(params, list(prompt_token_ids), [], make_generator(params.seed, device))
+
+    def prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """Bool [vocab_size] tensor, True for token ids that occur in the prompt."""
+        mask = self._prompt_mask
+        if mask is None or mask.shape[0] != vocab_size or mask.device != device:
+            mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if self.prompt_token_ids:
+                ids = torch.tensor(self.prompt_token_ids, dtype=torch.int64, device=device)
+                mask[ids] = True
+            self._prompt_mask = mask
+        return mask
+
+
+@dataclass
+class Logprobs:
+    """Logprob of the sampled token plus the `params.logprobs` most likely alternatives,
+    highest first (see the module docstring for which distribution)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # one per row; None where the row did not ask for them
+
+
+class Sampler:
+    """Stateless apart from `generator`, the shared source of noise for unseeded rows
+    (None: torch's default generator for the logits' device)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: list[SamplingState]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(batch):
+            raise ValueError(
+                f"logits must be [len(batch)={len(batch)}, vocab], got {tuple(logits.shape)}"
+            )
+        if not batch:
+            return SamplerOutput([], [])
+        params = [state.params for state in batch]
+        greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
+
+        # Every stage below is out-of-place until x is a tensor this call owns: .float() is a
+        # no-op on float32 input and the caller's logits must not be modified.
+        x = _apply_penalties(logits.float(), batch)
+        if not all(greedy):
+            temperatures = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+            x = x / torch.tensor(temperatures, device=x.device).unsqueeze(1)
+
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = _rows(x, logprob_rows).log_softmax(-1) if logprob_rows else None
+
+        if all(greedy):
+            tokens = x.argmax(-1)
+        else:
+            tokens = self._sample(x, batch, greedy)
+
+        token_ids = tokens.tolist()
+        records: list[Logprobs | None] = [None] * len(batch)
+        if logprobs is not None:
+            _fill_logprobs(records, logprobs, tokens, token_ids, logprob_rows, params)
+        return SamplerOutput(token_ids, records)
+
+    def _sample(self, x: torch.Tensor, batch: list[SamplingState], greedy: list[bool]) -> torch.Tensor:
+        params = [state.params for state in batch]
+        x = _top_k_top_p(x, params, greedy)
+        probs = x.softmax(-1)
+        _min_p(probs, params, greedy)
+
+        noise = torch.empty_like(probs)
+        # Greedy rows' noise is left unset: their tokens are replaced by the argmax below.
+        if any(not g and s.generator is None for g, s in zip(greedy, batch)):
+            noise.exponential_(generator=self.generator)
+        for row, (g, state) in enumerate(zip(greedy, batch)):
+            if not g and state.generator is not None:
+                noise[row].exponential_(generator=state.generator)
+        tokens = probs.div_(noise.clamp_(min=_TINY)).argmax(-1)
+
+        greedy_rows = [i for i, g in enumerate(greedy) if g]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=x.device)
+            tokens[index] = x[index].argmax(-1)
+        return tokens
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x restricted to `rows`, without a gather when that is every row."""
+    if len(rows) == x.shape[0]:
+        return x
+    return x[torch.tensor(rows, device=x.device)]
+
+
+def _apply_penalties(x: torch.Tensor, batch: list[SamplingState]) -> torch.Tensor:
+    params = [state.params for state in batch]
+    uses_repetition = [p.repetition_penalty != 1.0 for p in params]
+    uses_output = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
+    if not any(uses_repetition) and not any(uses_output):
+        return x
+    num_rows, vocab = x.shape
+    device = x.device
+
+    # Output-token counts via one scatter_add over a padded [S, L] tensor; padding points at
+    # an extra column `vocab` that is dropped afterwards. Rows without penalties contribute
+    # no tokens at all.
+    outputs = [
+        state.output_token_ids if rep or out else []
+        for state, rep, out in zip(batch, uses_repetition, uses_output)
+    ]
+    width = max(len(ids) for ids in outputs)
+    padded = torch.tensor(
+        [ids + [vocab] * (width - len(ids)) for ids in outputs], dtype=torch.int64, device=device
+    ).view(num_rows, width)
+    counts = torch.zeros(num_rows, vocab + 1, dtype=x.dtype, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=x.dtype))
+    counts = counts[:, :vocab]
+    seen_in_output = counts > 0
+
+    if any(uses_repetition):
+        no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        prompt = torch.stack(
+            [
+                state.prompt_mask(vocab, device) if rep else no_prompt
+                for state, rep in zip(batch, uses_repetition)
+            ]
+        )
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+        penalized = torch.where(x > 0, x / penalty, x * penalty)
+        x = torch.where(prompt | seen_in_output, penalized, x)
+
+    if any(uses_output):
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+        x = x - frequency * counts - presence * seen_in_output
+    return x
+
+
+def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+    """Sets logits outside each row's top-k / top-p set to -inf (in place on the owned x)."""
+    vocab = x.shape[1]
+    rows = [
+        i
+        for i, p in enumerate(params)
+        if not greedy[i] and (0 < p.top_k < vocab or p.top_p < 1.0)
+    ]
+    if not rows:
+        return x
+    sorted_logits, order = _rows(x, rows).sort(dim=-1, descending=True)
+
+    ks = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
+    if any(k < vocab for k in ks):
+        positions = torch.arange(vocab, device=x.device)
+        k = torch.tensor(ks, device=x.device).unsqueeze(1)
+        sorted_logits.masked_fill_(positions >= k, float("-inf"))
+
+    ps = [params[i].top_p for i in rows]
+    if any(p < 1.0 for p in ps):
+        # Renormalized over what top-k kept. A token is dropped once the tokens ranked above
+        # it already hold top_p of the mass, so the first token always survives.
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1).sub_(sorted_probs)
+        # 2.0 for rows with top_p == 1: round-off can push the running mass past 1.0, which
+        # must not cut the tail of a row that asked for no top-p at all.
+        limit = torch.tensor([p if p < 1.0 else 2.0 for p in ps], device=x.device).unsqueeze(1)
+        sorted_logits.masked_fill_(mass_before >= limit, float("-inf"))
+
+    truncated = torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
+    if len(rows) == x.shape[0]:
+        return truncated
+    x[torch.tensor(rows, device=x.device)] = truncated
+    return x
+
+
+def _min_p(probs: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> None:
+    """Zeroes (in place) probabilities below min_p times the row's largest probability."""
+    thresholds = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+    if not any(thresholds):
+        return
+    scale = torch.tensor(thresholds, device=probs.device).unsqueeze(1)
+    probs.masked_fill_(probs < scale * probs.amax(-1, keepdim=True), 0.0)
+
+
+def _fill_logprobs(
+    records: list[Logprobs | None],
+    logprobs: torch.Tensor,
+    tokens: torch.Tensor,
+    token_ids: list[int],
+    rows: list[int],
+    params: list[SamplingParams],
+) -> None:
+    """`logprobs` holds only `rows`, in order; fills records[row] for each of them."""
+    chosen = logprobs.gather(1, _rows(tokens.unsqueeze(1), rows)).squeeze(1).tolist()
+    width = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[1])
+    values: list[list[float]] = [[] for _ in rows]
+    ids: list[list[int]] = [[] for _ in rows]
+    if width > 0:
+        top_values, top_ids = logprobs.topk(width, dim=-1)  # sorted, highest first
+        values, ids = top_values.tolist(), top_ids.tolist()
+    for j, row in enumerate(rows):
+        n = params[row].logprobs or 0
+        records[row] = Logprobs(token_ids[row], chosen[j], list(zip(ids[j][:n], values[j][:n])))

@@ -1,0 +1,149 @@
+"""Per-request sampling parameters, validated once when a request is admitted.
+
+Validation happens here so that the sampler, detokenizer and scheduler can trust every
+field (types, ranges, finiteness) without re-checking on the per-step hot path.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# torch.Generator.manual_seed accepts exactly this range (signed 64-bit lows, unsigned highs).
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+_MAX_LOGPROBS = 20
+
+
+def _real(name: str, value: Any) -> float:
+    # bool is an int subclass; a stray `true` in JSON must not silently become 1.0.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return result
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a string, a list of strings or None, got {value!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+    return list(items)
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {value!r}")
+    ids = [_integer("stop_token_ids", item) for item in value]
+    for token_id in ids:
+        if token_id < 0:
+            raise ValueError(f"stop_token_ids must be non-negative, got {token_id}")
+    return ids
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop, following OpenAI/vLLM conventions.
+
+    After construction `stop` is always a list of non-empty strings and numeric fields hold
+    plain Python floats/ints, whatever numeric types were passed in.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.temperature = _real("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+        self.top_p = _real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+        self.top_k = _integer("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+
+        self.min_p = _real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        self.max_tokens = _integer("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.ignore_eos = _boolean("ignore_eos", self.ignore_eos)
+
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed)
+            if not _SEED_MIN <= self.seed <= _SEED_MAX:
+                raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= _MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be None or in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+
+        self.skip_special_tokens = _boolean("skip_special_tokens", self.skip_special_tokens)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a request body's fields; unknown keys are an error, not ignored."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling parameters must be a dict, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(key) for key in d if key not in known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
