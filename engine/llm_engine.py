@@ -212,7 +212,7 @@ class LLMEngine:
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.pool.num_free,
             kv_cache_usage=bm.pool.usage(),
-            prefix_cache_hit_rate=bm.hit_rate(),
+            prefix_cache_hit_rate=self.scheduler.prefix_cache_hit_rate(),
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,

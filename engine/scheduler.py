@@ -41,6 +41,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Prompt tokens of admitted requests, and how many of them the prefix cache served.
+        self.num_prompt_tokens_admitted = 0
+        self.num_prompt_tokens_hit = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,10 +82,9 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             if not seq.block_table.block_ids:
-                cached = self.block_manager.match_prefix(seq.block_table, seq.token_ids)
-                seq.num_computed_tokens = cached
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = cached
+                seq.num_computed_tokens = self.block_manager.match_prefix(
+                    seq.block_table, seq.token_ids
+                )
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
             if not self.block_manager.can_grow(seq.block_table, target):
@@ -92,11 +94,20 @@ class Scheduler:
                 break
             self.block_manager.grow(seq.block_table, target)
             self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.num_prompt_tokens_admitted += seq.num_prompt_tokens
+                self.num_prompt_tokens_hit += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of admitted prompt tokens served from the prefix cache."""
+        admitted = self.num_prompt_tokens_admitted
+        return self.num_prompt_tokens_hit / admitted if admitted else 0.0
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_table)

@@ -60,9 +60,6 @@ def extend_attention_torch(
 ) -> torch.Tensor:
     """Torch twin of prefill/extend attention, one SDPA call per sequence."""
     out = torch.empty_like(q)
-    hq, d = q.shape[1:]
-    hkv = k_cache.shape[2]
-    group = hq // hkv
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, ctx in enumerate(lens):
@@ -70,21 +67,17 @@ def extend_attention_torch(
         n = q_i.shape[0]
         if n == 0:
             continue
-        k = _gather_context(k_cache, block_tables[i : i + 1], ctx)[0]  # [ctx, Hkv, D]
-        v = _gather_context(v_cache, block_tables[i : i + 1], ctx)[0]
-        # Query j sits at absolute position ctx - n + j and sees keys 0..ctx - n + j.
-        rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-        # GQA: fold the query heads of one KV head into the row dimension.
-        qg = q_i.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+        k = _gather_context(k_cache, block_tables[i : i + 1], ctx).transpose(1, 2)  # [1, Hkv, ctx, D]
+        v = _gather_context(v_cache, block_tables[i : i + 1], ctx).transpose(1, 2)
+        if ctx == n:  # no cached prefix: plain causal attention (SDPA's fast path)
+            mask, causal = None, True
+        else:
+            # Query j sits at absolute position ctx - n + j and sees keys 0..ctx - n + j.
+            rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
         o = F.scaled_dot_product_attention(
-            qg.to(k.dtype),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask.repeat(group, 1),
-            scale=scale,
+            q_i.transpose(0, 1).unsqueeze(0).to(k.dtype), k, v,
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
         )
-        out[starts[i] : starts[i + 1]] = o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(
-            n, hq, d
-        )
+        out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
     return out

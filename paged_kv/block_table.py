@@ -39,9 +39,6 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Prompt tokens looked up / found in the prefix cache (for the hit-rate metric).
-        self.prefix_queries = 0
-        self.prefix_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -61,16 +58,13 @@ class BlockManager:
             raise RuntimeError("match_prefix on a table that already holds blocks")
         if not self.enable_prefix_caching:
             return 0
-        self.prefix_queries += len(token_ids)
         max_blocks = (len(token_ids) - 1) // self.block_size
         keys = chain_keys(token_ids[: max_blocks * self.block_size], self.block_size)
         hits = self.pool.lookup(keys)
         self.pool.acquire(hits)
         table.block_ids.extend(hits)
         table.keys.extend(keys[: len(hits)])
-        num_cached = len(hits) * self.block_size
-        self.prefix_hits += num_cached
-        return num_cached
+        return len(hits) * self.block_size
 
     def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
         return self.blocks_needed(table, num_tokens) <= self.pool.num_free
@@ -95,9 +89,6 @@ class BlockManager:
         self.pool.release(table.block_ids)
         table.block_ids.clear()
         table.keys.clear()
-
-    def hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -483,27 +483,9 @@ def test_bm_disabled_prefix_caching_never_hits():
     t2 = BlockTable()
     assert bm.match_prefix(t2, toks) == 0
     assert t2.block_ids == []
-    assert bm.hit_rate() == 0.0
     bm.check_integrity()
 
 
-def test_bm_hit_rate():
-    bs = 4
-    bm = BlockManager(8, bs)
-    toks = list(range(2 * bs + 1))
-    t = _fill(bm, toks)
-    bm.free(t)
-    t2 = _fill(bm, toks)
-    assert bm.prefix_queries == 2 * len(toks)
-    assert bm.prefix_hits == 2 * bs
-    assert bm.hit_rate() == pytest.approx(2 * bs / (2 * len(toks)))
-    bm.free(t2)
-    bm.check_integrity()
-
-
-# --------------------------------------------------------------------------------------------
-# randomized stress
-# --------------------------------------------------------------------------------------------
 def test_bm_random_stress():
     rng = random.Random(1234)
     bs = 4

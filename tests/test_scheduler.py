@@ -393,6 +393,25 @@ def test_prefix_cache_hit_on_admission():
     assert a.num_cached_tokens == 0
 
 
+def test_prefix_hit_rate_counts_each_request_once():
+    # "b" shares 2 of its 3 full blocks with "a" but waits for blocks for several steps
+    # (it is looked up again each step): the hit rate still counts its prompt once.
+    bs = 4
+    h = Harness(budget=64, block_size=bs, num_blocks=6)
+    prompt = list(range(12))
+    a = h.add(make_seq("a", prompt + [99] * 4, 6))
+    h.step()
+    b = h.add(make_seq("b", prompt[:8] + [77] * 5, 1))
+    for _ in range(3):
+        h.step()
+        assert b in h.sched.waiting
+    h.run()
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 8
+    assert h.sched.num_prompt_tokens_admitted == 16 + 13
+    assert h.sched.num_prompt_tokens_hit == 8
+    assert h.sched.prefix_cache_hit_rate() == 8 / 29
+
+
 def test_shared_prefix_concurrent_sequences_share_blocks():
     bs = 4
     h = Harness(budget=64, block_size=bs, num_blocks=32)
@@ -437,4 +456,4 @@ def test_random_workload_under_memory_pressure(seed):
         assert s.is_finished
         assert s.output_token_ids == expected_output(s.request_id, s.num_prompt_tokens, s.params.max_tokens)
     assert h.sched.num_preemptions > 0
-    assert h.bm.prefix_hits > 0
+    assert h.sched.num_prompt_tokens_hit > 0
