@@ -1,0 +1,228 @@
+"""Offline throughput benchmark: our engine vs. Hugging Face ``generate``.
+
+Run with ``python -m bench.offline`` (``--help`` for the flags).
+
+Workload (fixed and seeded, so every run and both systems see the same requests):
+  * ``--num-prompts`` requests (default 64);
+  * each prompt is a list of random token ids in ``[100, vocab_size)`` (low ids, where the
+    special tokens live, are avoided), so prompt lengths are exact, drawn uniformly from
+    ``--input-len MIN MAX`` (default 32..512);
+  * each request's output length is drawn uniformly from ``--output-len MIN MAX``
+    (default 32..256), and every request uses ``temperature=0, ignore_eos=True,
+    max_tokens=output_len``, so the number of generated tokens is fixed in advance.
+
+Fairness rules:
+  * both systems load the SAME converted HF checkpoint folder, in float32, with the same
+    ``torch.set_num_threads`` value;
+  * each system gets one tiny warm-up request first; only the main ``generate`` call(s)
+    are timed (``time.perf_counter``), not model loading;
+  * our engine gets all requests at once (continuous batching, chunked prefill);
+  * HF runs greedy ``generate`` on batches of ``--hf-batch-size`` prompts (default: all in
+    one batch), left-padded with pad = eos and an attention mask. Requests in a batch have
+    different output lengths, so each batch generates ``max_new_tokens = min_new_tokens =``
+    the largest output length in the batch (``min_new_tokens`` keeps EOS from cutting it
+    short); only each request's own ``output_len`` tokens count as useful generated tokens,
+    which is the throughput a user actually gets;
+  * agreement check: the fraction of requests whose first 16 greedy tokens are identical in
+    the two systems (reported, not asserted: fp32 batched kernels may differ in the last bits).
+Without ``transformers`` (or with ``--skip-hf``) only our figures are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+
+AGREE_PREFIX = 16
+MIN_TOKEN_ID = 100
+
+
+def build_workload(num_prompts, input_len, output_len, vocab_size, seed):
+    rng = random.Random(seed)
+    prompts, out_lens = [], []
+    for _ in range(num_prompts):
+        n_in = rng.randint(input_len[0], input_len[1])
+        prompts.append([rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(n_in)])
+        out_lens.append(rng.randint(output_len[0], output_len[1]))
+    return prompts, out_lens
+
+
+def run_ours(args, folder, prompts, out_lens):
+    from engine import LLM, SamplingParams
+
+    kwargs = {"threads": args.threads}
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_cache_gib is not None:
+        kwargs["kv_cache_gib"] = args.kv_cache_gib
+    t0 = time.perf_counter()
+    llm = LLM(model=str(folder), **kwargs)
+    load_s = time.perf_counter() - t0
+    # Warm-up: a tiny request with ids outside the workload's range of lengths.
+    llm.generate([[MIN_TOKEN_ID + 1] * 4], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)])
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    outputs = [list(r.token_ids) for r in results]
+    for o, n in zip(outputs, out_lens):
+        if len(o) != n:
+            print(f"warning: our engine produced {len(o)} tokens for a request asking {n}", file=sys.stderr)
+    del llm
+    gc.collect()
+    return {"load_s": load_s, "wall_s": wall, "generated": sum(len(o) for o in outputs)}, outputs
+
+
+def run_hf(args, folder, prompts, out_lens):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    except TypeError:  # older transformers only know torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    eos = model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    pad = eos if eos is not None else 0
+
+    def generate(batch, n_new):
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=False,
+                max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=pad,
+                temperature=None, top_p=None, top_k=None,
+            )
+        return out[:, width:].tolist()
+
+    generate([[MIN_TOKEN_ID + 1] * 4], 2)  # warm-up
+    bs = args.hf_batch_size
+    outputs = []
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), bs):
+        batch_lens = out_lens[start:start + bs]
+        new = generate(prompts[start:start + bs], max(batch_lens))
+        outputs.extend(row[:n] for row, n in zip(new, batch_lens))
+    wall = time.perf_counter() - t0
+    computed = sum(
+        len(out_lens[s:s + bs]) * max(out_lens[s:s + bs]) for s in range(0, len(prompts), bs)
+    )
+    del model
+    gc.collect()
+    return {"load_s": load_s, "wall_s": wall, "generated": sum(out_lens),
+            "generated_incl_padding": computed}, outputs
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 512])
+    ap.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 256])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-gib", type=float, default=None)
+    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    for name in ("input_len", "output_len"):
+        lo, hi = getattr(args, name)
+        if not 1 <= lo <= hi:
+            ap.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
+    for name in ("num_prompts", "threads", "hf_batch_size"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from engine.config import ModelConfig
+    from engine.default_model import resolve_model
+
+    folder = resolve_model(args.model)
+    vocab = ModelConfig.from_folder(folder).vocab_size
+    prompts, out_lens = build_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    n_prompt = sum(len(p) for p in prompts)
+    n_gen = sum(out_lens)
+    print(f"model: {folder}")
+    print(f"workload: {len(prompts)} prompts, input {args.input_len[0]}-{args.input_len[1]}, "
+          f"output {args.output_len[0]}-{args.output_len[1]}, seed {args.seed}; "
+          f"{n_prompt} prompt + {n_gen} generated tokens; threads {args.threads}")
+
+    ours, ours_out = run_ours(args, folder, prompts, out_lens)
+    print(f"ours: {ours['generated']} tokens in {ours['wall_s']:.2f} s")
+
+    hf = hf_out = None
+    hf_note = None
+    if args.skip_hf:
+        hf_note = "HF baseline skipped (--skip-hf)"
+    else:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            hf_note = "transformers is not installed: HF baseline skipped"
+    if hf_note is None:
+        hf, hf_out = run_hf(args, folder, prompts, out_lens)
+        print(f"hf: {hf['generated']} useful tokens ({hf['generated_incl_padding']} computed) "
+              f"in {hf['wall_s']:.2f} s")
+
+    rows = [("system", "gen tokens", "wall s", "gen tok/s", "total tok/s")]
+    def row(name, r):
+        return (name, str(r["generated"]), f"{r['wall_s']:.2f}",
+                f"{r['generated'] / r['wall_s']:.1f}", f"{(n_prompt + r['generated']) / r['wall_s']:.1f}")
+    rows.append(row("ours", ours))
+    report = {
+        "workload": {"num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
+                     "seed": args.seed, "threads": args.threads, "prompt_tokens": n_prompt,
+                     "generated_tokens": n_gen, "model": str(folder)},
+        "ours": dict(ours, gen_tok_s=ours["generated"] / ours["wall_s"],
+                     total_tok_s=(n_prompt + ours["generated"]) / ours["wall_s"]),
+    }
+    if hf is not None:
+        rows.append(row(f"hf (bs {args.hf_batch_size})", hf))
+        ratio = (ours["generated"] / ours["wall_s"]) / (hf["generated"] / hf["wall_s"])
+        agree = sum(
+            a[:min(AGREE_PREFIX, n)] == b[:min(AGREE_PREFIX, n)] for a, b, n in zip(ours_out, hf_out, out_lens)
+        )
+        report["hf"] = dict(hf, hf_batch_size=args.hf_batch_size, gen_tok_s=hf["generated"] / hf["wall_s"],
+                            total_tok_s=(n_prompt + hf["generated"]) / hf["wall_s"])
+        report["ratio_gen_tok_s"] = ratio
+        report["agreement_first16"] = agree / len(prompts)
+
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print()
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    if hf is None:
+        print(hf_note)
+    else:
+        print(f"ratio ours/HF (generated tok/s): {report['ratio_gen_tok_s']:.2f}x")
+        print(f"agreement: {agree}/{len(prompts)} requests ({100 * agree / len(prompts):.0f}%) have "
+              f"identical first {AGREE_PREFIX} greedy tokens")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
