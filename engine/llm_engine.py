@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
@@ -58,7 +59,10 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        torch.set_num_threads(config.threads)
+        if config.device == "cpu":
+            configure_cpu_runtime(config.threads)
+        else:
+            torch.set_num_threads(config.threads)
         path = resolve_model(config.model)
         model_config = ModelConfig.from_folder(path)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -132,7 +136,7 @@ class LLMEngine:
                 f"the KV cache capacity of {capacity} tokens"
             )
         detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens)
-        seq = Sequence(request_id, ids, params, detok)
+        seq = Sequence(request_id, ids, params, detok, self.config.device)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id

@@ -173,7 +173,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head; ``kv_cache`` is set by the runner.
 
-    ``kv_cache`` has shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``kv_cache`` has shape ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``
+    (see :mod:`kernels.store_kv` for why heads come before slots).
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int):

@@ -46,7 +46,7 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(self.model_config, config)
         cfg = self.model_config
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, config.block_size, cfg.head_dim,
             dtype=config.torch_dtype, device=self.device,
         )
         self.model.kv_cache = self.kv_cache

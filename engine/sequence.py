@@ -6,7 +6,7 @@ import enum
 import time
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import SamplingState, make_generator
+from engine.sampler import SamplingState
 from engine.sampling_params import SamplingParams
 from paged_kv import BlockTable
 
@@ -27,6 +27,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer,
+        device: str = "cpu",
     ):
         self.request_id = request_id
         self.params = params
@@ -38,12 +39,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
-        self.sampling = SamplingState(
-            params=params,
-            prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
-            output_token_ids=[],
-            generator=make_generator(params.seed),
-        )
+        # The generator lives where the logits are sampled.
+        self.sampling = SamplingState.for_request(params, prompt_token_ids, device)
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_preemptions = 0
