@@ -181,13 +181,14 @@ def test_unknown_sampling_parameter_rejected():
 def test_engine_keeps_serving_after_bad_requests(llm):
     engine = llm.engine
     rid = engine.add_request("The capital of France is", greedy(8))
-    engine.step()
+    first = engine.step()
+    assert [o.request_id for o in first] == [rid]
     for bad in ("", [10**9]):
         with pytest.raises(ValueError):
             engine.add_request(bad, greedy(4))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("again", greedy(4), request_id=rid)
-    text, finished = "", False
+    text, finished = first[0].new_text, False
     while engine.has_unfinished():
         for out in engine.step():
             assert out.request_id == rid
