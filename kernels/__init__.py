@@ -1,22 +1,52 @@
 """The one interface through which the engine calls its attention, KV and elementwise ops.
 
-Each op has a torch implementation (``*_torch``, in the op's own file) that is the
-specification. The engine calls only the names exported here, so the Triton kernels plug in
-behind these functions without touching the model code.
+Each op has a Triton kernel (``*_triton``) and a torch twin (``*_torch``) that is its
+specification, both in the op's own file. :mod:`kernels.dispatch` decides per call: Triton for
+CUDA tensors, the twin for CPU tensors, unless ``MOONCAKE_KERNELS`` forces one of them.
 """
 
-from kernels.activation import silu_and_mul_torch as silu_and_mul
-from kernels.attention import decode_attention_torch as decode_attention
-from kernels.attention import extend_attention_torch as extend_attention
-from kernels.norms import rms_norm_torch as rms_norm
-from kernels.rope import rotary_embedding_torch as rotary_embedding
-from kernels.store_kv import store_kv_torch as store_kv
+# dispatch first: it may set TRITON_INTERPRET, which must precede every `import triton`.
+from kernels.dispatch import mode, set_mode, use_triton  # noqa: I001
+from kernels.activation import silu_and_mul_torch
+from kernels.decode_attention import decode_attention_torch
+from kernels.extend_attention import extend_attention_torch
+from kernels.norms import rms_norm_torch
+from kernels.rope import rotary_embedding_torch
+from kernels.store_kv import store_kv_torch
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    return store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def extend_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    return extend_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    return rms_norm_torch(x, weight, eps, residual)
+
+
+def rotary_embedding(positions, x, cos_sin_cache):
+    return rotary_embedding_torch(positions, x, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    return silu_and_mul_torch(x)
+
 
 __all__ = [
     "decode_attention",
     "extend_attention",
+    "mode",
     "rms_norm",
     "rotary_embedding",
+    "set_mode",
     "silu_and_mul",
     "store_kv",
+    "use_triton",
 ]
