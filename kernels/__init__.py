@@ -8,7 +8,7 @@ CUDA tensors, the twin for CPU tensors, unless ``MOONCAKE_KERNELS`` forces one o
 # dispatch first: it may set TRITON_INTERPRET, which must precede every `import triton`.
 from kernels.dispatch import mode, set_mode, use_triton  # noqa: I001
 from kernels.activation import silu_and_mul_torch
-from kernels.decode_attention import decode_attention_torch
+from kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from kernels.extend_attention import extend_attention_torch
 from kernels.norms import rms_norm_torch
 from kernels.rope import rotary_embedding_torch
@@ -20,6 +20,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    if use_triton(q):
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
