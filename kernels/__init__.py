@@ -9,7 +9,7 @@ CUDA tensors, the twin for CPU tensors, unless ``MOONCAKE_KERNELS`` forces one o
 from kernels.dispatch import mode, set_mode, use_triton  # noqa: I001
 from kernels.activation import silu_and_mul_torch
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton
-from kernels.extend_attention import extend_attention_torch
+from kernels.extend_attention import extend_attention_torch, extend_attention_triton
 from kernels.norms import rms_norm_torch
 from kernels.rope import rotary_embedding_torch
 from kernels.store_kv import store_kv_torch
@@ -26,6 +26,10 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
 
 
 def extend_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    if use_triton(q):
+        return extend_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        )
     return extend_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
