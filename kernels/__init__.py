@@ -5,30 +5,43 @@ specification, both in the op's own file. :mod:`kernels.dispatch` decides per ca
 CUDA tensors, the twin for CPU tensors, unless ``MOONCAKE_KERNELS`` forces one of them.
 """
 
+from __future__ import annotations
+
 # dispatch first: it may set TRITON_INTERPRET, which must precede every `import triton`.
 from kernels.dispatch import mode, set_mode, use_triton  # noqa: I001
 from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from kernels.extend_attention import extend_attention_torch, extend_attention_triton
-from kernels.kv_transfer import gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
+from kernels.kv_transfer import LayerSel, gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
 from kernels.norms import rms_norm_torch, rms_norm_triton
 from kernels.rope import rotary_embedding_torch, rotary_embedding_triton
 from kernels.store_kv import store_kv_torch, store_kv_triton
+from torch import Tensor
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     if use_triton(k_cache):
         return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
     if use_triton(q):
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
-def extend_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+def extend_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+) -> Tensor:
     if use_triton(q):
         return extend_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
@@ -36,32 +49,38 @@ def extend_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     return extend_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_torch(x, weight, eps, residual)
 
 
-def rotary_embedding(positions, x, cos_sin_cache):
+def rotary_embedding(positions: Tensor, x: Tensor, cos_sin_cache: Tensor) -> Tensor:
     if use_triton(x):
         return rotary_embedding_triton(positions, x, cos_sin_cache)
     return rotary_embedding_torch(positions, x, cos_sin_cache)
 
 
-def silu_and_mul(x):
+def silu_and_mul(x: Tensor) -> Tensor:
     if use_triton(x):
         return silu_and_mul_triton(x)
     return silu_and_mul_torch(x)
 
 
-def gather_kv(kv_cache, block_ids, layers=None, out=None):
+def gather_kv(
+    kv_cache: Tensor, block_ids: Tensor | list[int], layers: LayerSel = None, out: Tensor | None = None
+) -> Tensor:
     """Pack ``block_ids`` of ``layers`` (K and V) into ``[n_layers, 2, n_blocks, Hkv, bs, D]``."""
     if use_triton(kv_cache):
         return gather_kv_triton(kv_cache, block_ids, layers, out)
     return gather_kv_torch(kv_cache, block_ids, layers, out)
 
 
-def scatter_kv(buffer, kv_cache, block_ids, layers=None):
+def scatter_kv(
+    buffer: Tensor, kv_cache: Tensor, block_ids: Tensor | list[int], layers: LayerSel = None
+) -> None:
     """Unpack a :func:`gather_kv` buffer into ``block_ids`` of ``layers`` of ``kv_cache``."""
     if use_triton(kv_cache):
         return scatter_kv_triton(buffer, kv_cache, block_ids, layers)
