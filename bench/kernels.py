@@ -9,8 +9,8 @@ Method:
     events, after ``--warmup`` untimed runs;
   * the reference is the copy bandwidth measured in the same run: a large ``dst.copy_(src)``
     (read + write counted, as for the kernels);
-  * decode attention (``kernels.decode_attention.decode_attention_triton``, imported lazily; the
-    table is skipped if it is missing) is also timed against torch SDPA on the same KV: once
+  * decode attention (``kernels.decode_attention.decode_attention_triton``) is also timed
+    against torch SDPA on the same KV: once
     on KV already gathered into contiguous ``[B, Hkv, L, D]`` tensors (SDPA alone: the best a
     non-paged kernel does) and once including that gather (``kernels.paged.gather_context``),
     which is what paged attention through SDPA costs;
@@ -33,6 +33,15 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul_triton
+from kernels.decode_attention import decode_attention_triton
+from kernels.kv_transfer import gather_kv_torch, gather_kv_triton, scatter_kv_triton
+from kernels.norms import rms_norm_triton
+from kernels.paged import gather_context
+from kernels.rope import rotary_embedding_triton
+from kernels.store_kv import store_kv_triton
 
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (512, 2048, 8192, 32768)
@@ -161,11 +170,6 @@ def measure_copy(args) -> float:
 
 
 def bench_elementwise(args, copy_bw: float) -> list[dict]:
-    from kernels.activation import silu_and_mul_triton
-    from kernels.norms import rms_norm_triton
-    from kernels.rope import rotary_embedding_triton
-    from kernels.store_kv import store_kv_triton
-
     dt, e = torch.bfloat16, 2
     dev = "cuda"
     hidden, inter = 4096, 14336
@@ -205,16 +209,7 @@ def bench_elementwise(args, copy_bw: float) -> list[dict]:
     return results
 
 
-def bench_decode(args, copy_bw: float) -> list[dict] | None:
-    try:
-        from kernels.decode_attention import decode_attention_triton
-    except ImportError as exc:
-        print(f"decode attention: kernels.decode_attention.decode_attention_triton is missing ({exc}); skipped")
-        return None
-    import torch.nn.functional as F
-
-    from kernels.paged import gather_context
-
+def bench_decode(args, copy_bw: float) -> list[dict]:
     dt, e, dev = torch.bfloat16, 2, "cuda"
     scale = 1.0 / math.sqrt(HEAD_DIM)
     results = []
@@ -258,8 +253,6 @@ def bench_decode(args, copy_bw: float) -> list[dict] | None:
 
 
 def bench_transfer(args, copy_bw: float) -> list[dict]:
-    from kernels.kv_transfer import gather_kv_torch, gather_kv_triton, scatter_kv_triton
-
     dt, e, dev = torch.bfloat16, 2, "cuda"
     max_blocks = max(args.transfer_blocks)
     num_blocks = 2 * max_blocks
@@ -306,7 +299,7 @@ def report(copy_bw: float, elementwise, decode, transfer) -> str:
     out.append(format_table(["kernel", "size", "us", "GB/s", "of copy"],
                             [[r["kernel"], r["size"], r["us"], r["GB/s"], r["of_copy"]] for r in elementwise]))
     out.append("")
-    if decode is not None:
+    if decode:
         out.append(f"decode attention (bf16, Hq {NUM_Q_HEADS}, Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, block {BLOCK_SIZE}); "
                    f"targets at {DECODE_TARGET_CONTEXT} context: >= {DECODE_TARGET_COPY:.0%} of copy, "
                    f">= {DECODE_TARGET_SDPA:.0f}x gather+SDPA")
