@@ -36,6 +36,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32
+    decode_workspace: kernels.DecodeWorkspace | None = None  # split-K buffers (Triton path)
 
     @property
     def num_prefills(self) -> int:
@@ -121,7 +122,8 @@ class Attention(nn.Module):
         nd = meta.num_decodes
         if meta.num_prefills == 0:
             out = kernels.decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                meta.decode_workspace,
             )
         elif nd == 0:
             out = kernels.extend_attention(
@@ -131,7 +133,8 @@ class Attention(nn.Module):
         else:
             out = torch.empty_like(q)
             out[:nd] = kernels.decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                meta.decode_workspace,
             )
             out[nd:] = kernels.extend_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
 from engine.model import AttentionMetadata
@@ -50,6 +51,12 @@ class ModelRunner:
             dtype=config.torch_dtype, device=self.device,
         )
         self.model.kv_cache = self.kv_cache
+        # Allocated once so decode attention allocates nothing per step (CUDA-graph friendly).
+        self.decode_workspace = (
+            kernels.DecodeWorkspace(config.max_num_seqs, cfg.num_heads, cfg.head_dim, device=self.device)
+            if kernels.use_triton(self.kv_cache)
+            else None
+        )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); weights %.2f GiB",
             self.num_blocks, config.block_size, self.num_blocks * config.block_size,
@@ -103,6 +110,7 @@ class ModelRunner:
             prefill_block_tables=tables(prefills),
             prefill_seq_lens=lens(prefills),
             prefill_query_start_loc=self._tensor(query_start, torch.int32),
+            decode_workspace=self.decode_workspace,
         )
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, ordered
 

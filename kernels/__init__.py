@@ -10,7 +10,7 @@ from __future__ import annotations
 # dispatch first: it may set TRITON_INTERPRET, which must precede every `import triton`.
 from kernels.dispatch import mode, set_mode, use_triton  # noqa: I001
 from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from kernels.decode_attention import DecodeWorkspace, decode_attention_torch, decode_attention_triton
 from kernels.extend_attention import extend_attention_torch, extend_attention_triton
 from kernels.kv_transfer import LayerSel, gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
 from kernels.norms import rms_norm_torch, rms_norm_triton
@@ -26,10 +26,19 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 
 def decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    workspace: DecodeWorkspace | None = None,
 ) -> Tensor:
+    """``workspace`` (Triton only) holds the split-K partials, so the call allocates nothing."""
     if use_triton(q):
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return decode_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=workspace
+        )
     return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
@@ -88,6 +97,7 @@ def scatter_kv(
 
 
 __all__ = [
+    "DecodeWorkspace",
     "decode_attention",
     "extend_attention",
     "gather_kv",
