@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._launch import check_paged_attention, output_like
 from kernels.paged import gather_context
 
 
@@ -253,48 +254,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, sm_count:
     return max(1, min(want, max_context // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
-    op = "decode_attention_triton"
-    if q.dim() != 3:
-        raise ValueError(f"{op}: q must be [S, Hq, D], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise ValueError(
-            f"{op}: caches must be [num_blocks, Hkv, block_size, D], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
-    s, hq, d = q.shape
-    _, hkv, bs, dc = k_cache.shape
-    if dc != d:
-        raise ValueError(f"{op}: head_dim of q ({d}) != head_dim of the caches ({dc})")
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"{op}: Hq ({hq}) must be a multiple of Hkv ({hkv})")
-    if not 16 <= d <= 256:
-        raise ValueError(f"{op}: head_dim {d} unsupported (16..256)")
-    if bs < 1:
-        raise ValueError(f"{op}: block_size must be >= 1")
-    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
-        raise ValueError(
-            f"{op}: block_tables must be 2-D int32, got {block_tables.dim()}-D {block_tables.dtype}"
-        )
-    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
-        raise ValueError(f"{op}: seq_lens must be 1-D int32, got {seq_lens.dim()}-D {seq_lens.dtype}")
-    if block_tables.shape[0] != s or seq_lens.shape[0] != s:
-        raise ValueError(
-            f"{op}: batch mismatch: q has {s} sequences, block_tables {block_tables.shape[0]}, "
-            f"seq_lens {seq_lens.shape[0]}"
-        )
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"{op}: q must be float16/bfloat16/float32, got {q.dtype}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"{op}: cache dtypes ({k_cache.dtype}, {v_cache.dtype}) must equal q's ({q.dtype})")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-                    ("seq_lens", seq_lens)):
-        if t.device != q.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, q on {q.device}")
-
-
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -316,18 +275,14 @@ def decode_attention_triton(
     so the call does not synchronise (CUDA-graph capturable with a workspace and ``out``).
     """
     op = "decode_attention_triton"
-    _check(q, k_cache, v_cache, block_tables, seq_lens)
+    check_paged_attention(op, q, k_cache, v_cache, block_tables, seq_lens, min_head_dim=16, max_head_dim=256)
     s, hq, d = q.shape
+    if seq_lens.shape[0] != s:
+        raise ValueError(f"{op}: batch mismatch: q has {s} sequences, seq_lens {seq_lens.shape[0]}")
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
 
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(
-            f"{op}: out must be {tuple(q.shape)} {q.dtype} on {q.device}, got "
-            f"{tuple(out.shape)} {out.dtype} on {out.device}"
-        )
+    out = output_like(op, q, out)
     if s == 0:
         return out
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels._launch import check_device, check_int32, check_paged_attention, output_like
 from kernels.paged import gather_context
 
 
@@ -177,7 +178,6 @@ def _extend_attention_kernel(
              + d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 _OP = "extend_attention_triton"
 
@@ -215,57 +215,20 @@ def extend_attention_triton(
     checks (it must then be >= every ``n_i``: tiles beyond it are never run).
     ``out`` (optional, shaped and typed like ``q``) receives the result.
     """
-    if q.dim() != 3:
-        raise ValueError(f"{_OP}: q must be [T, Hq, D], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"{_OP}: k_cache and v_cache must both be [num_blocks, Hkv, block_size, D], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_paged_attention(
+        _OP, q, k_cache, v_cache, block_tables, seq_lens, min_head_dim=1, max_head_dim=_MAX_HEAD_DIM
+    )
+    check_int32(_OP, 1, query_start_loc=query_start_loc)
     t, hq, d = q.shape
-    _, hkv, block_size, dc = k_cache.shape
-    if dc != d:
-        raise ValueError(f"{_OP}: head_dim mismatch: q has {d}, the caches have {dc}")
-    if not 1 <= d <= _MAX_HEAD_DIM:
-        raise ValueError(f"{_OP}: head_dim {d} unsupported (1..{_MAX_HEAD_DIM})")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"{_OP}: Hq={hq} must be a multiple of Hkv={hkv}")
-    if block_size < 1:
-        raise ValueError(f"{_OP}: block_size must be >= 1")
-    if q.dtype not in _DTYPES:
-        raise ValueError(f"{_OP}: q dtype {q.dtype} unsupported; expected one of {_DTYPES}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(
-            f"{_OP}: dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, "
-            f"v_cache {v_cache.dtype}"
-        )
-    for name, ten, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
-                            ("query_start_loc", query_start_loc, 1)):
-        if ten.dim() != ndim:
-            raise ValueError(f"{_OP}: {name} must be {ndim}-D, got shape {tuple(ten.shape)}")
-        if ten.dtype != torch.int32:
-            raise ValueError(f"{_OP}: {name} must be int32, got {ten.dtype}")
+    _, hkv, block_size, _ = k_cache.shape
     s = seq_lens.shape[0]
-    if block_tables.shape[0] != s:
-        raise ValueError(
-            f"{_OP}: block_tables has {block_tables.shape[0]} rows for {s} sequences"
-        )
     if query_start_loc.shape[0] != s + 1:
         raise ValueError(
             f"{_OP}: query_start_loc has {query_start_loc.shape[0]} entries; "
             f"expected S + 1 = {s + 1}"
         )
-    for name, ten in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-                      ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-        if ten.device != q.device:
-            raise ValueError(f"{_OP}: {name} is on {ten.device}, q on {q.device}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(
-            f"{_OP}: out must match q ({tuple(q.shape)}, {q.dtype}, {q.device}), got "
-            f"({tuple(out.shape)}, {out.dtype}, {out.device})"
-        )
+    check_device(_OP, q, query_start_loc=query_start_loc)
+    out = output_like(_OP, q, out)
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
 

@@ -154,7 +154,7 @@ def _args(**over):
     (dict(seq_lens=torch.ones(2, dtype=torch.int64)), "seq_lens must be 1-D int32"),
     (dict(seq_lens=torch.ones(3, dtype=torch.int32)), "batch mismatch"),
     (dict(q=torch.zeros(2, 4, 64, dtype=torch.float16)), "cache dtypes"),
-    (dict(q=torch.zeros(2, 4, 64, dtype=torch.int32)), "float16/bfloat16/float32"),
+    (dict(q=torch.zeros(2, 4, 64, dtype=torch.int32)), "q must be float32/float16/bfloat16"),
     (dict(seq_lens=torch.ones(2, dtype=torch.int32, device="meta")), "is on meta"),
 ])
 def test_errors(over, msg):
@@ -166,7 +166,7 @@ def test_error_workspace_and_out():
     a = _args()
     with pytest.raises(ValueError, match="too small"):
         decode_attention_triton(**a, num_splits=4, workspace=DecodeWorkspace(2, 4, 64, 2, "cpu"))
-    with pytest.raises(ValueError, match="out must be"):
+    with pytest.raises(ValueError, match="out must match q"):
         decode_attention_triton(**a, out=torch.zeros(2, 4, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="num_splits"):
         decode_attention_triton(**a, num_splits=0)
