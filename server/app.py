@@ -1,0 +1,427 @@
+"""The OpenAI-compatible HTTP front end (starlette), over any ``EngineClient``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these need
+``Authorization: Bearer KEY`` when an API key is set), ``GET /health``, ``GET /metrics``
+(Prometheus) and ``GET /stats`` (engine statistics as JSON, for tests and operators).
+
+How one generation request flows:
+
+1. the body is read with a size cap (413), parsed as JSON (400) and validated into engine
+   requests by ``server/protocol.py`` (400 / 404);
+2. every engine request (``prompts x n`` of them) gets a *pump* task that iterates
+   ``EngineClient.generate`` and forwards outputs into one queue for the whole HTTP request,
+   while a watcher task turns a client disconnect into a queue item as well;
+3. the handler waits for the first output (or the error) of every engine request, so refusals
+   (400 from the engine's own checks, 429 overload, 503 loading) are real status codes even for
+   streaming requests; then it either collects everything (non-streaming) or returns an SSE
+   stream;
+4. whatever happens, the pumps are cancelled at the end; a cancelled pump leaves its
+   ``generate`` iterator early, which aborts the engine request and frees its KV blocks. For
+   SSE, starlette cancels the body iterator when the client disconnects, with the same effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.llm_engine import RequestOutput
+from server.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded
+from server.metrics import RequestTracker, ServerMetrics
+from server.protocol import (
+    Choice,
+    ModelLimits,
+    ParsedRequest,
+    ProtocolError,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+def _error(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def _protocol_error(e: ProtocolError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _engine_error(e: BaseException) -> JSONResponse:
+    """Map an exception raised by ``EngineClient.generate`` to an HTTP error."""
+    if isinstance(e, ValueError):
+        return _error(400, str(e), "invalid_request_error")
+    if isinstance(e, EngineOverloaded):
+        retry = str(max(1, round(e.retry_after)))
+        return _error(429, str(e), "rate_limit_error", code="too_many_requests",
+                      headers={"Retry-After": retry})
+    if isinstance(e, EngineNotReady):
+        return _error(503, str(e), "service_unavailable", headers={"Retry-After": "5"})
+    return _error(500, f"internal error: {e}", "internal_server_error")
+
+
+class _Disconnected:
+    """Queue item: the client went away."""
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ProtocolError("invalid Content-Length header") from None
+        if size > limit:
+            raise ProtocolError(f"request body of {size} bytes exceeds the limit of {limit} bytes",
+                                status=413, code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError(f"request body exceeds the limit of {limit} bytes",
+                                status=413, code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise ProtocolError("the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"malformed JSON body: {e}") from None
+
+
+class _Generation:
+    """The engine requests behind one HTTP request, and their merged outputs."""
+
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, parsed: ParsedRequest, prefix: str):
+        self.client = client
+        self.metrics = metrics
+        self.parsed = parsed
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.choices = [Choice(i) for i in range(parsed.num_choices)]
+
+    def start(self, request: Request) -> None:
+        p = self.parsed
+        for i, ids in enumerate(p.prompts):
+            for j, params in enumerate(p.params[i]):
+                index = i * p.n + j
+                gen = self.client.generate(f"{self.id}-{index}", ids, params)
+                self.tasks.append(asyncio.create_task(self._pump(index, gen, self.metrics.tracker())))
+        self.tasks.append(asyncio.create_task(self._watch(request)))
+
+    async def _pump(self, index: int, gen, tracker: RequestTracker) -> None:
+        try:
+            async for out in gen:
+                tracker.observe(out)
+                self.queue.put_nowait((index, out))
+        except asyncio.CancelledError:
+            tracker.aborted()
+            raise
+        except (ValueError, EngineOverloaded, EngineNotReady) as e:
+            self.queue.put_nowait((index, e))
+        except Exception as e:  # noqa: BLE001 -- EngineError or anything unexpected
+            tracker.failed()
+            log.warning("request %s-%d failed: %s", self.id, index, e)
+            self.queue.put_nowait((index, e))
+        finally:
+            await gen.aclose()  # no-op when finished; aborts the engine request otherwise
+
+    async def _watch(self, request: Request) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                self.queue.put_nowait((-1, _Disconnected()))
+                return
+
+    def stop_watching(self) -> None:
+        self.tasks[-1].cancel()
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    async def first_outputs(self) -> list[tuple[int, RequestOutput]] | Response | None:
+        """Wait until every engine request produced an output; returns those outputs, an error
+        response, or None if the client disconnected."""
+        pending = set(range(self.parsed.num_choices))
+        buffered = []
+        while pending:
+            index, item = await self.queue.get()
+            if isinstance(item, _Disconnected):
+                return None
+            if isinstance(item, BaseException):
+                return _engine_error(item)
+            pending.discard(index)
+            buffered.append((index, item))
+        return buffered
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.choices, self.parsed.n, [len(ids) for ids in self.parsed.prompts])
+
+
+class OpenAIServer:
+    def __init__(self, client: EngineClient, settings: ServerSettings, metrics: ServerMetrics):
+        self.client = client
+        self.settings = settings
+        self.metrics = metrics
+        self.started = int(time.time())
+
+    # -- shared checks -----------------------------------------------------------------------------
+    def _unauthorized(self, request: Request) -> Response | None:
+        key = self.settings.api_key
+        if not key:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return None
+        return _error(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
+                      "invalid_request_error", code="invalid_api_key",
+                      headers={"WWW-Authenticate": "Bearer"})
+
+    def _limits(self) -> ModelLimits:
+        c = self.client
+        stats = c.stats()
+        capacity = stats.get("num_blocks", 0) * stats.get("block_size", 0) or None
+        vocab = getattr(c, "vocab_size", None) or c.tokenizer.vocab_size
+        return ModelLimits(c.model_name, c.tokenizer, c.max_model_len, vocab, capacity)
+
+    # -- routes ------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.client.is_ready:
+            return JSONResponse({"status": "ok"})
+        if self.client.load_error:
+            return JSONResponse({"status": "error", "error": self.client.load_error}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type.split(";")[0],
+                        headers={"Content-Type": content_type})
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(self.client.stats())
+
+    async def models(self, request: Request) -> Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        card: dict[str, Any] = {"id": self.client.model_name, "object": "model",
+                                "created": self.started, "owned_by": "mooncake-py"}
+        if self.client.is_ready:
+            card["max_model_len"] = self.client.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion, "cmpl")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat, "chatcmpl")
+
+    async def _generate(self, request: Request, parse, prefix: str) -> Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        try:
+            body = await _read_json(request, self.settings.max_body_bytes)
+            if not self.client.is_ready:
+                return _engine_error(EngineNotReady(self.client.load_error or "the model is still loading"))
+            parsed = parse(body, self._limits())
+        except ProtocolError as e:
+            return _protocol_error(e)
+        except EngineNotReady as e:
+            return _engine_error(e)
+
+        gen = _Generation(self.client, self.metrics, parsed, prefix)
+        handed_over = False
+        try:
+            gen.start(request)
+            first = await gen.first_outputs()
+            if not isinstance(first, list):
+                return first if first is not None else Response(status_code=499)
+            if parsed.stream:
+                gen.stop_watching()  # StreamingResponse watches for disconnects from now on
+                handed_over = True
+                return StreamingResponse(
+                    self._sse(gen, first), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            return await self._collect(gen, first)
+        finally:
+            if not handed_over:
+                gen.close()
+
+    # -- non-streaming -----------------------------------------------------------------------------
+    async def _collect(self, gen: _Generation, first: list[tuple[int, RequestOutput]]) -> Response:
+        pending = gen.parsed.num_choices
+        for index, out in first:
+            gen.choices[index].add(out)
+            pending -= out.finished
+        while pending:
+            index, item = await gen.queue.get()
+            if isinstance(item, _Disconnected):
+                return Response(status_code=499)
+            if isinstance(item, BaseException):
+                return _engine_error(item)
+            gen.choices[index].add(item)
+            pending -= item.finished
+        tok = self.client.tokenizer
+        p = gen.parsed
+        choices = []
+        for c in gen.choices:
+            if p.kind == "chat":
+                choices.append({
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(tok, c.logprobs) if p.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                })
+            else:
+                choices.append({
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": completion_logprobs(tok, c.logprobs) if p.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                })
+        return JSONResponse({
+            "id": gen.id,
+            "object": "chat.completion" if p.kind == "chat" else "text_completion",
+            "created": gen.created,
+            "model": p.model,
+            "choices": choices,
+            "usage": gen.usage(),
+            "system_fingerprint": None,
+        })
+
+    # -- streaming ---------------------------------------------------------------------------------
+    async def _sse(self, gen: _Generation, first: list[tuple[int, RequestOutput]]):
+        p = gen.parsed
+        tok = self.client.tokenizer
+        chat = p.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict], **extra) -> str:
+            data = {"id": gen.id, "object": obj, "created": gen.created, "model": p.model,
+                    "choices": choices, **extra}
+            if p.include_usage and "usage" not in data:
+                data["usage"] = None
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def delta(index: int, out: RequestOutput) -> str | None:
+            c = gen.choices[index]
+            offset = len(c.text)
+            c.add(out)
+            if not out.new_text and not out.finished and not (p.logprobs is not None and out.logprobs):
+                return None
+            reason = out.finish_reason if out.finished else None
+            if chat:
+                d = {"content": out.new_text} if out.new_text else {}
+                lp = chat_logprobs(tok, out.logprobs) if p.logprobs is not None else None
+                return chunk([{"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}])
+            lp = completion_logprobs(tok, out.logprobs, offset) if p.logprobs is not None else None
+            return chunk([{"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}])
+
+        try:
+            if chat:
+                for c in gen.choices:
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+            pending = p.num_choices
+            for index, out in first:
+                pending -= out.finished
+                if (text := delta(index, out)) is not None:
+                    yield text
+            while pending:
+                index, item = await gen.queue.get()
+                if isinstance(item, _Disconnected):
+                    return
+                if isinstance(item, BaseException):
+                    status = _engine_error(item)
+                    err = json.loads(status.body)
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+                pending -= item.finished
+                if (text := delta(index, item)) is not None:
+                    yield text
+            else:
+                if p.include_usage:
+                    yield chunk([], usage=gen.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            gen.close()
+
+
+def build_app(
+    client: EngineClient,
+    settings: ServerSettings | None = None,
+    manage_engine: bool = True,
+) -> Starlette:
+    """The starlette app over ``client``. With ``manage_engine`` the app's lifespan starts the
+    client (loading in the background) and shuts it down; without it the caller does (several
+    apps may share one client)."""
+    settings = settings or ServerSettings()
+    metrics = ServerMetrics(client, client.model_name)
+    server = OpenAIServer(client, settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        if manage_engine:
+            await client.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await client.shutdown()
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return _error(exc.status_code, exc.detail, "invalid_request_error", headers=exc.headers)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return _error(500, "internal server error", "internal_server_error")
+
+    routes = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_endpoint, methods=["GET"]),
+        Route("/stats", server.stats, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error, Exception: internal_error},
+    )
+    app.state.engine_client = client
+    app.state.settings = settings
+    app.state.metrics = metrics
+    return app

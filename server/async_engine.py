@@ -1,0 +1,346 @@
+"""``AsyncLLMEngine``: the local ``EngineClient``, one ``LLMEngine`` driven by one thread.
+
+``LLMEngine`` is not thread-safe, so exactly one background thread (the *engine thread*)
+creates it (loading the model after the HTTP socket is already listening), and then runs the
+step loop. Everything else crosses over through two channels:
+
+* **in**: ``add`` / ``abort`` commands appended to ``_inbox`` under ``_cond``; the engine thread
+  drains the inbox between steps, and sleeps on ``_cond`` when it has nothing to do (no spin);
+* **out**: after each step the engine thread hands every request's output to the asyncio loop
+  that asked for it, with one ``loop.call_soon_threadsafe`` per loop per step, which puts the
+  outputs into per-request ``asyncio.Queue``\\ s read by ``generate``.
+
+Failures never leave a stream hanging: a rejected ``add_request`` (``ValueError``) and an
+exception in ``step()`` are delivered into the affected requests' queues and raised by their
+``generate`` iterators; after a failed step every live request is aborted so its KV is freed.
+
+Overload control: requests that have not produced their first output yet (in the inbox, the
+engine's waiting queue, or mid-prefill) are counted; past ``max_waiting`` new requests are
+refused with ``EngineOverloaded`` (HTTP 429) instead of queueing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.default_model import DEFAULT_MODEL_NAME
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from server.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded
+
+log = logging.getLogger(__name__)
+
+
+def default_model_name(model: str | None) -> str:
+    """The name served in ``/v1/models`` for a ``--model`` argument."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or str(model)
+
+
+class _Request:
+    """One request as both threads see it: the loop and queue its outputs go to."""
+
+    __slots__ = ("request_id", "loop", "queue", "counted")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.counted = False  # still counted as waiting (no output yet)
+
+
+def _deliver(items: list[tuple[_Request, RequestOutput | BaseException]]) -> None:
+    # Runs on the request's event loop.
+    for req, item in items:
+        req.queue.put_nowait(item)
+
+
+class AsyncLLMEngine(EngineClient):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        served_model_name: str | None = None,
+        max_waiting: int = 256,
+    ):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.config = config or EngineConfig()
+        self._model_name = served_model_name or default_model_name(self.config.model)
+        self.max_waiting = max_waiting
+        self._engine: LLMEngine | None = None
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple] = deque()  # guarded by _cond
+        self._stopping = False
+        self._ready = threading.Event()
+        self._done = threading.Event()  # the engine thread has exited
+        self._load_error: str | None = None
+        self._count_lock = threading.Lock()
+        self._num_unstarted = 0
+        self._stats: dict[str, Any] = {}
+        self._max_running_seen = 0
+        self._max_batch_seen = 0
+        self._num_steps = 0
+        self._num_step_errors = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._done.wait, 60.0)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block (a plain thread, not the event loop) until loaded or failed; True if ready."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready.is_set() and not self._done.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._ready.wait(0.1 if left is None else min(0.1, left))
+        return self._ready.is_set()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and not self._done.is_set()
+
+    @property
+    def load_error(self) -> str | None:
+        return self._load_error
+
+    # -- model facts -------------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def _loaded(self) -> LLMEngine:
+        if not self._ready.is_set() or self._engine is None:
+            raise EngineNotReady(self._load_error or "the model is still loading")
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._loaded().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loaded().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._loaded().model_config.vocab_size
+
+    # -- requests (event-loop side) ----------------------------------------------------------------
+    def _submit(self, command: tuple) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify()
+
+    def _uncount(self, req: _Request) -> None:
+        if req.counted:
+            req.counted = False
+            with self._count_lock:
+                self._num_unstarted -= 1
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_ready:
+            if self._done.is_set() and self._ready.is_set():
+                raise EngineError("the engine has stopped")
+            raise EngineNotReady(self._load_error or "the model is still loading")
+        if self._stopping:
+            raise EngineError("the server is shutting down")
+        req = _Request(request_id, asyncio.get_running_loop())
+        with self._count_lock:
+            if self._num_unstarted >= self.max_waiting:
+                raise EngineOverloaded(
+                    f"too many waiting requests ({self._num_unstarted}, limit {self.max_waiting})"
+                )
+            self._num_unstarted += 1
+            req.counted = True
+        finished = False
+        try:
+            self._submit(("add", req, prompt, params))
+            while True:
+                item = await req.queue.get()
+                self._uncount(req)
+                if isinstance(item, BaseException):
+                    finished = True  # the engine thread has already dropped it
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._uncount(req)
+            if not finished:
+                # Consumer left early (disconnect, cancellation, error): free the KV.
+                self._submit(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def stats(self) -> dict[str, Any]:
+        stats = dict(self._stats)
+        stats["ready"] = self.is_ready
+        stats["max_waiting"] = self.max_waiting
+        with self._count_lock:
+            stats["num_unstarted"] = self._num_unstarted
+        return stats
+
+    # -- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            try:
+                engine = LLMEngine(self.config)
+            except BaseException as e:  # noqa: BLE001 -- reported through /health, never raised
+                self._load_error = f"model failed to load: {type(e).__name__}: {e}"
+                log.exception("model failed to load")
+                return
+            self._engine = engine
+            bm = engine.block_manager
+            log.info(
+                "KV cache: %d blocks x %d tokens = %d tokens; serving %r (max_model_len %d)",
+                bm.num_blocks, self.config.block_size, bm.num_blocks * self.config.block_size,
+                self._model_name, engine.max_model_len,
+            )
+            self._publish_stats(engine)
+            self._ready.set()
+            self._loop(engine)
+        finally:
+            self._done.set()
+
+    def _loop(self, engine: LLMEngine) -> None:
+        live: dict[str, _Request] = {}
+        while True:
+            with self._cond:
+                while not self._inbox and not engine.has_unfinished() and not self._stopping:
+                    self._cond.wait()
+                commands = list(self._inbox)
+                self._inbox.clear()
+                stopping = self._stopping
+            outbox: list[tuple[_Request, RequestOutput | BaseException]] = []
+            for command in commands:
+                if command[0] == "add":
+                    self._add(engine, live, outbox, *command[1:])
+                else:
+                    self._abort(engine, live, outbox, command[1])
+            if stopping:
+                for rid, req in list(live.items()):
+                    self._safe_abort(engine, rid)
+                    outbox.append((req, EngineError("the server is shutting down")))
+                live.clear()
+                self._send(outbox)
+                self._publish_stats(engine)
+                return
+            if engine.has_unfinished():
+                self._step(engine, live, outbox)
+            self._publish_stats(engine)
+            self._send(outbox)
+
+    def _add(self, engine, live, outbox, req: _Request, prompt, params) -> None:
+        try:
+            engine.add_request(prompt, params, request_id=req.request_id)
+        except ValueError as e:
+            outbox.append((req, ValueError(str(e))))
+        except Exception as e:  # noqa: BLE001
+            log.exception("add_request failed for %s", req.request_id)
+            outbox.append((req, EngineError(f"engine failed to add the request: {e}")))
+        else:
+            live[req.request_id] = req
+
+    def _abort(self, engine, live, outbox, request_id: str) -> None:
+        req = live.pop(request_id, None)
+        if req is None:
+            return  # unknown or already finished
+        seq = engine.seqs.get(request_id)
+        counts = (
+            (seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens) if seq else (0, 0, 0)
+        )
+        self._safe_abort(engine, request_id)
+        outbox.append(
+            (req, RequestOutput(request_id, [], "", True, "abort", *counts))
+        )
+
+    @staticmethod
+    def _safe_abort(engine: LLMEngine, request_id: str) -> None:
+        try:
+            engine.abort(request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("abort failed for %s", request_id)
+
+    def _step(self, engine, live, outbox) -> None:
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001
+            self._num_step_errors += 1
+            log.exception("engine step failed; failing %d request(s)", len(live))
+            for rid, req in live.items():
+                self._safe_abort(engine, rid)
+                outbox.append((req, EngineError(f"engine step failed: {type(e).__name__}: {e}")))
+            live.clear()
+            return
+        self._num_steps += 1
+        running = len(engine.scheduler.running)
+        self._max_running_seen = max(self._max_running_seen, running + sum(o.finished for o in outputs))
+        self._max_batch_seen = max(self._max_batch_seen, len(outputs))
+        for out in outputs:
+            req = live.pop(out.request_id) if out.finished else live.get(out.request_id)
+            if req is not None:
+                outbox.append((req, out))
+
+    @staticmethod
+    def _send(outbox) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for req, item in outbox:
+            by_loop.setdefault(req.loop, []).append((req, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
+
+    def _publish_stats(self, engine: LLMEngine) -> None:
+        s = engine.stats()
+        bm = engine.block_manager
+        sched = engine.scheduler
+        self._stats = {
+            "model": self._model_name,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_blocks": s.num_blocks,
+            "block_size": self.config.block_size,
+            "num_free_blocks": bm.pool.num_free,
+            "num_used_blocks": bm.pool.num_in_use,
+            "num_cached_blocks": bm.pool.num_cached_unused,
+            "kv_cache_usage": s.kv_cache_usage,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "prefix_cache_queries": sched.num_prompt_tokens_admitted,
+            "prefix_cache_hits": sched.num_prompt_tokens_hit,
+            "num_preemptions": s.num_preemptions,
+            "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_steps": self._num_steps,
+            "num_step_errors": self._num_step_errors,
+            "max_num_running_seen": self._max_running_seen,
+            "max_batch_size_seen": self._max_batch_seen,
+        }

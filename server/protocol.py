@@ -1,0 +1,433 @@
+"""OpenAI request bodies in, validated engine requests out; OpenAI response shapes back.
+
+Validation rules: unknown keys are ignored (clients send many optional fields), but a known key
+with the wrong type or an out-of-range value is a 400 naming the field (``param``). ``null``
+means "default" for every optional field. Types are checked strictly: JSON ``true`` is not a
+number and ``1.5`` is not an integer.
+
+A request becomes ``len(prompts) * n`` engine requests; choice ``i * n + j`` is prompt ``i``,
+sample ``j`` (seeded requests use seed + j so that the n samples differ but stay reproducible).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+
+from engine.llm_engine import RequestOutput
+from engine.sampler import Logprobs
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 128  # prompts * n per request
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; rendered as OpenAI's error JSON with ``status``."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# -- field readers -----------------------------------------------------------------------------------
+def _type_name(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _number(body: dict, key: str, default: float, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"'{key}' must be a number, got {_type_name(value)}", key)
+    value = float(value)
+    if not math.isfinite(value):
+        raise ProtocolError(f"'{key}' must be finite", key)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise ProtocolError(f"'{key}' must be {'>' if lo_open else '>='} {lo:g}, got {value:g}", key)
+    if hi is not None and value > hi:
+        raise ProtocolError(f"'{key}' must be <= {hi:g}, got {value:g}", key)
+    return value
+
+
+def _integer(body: dict, key: str, default: int | None, lo: int | None = None,
+             hi: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"'{key}' must be an integer, got {_type_name(value)}", key)
+    if lo is not None and value < lo:
+        raise ProtocolError(f"'{key}' must be >= {lo}, got {value}", key)
+    if hi is not None and value > hi:
+        raise ProtocolError(f"'{key}' must be <= {hi}, got {value}", key)
+    return value
+
+
+def _boolean(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProtocolError(f"'{key}' must be a boolean, got {_type_name(value)}", key)
+    return value
+
+
+def _string(body: dict, key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ProtocolError(f"'{key}' must be a string, got {_type_name(value)}", key)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ProtocolError("'stop' must be a string or an array of strings", "stop")
+    if len(items) > MAX_STOP:
+        raise ProtocolError(f"'stop' may hold at most {MAX_STOP} strings", "stop")
+    return [s for s in items if s]  # OpenAI ignores empty stop strings
+
+
+def _token_list(value: Any, key: str, vocab_size: int) -> list[int]:
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ProtocolError(f"'{key}' token ids must be integers, got {_type_name(t)}", key)
+        if not 0 <= t < vocab_size:
+            raise ProtocolError(f"'{key}' token id {t} is outside the vocabulary [0, {vocab_size})", key)
+    return list(value)
+
+
+# -- parsed request ----------------------------------------------------------------------------------
+@dataclass
+class ParsedRequest:
+    """One validated OpenAI request, ready to become engine requests."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompts: list[list[int]]  # token ids of each prompt
+    params: list[list[SamplingParams]]  # [prompt][sample]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top alternatives per token (0: only the chosen one); None: off
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+@dataclass
+class ModelLimits:
+    """What validation needs to know about the served model."""
+
+    name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int | None = None
+
+
+def check_model(body: dict, served: str) -> str:
+    model = _string(body, "model")
+    if model is not None and model != served:
+        raise ProtocolError(
+            f"The model '{model}' does not exist; this server serves '{served}'",
+            "model", status=404, code="model_not_found",
+        )
+    return served
+
+
+def _common(body: dict, kind: str) -> tuple[dict[str, Any], int, bool, bool]:
+    """Sampling fields shared by both endpoints (max_tokens and logprobs handled by callers)."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    _string(body, "user")
+    n = _integer(body, "n", 1, 1, MAX_N)
+    stream = _boolean(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ProtocolError("'stream_options' must be an object", "stream_options")
+        if not stream:
+            raise ProtocolError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        include_usage = _boolean(options, "include_usage", False)
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
+        raise ProtocolError("'stop_token_ids' must be an array of integers", "stop_token_ids")
+    fields = dict(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=_integer(body, "top_k", -1, -1),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        stop=_stop(body),
+        stop_token_ids=_token_list(stop_token_ids or [], "stop_token_ids", 2**31),
+        ignore_eos=_boolean(body, "ignore_eos", False),
+        seed=_integer(body, "seed", None, _SEED_MIN, _SEED_MAX - MAX_N),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+    )
+    best_of = _integer(body, "best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise ProtocolError("'best_of' other than n is not supported", "best_of")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None:
+        if not isinstance(logit_bias, dict):
+            raise ProtocolError("'logit_bias' must be an object", "logit_bias")
+        if logit_bias:
+            raise ProtocolError("'logit_bias' is not supported", "logit_bias")
+    return fields, n, stream, include_usage
+
+
+def _build_params(
+    prompts: list[list[int]], fields: dict, max_tokens: int | None, logprobs: int | None,
+    n: int, limits: ModelLimits, max_tokens_key: str,
+) -> list[list[SamplingParams]]:
+    limit = limits.max_model_len
+    if limits.kv_capacity_tokens is not None:
+        limit = min(limit, limits.kv_capacity_tokens)
+    out = []
+    for ids in prompts:
+        if len(ids) >= limit:
+            raise ProtocolError(
+                f"the prompt has {len(ids)} tokens; this model's context is {limits.max_model_len} "
+                f"tokens (KV capacity {limits.kv_capacity_tokens}) and at least one must be left "
+                "for the output", "messages" if max_tokens_key == "max_completion_tokens" else "prompt",
+                code="context_length_exceeded",
+            )
+        tokens = max_tokens if max_tokens is not None else limit - len(ids)
+        if len(ids) + tokens > limit:
+            raise ProtocolError(
+                f"the prompt ({len(ids)} tokens) plus {max_tokens_key} ({tokens}) exceeds the limit "
+                f"of {limit} tokens (context {limits.max_model_len}, KV capacity "
+                f"{limits.kv_capacity_tokens})", max_tokens_key, code="context_length_exceeded",
+            )
+        row = []
+        for j in range(n):
+            f = dict(fields)
+            if f["seed"] is not None:
+                f["seed"] += j
+            try:
+                row.append(SamplingParams(max_tokens=tokens, logprobs=logprobs, **f))
+            except ValueError as e:  # defence in depth: the engine's own checks
+                raise ProtocolError(str(e)) from None
+        out.append(row)
+    return out
+
+
+def parse_completion(body: Any, limits: ModelLimits) -> ParsedRequest:
+    fields, n, stream, include_usage = _common(body, "completion")
+    model = check_model(body, limits.name)
+    if _boolean(body, "echo", False):
+        raise ProtocolError("'echo' is not supported", "echo")
+    if _string(body, "suffix"):
+        raise ProtocolError("'suffix' is not supported", "suffix")
+    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    max_tokens = _integer(body, "max_tokens", None, 1)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ProtocolError("'prompt' is required", "prompt")
+    tok = limits.tokenizer
+    if isinstance(prompt, str):
+        raw = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            raw = list(prompt)
+        elif all(isinstance(p, list) for p in prompt):
+            raw = [_token_list(p, "prompt", limits.vocab_size) for p in prompt]
+        else:
+            raw = [_token_list(prompt, "prompt", limits.vocab_size)]
+    else:
+        raise ProtocolError(
+            "'prompt' must be a string, an array of strings, an array of token ids or an array of "
+            "token-id arrays" + (" (it is empty)" if isinstance(prompt, list) else ""), "prompt")
+    prompts = []
+    for p in raw:
+        ids = tok.encode(p) if isinstance(p, str) else p
+        if not ids:
+            raise ProtocolError("'prompt' must not be empty", "prompt")
+        prompts.append(ids)
+    if len(prompts) * n > MAX_CHOICES:
+        raise ProtocolError(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
+    params = _build_params(prompts, fields, max_tokens, logprobs, n, limits, "max_tokens")
+    return ParsedRequest("completion", model, prompts, params, n, stream, include_usage, logprobs)
+
+
+def _message_content(msg: dict, i: int) -> str | None:
+    content = msg.get("content")
+    key = f"messages[{i}].content"
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ProtocolError("only text content parts ({'type': 'text', 'text': ...}) are supported", key)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ProtocolError(f"'{key}' must be a string or an array of content parts", key)
+
+
+def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
+    fields, n, stream, include_usage = _common(body, "chat")
+    model = check_model(body, limits.name)
+    want_logprobs = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise ProtocolError("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    max_tokens = _integer(body, "max_tokens", None, 1)
+    mct = _integer(body, "max_completion_tokens", None, 1)
+    key = "max_completion_tokens" if mct is not None else "max_tokens"
+    max_tokens = mct if mct is not None else max_tokens
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise ProtocolError(f"'{name}' is not supported", name)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
+        raise ProtocolError("only response_format {'type': 'text'} is supported", "response_format")
+    add_generation_prompt = _boolean(body, "add_generation_prompt", True)
+
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("'messages' must be a non-empty array", "messages")
+    rendered = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ProtocolError(f"'messages[{i}]' must be an object", f"messages[{i}]")
+        role = msg.get("role")
+        if role not in _CHAT_ROLES:
+            raise ProtocolError(
+                f"'messages[{i}].role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}", f"messages[{i}].role")
+        content = _message_content(msg, i)
+        if content is None and role != "assistant":
+            raise ProtocolError(f"'messages[{i}].content' is required", f"messages[{i}].content")
+        out = {"role": role, "content": content or ""}
+        name = msg.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise ProtocolError(f"'messages[{i}].name' must be a string", f"messages[{i}].name")
+            out["name"] = name
+        rendered.append(out)
+    try:
+        text = limits.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+    except (TemplateError, ValueError) as e:
+        raise ProtocolError(f"could not apply the chat template: {e}", "messages") from None
+    # The template already holds any BOS / special tokens the model wants.
+    ids = limits.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ProtocolError("the rendered prompt is empty", "messages")
+    params = _build_params([ids], fields, max_tokens, logprobs, n, limits, key)
+    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs)
+
+
+# -- responses ---------------------------------------------------------------------------------------
+class Choice:
+    """Accumulates one choice's deltas (text, tokens, logprobs, finish reason)."""
+
+    __slots__ = ("index", "text", "num_tokens", "logprobs", "finish_reason", "num_prompt_tokens",
+                 "num_cached_tokens")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[Logprobs] = []
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.num_tokens = out.num_output_tokens
+        self.logprobs.extend(out.logprobs)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+def usage(choices: list[Choice], n: int, prompt_lens: list[int]) -> dict[str, Any]:
+    """Prompt tokens count each prompt once (not once per sample), as OpenAI does."""
+    prompt = sum(prompt_lens)
+    completion = sum(c.num_tokens for c in choices)
+    cached = 0
+    for i in range(len(prompt_lens)):
+        group = choices[i * n:(i + 1) * n]
+        cached += min((c.num_cached_tokens for c in group), default=0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tok: Tokenizer, lps: list[Logprobs], offset: int = 0) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        text = token_text(tok, lp.token_id)
+        tokens.append(text)
+        token_lps.append(lp.logprob)
+        top: dict[str, float] = {}
+        for tid, value in lp.top:
+            top.setdefault(token_text(tok, tid), value)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tok: Tokenizer, lps: list[Logprobs]) -> dict[str, Any]:
+    def entry(tid: int, value: float) -> dict[str, Any]:
+        text = token_text(tok, tid)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for lp in lps:
+        item = entry(lp.token_id, lp.logprob)
+        item["top_logprobs"] = [entry(tid, value) for tid, value in lp.top]
+        content.append(item)
+    return {"content": content}

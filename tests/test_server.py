@@ -1,0 +1,511 @@
+"""The OpenAI-compatible server (``server/``) end to end, over real HTTP, with the default model.
+
+One uvicorn thread serves three apps on loopback ports, all in one event loop:
+* ``main``: the normal server (its lifespan starts the engine);
+* ``keyed``: the same engine behind an API key and a small body limit;
+* ``loading``: an engine that is never started, to see the 503s of a server still loading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig
+from server.app import ServerSettings, build_app
+from server.async_engine import AsyncLLMEngine
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+API_KEY = "test-key-123"
+# One intra-op thread: on a small shared machine a second OpenMP thread that gets descheduled
+# stalls every parallel region (measured 10x slower steps under load).
+THREADS = int(os.environ.get("MOONCAKE_TEST_THREADS", "1"))
+PROMPT = "The capital of France is"
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at",
+    "My favourite book is",
+    "In 1969, the first human to walk on the moon was",
+    "Photosynthesis is the process by which",
+    "The quick brown fox",
+    "To make a cup of tea, first",
+    "The largest planet in our solar system is",
+    "Here is a list of fruits: apple, banana,",
+    "Machine learning is a field of computer science that",
+    "The Eiffel Tower is located in",
+    "A haiku about autumn:",
+    "If you multiply 7 by 8 you get",
+]
+
+
+def _socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class Servers:
+    def __init__(self):
+        self.client = AsyncLLMEngine(
+            EngineConfig(threads=THREADS, kv_cache_gib=0.25, max_num_batched_tokens=512), max_waiting=256
+        )
+        self.idle = AsyncLLMEngine(EngineConfig(threads=1))  # never started: "still loading"
+        apps = {
+            "main": build_app(self.client),
+            "keyed": build_app(self.client, ServerSettings(api_key=API_KEY, max_body_bytes=4096),
+                               manage_engine=False),
+            "loading": build_app(self.idle, manage_engine=False),
+        }
+        self.sockets = {name: _socket() for name in apps}
+        self.urls = {name: "http://127.0.0.1:%d" % s.getsockname()[1] for name, s in self.sockets.items()}
+        self.servers = {
+            name: uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+            for name, app in apps.items()
+        }
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self):
+        await asyncio.gather(*(s.serve(sockets=[self.sockets[n]]) for n, s in self.servers.items()))
+
+    def start(self):
+        self.thread.start()
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.urls["main"] + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become healthy")
+
+    def stop(self):
+        for s in self.servers.values():
+            s.should_exit = True
+        self.thread.join(timeout=30)
+        for sock in self.sockets.values():
+            sock.close()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    s = Servers()
+    s.start()
+    yield s
+    s.stop()
+    assert not s.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def url(servers):
+    return servers.urls["main"]
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(servers):
+    return servers.client.tokenizer
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        stats = httpx.get(url + "/stats").json()
+        if stats["num_used_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            return stats
+        if time.time() > deadline:
+            raise AssertionError(f"KV blocks not released: {stats}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    url = request.getfixturevalue("url") if "servers" in request.fixturenames else None
+    yield
+    if url is not None:
+        wait_idle(url)
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        kw["json"] = body
+    else:
+        kw["content"] = body
+    return httpx.post(url + path, timeout=120, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def sse_events(text: str) -> list:
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# -- basics ------------------------------------------------------------------------------------------
+def test_health_models_and_loading(servers, url):
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    models = httpx.get(url + "/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
+
+    loading = servers.urls["loading"]
+    r = httpx.get(loading + "/health")
+    assert r.status_code == 503 and r.json()["status"] == "loading"
+    assert_error(post(loading, "/v1/completions", {"prompt": "hi", "max_tokens": 2}), 503)
+    assert_error(httpx.get(url + "/no/such/route"), 404)
+
+
+def test_completion_nonstream_and_stream_agree(oai, tokenizer):
+    full = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert full.object == "text_completion"
+    [choice] = full.choices
+    assert choice.text.startswith(" Paris"), choice.text
+    assert choice.finish_reason in ("length", "stop")
+    assert full.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+
+    chunks = list(oai.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+        logprobs=0, stream_options={"include_usage": True},
+    ))
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    text = "".join(c.choices[0].text for c in body)
+    streamed_tokens = sum(len(c.choices[0].logprobs.tokens) for c in body if c.choices[0].logprobs)
+    assert text == choice.text
+    assert body[-1].choices[0].finish_reason == choice.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert streamed_tokens == last.usage.completion_tokens == full.usage.completion_tokens
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_nonstream_and_stream(oai, tokenizer):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    full = oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                       max_completion_tokens=10, temperature=0)
+    assert full.object == "chat.completion"
+    [choice] = full.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    expected_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert full.usage.prompt_tokens == len(expected_prompt)
+
+    chunks = list(oai.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == full.usage.completion_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == choice.message.content
+    assert chunks[-2].choices[0].finish_reason == choice.finish_reason
+
+
+def test_stop_string_and_token_id_prompt(oai, tokenizer, url):
+    base = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8,
+                                  temperature=0).choices[0]
+    assert "." in base.text, base.text
+    stopped = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8,
+                                     temperature=0, stop=["."]).choices[0]
+    assert stopped.text == base.text.split(".")[0]
+    assert stopped.finish_reason == "stop"
+    # The same prompt as token ids gives the same text.
+    r = post(url, "/v1/completions", {"prompt": tokenizer.encode(PROMPT), "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == base.text
+
+
+def test_seed_reproducible_and_n(oai):
+    def sample():
+        return oai.completions.create(model="SmolLM2-135M-Instruct", prompt="My favourite animal is",
+                                      max_tokens=8, temperature=1.0, seed=1234, n=2)
+
+    a, b = sample(), sample()
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # seeds 1234 and 1235
+    assert 2 <= a.usage.completion_tokens <= 16
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens  # counted once, not per choice
+
+
+def test_prompt_batch_and_streamed_n(url):
+    prompts = [PROMPT, "Water boils at"]
+    r = post(url, "/v1/completions", {"prompt": prompts, "max_tokens": 4, "temperature": 0, "n": 2})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert choices[0]["text"] == choices[1]["text"] and choices[2]["text"] == choices[3]["text"]
+    alone = post(url, "/v1/completions", {"prompt": prompts[1], "max_tokens": 4, "temperature": 0})
+    assert alone.json()["choices"][0]["text"] == choices[2]["text"]
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "seed": 7,
+            "stream": True}
+    events = sse_events(post(url, "/v1/chat/completions", body).text)
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["finish_reason"] in ("stop", "length")
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+
+
+def test_logprobs(oai):
+    c = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4,
+                               temperature=0, logprobs=2).choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == c.text
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(value, abs=1e-5)  # greedy: the chosen is the best
+
+    chat = oai.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
+                                       messages=[{"role": "user", "content": "Hi"}],
+                                       logprobs=True, top_logprobs=3).choices[0]
+    content = chat.logprobs.content
+    assert 1 <= len(content) <= 4
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_prefix_cache_reported(oai, url):
+    prompt = "Here is a long shared preamble that repeats, " * 6 + "and the question is"
+    first = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2, temperature=0)
+    second = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
+    metrics = httpx.get(url + "/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 16
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+BAD_BODIES = [
+    ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": 7}, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": "1"}, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "model": 3}, "model"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+]
+
+
+def test_bad_requests_are_400(url):
+    for path, body, param in BAD_BODIES:
+        assert_error(post(url, path, body), 400, param)
+    assert_error(post(url, "/v1/completions", b"{not json"), 400)
+    assert_error(post(url, "/v1/completions", b"\xff\xfe\x00garbage"), 400)
+    assert_error(post(url, "/v1/completions", b"[1, 2]"), 400)
+    assert_error(post(url, "/v1/completions", b""), 400)
+    assert_error(post(url, "/v1/chat/completions", b"[" * 100000), 400)
+    # Unknown keys are ignored.
+    r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "frobnicate": {"x": 1}, "user": "u"})
+    assert r.status_code == 200, r.text
+
+
+def test_context_limits_and_unknown_model(url, servers):
+    max_len = servers.client.max_model_len
+    capacity = servers.client.stats()["num_blocks"] * servers.client.stats()["block_size"]
+    limit = min(max_len, capacity)
+    err = assert_error(post(url, "/v1/completions", {"prompt": [1] * limit, "max_tokens": 1}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    assert_error(post(url, "/v1/completions", {"prompt": [1] * 10, "max_tokens": limit}), 400, "max_tokens")
+    assert_error(post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                    "max_completion_tokens": max_len}),
+                 400, "max_completion_tokens")
+    err = assert_error(post(url, "/v1/completions", {"prompt": PROMPT, "model": "gpt-4"}), 404, "model")
+    assert err["code"] == "model_not_found"
+
+
+def test_body_limit_413(url, servers):
+    big = json.dumps({"prompt": "x" * (1 << 20), "max_tokens": 1}).encode()
+    assert_error(post(url, "/v1/completions", big), 413)
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        for _ in range(20):
+            yield b" " * 1024
+
+    keyed = servers.urls["keyed"]
+    r = httpx.post(keyed + "/v1/completions", content=chunked(), headers={"Authorization": f"Bearer {API_KEY}"})
+    assert_error(r, 413)
+
+
+def test_api_key(servers):
+    keyed = servers.urls["keyed"]
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    assert_error(post(keyed, "/v1/completions", body), 401)
+    assert_error(post(keyed, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.get(keyed + "/v1/models"), 401)
+    assert httpx.get(keyed + "/health").status_code == 200
+    assert httpx.get(keyed + "/metrics").status_code == 200
+    good = openai.OpenAI(base_url=keyed + "/v1", api_key=API_KEY, max_retries=0)
+    assert good.completions.create(model="SmolLM2-135M-Instruct", **body).choices[0].text
+    bad = openai.OpenAI(base_url=keyed + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_overload_429(servers, url):
+    client = servers.client
+    old = client.max_waiting
+    client.max_waiting = 0
+    try:
+        r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True})
+        assert_error(r, 429)
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        client.max_waiting = old
+
+
+def test_engine_failure_fails_requests(servers, url):
+    engine = servers.client._engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = flaky_step
+    try:
+        r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "stream": True})
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        assert "error" in events[-1] and "injected" in events[-1]["error"]["message"]
+        engine.step = lambda: (_ for _ in ()).throw(RuntimeError("injected again"))
+        assert_error(post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}), 500)
+    finally:
+        engine.step = real_step
+    assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+# -- disconnects and concurrency ---------------------------------------------------------------------
+def test_client_disconnect_frees_kv(url):
+    body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    break
+        assert httpx.get(url + "/stats").json()["num_used_blocks"] > 0
+    stats = wait_idle(url)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+    # A non-streaming client that gives up (timeout) is aborted too.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=1.5)
+    wait_idle(url)
+    metrics = httpx.get(url + "/metrics").text
+    assert 'vllm:request_success_total{finished_reason="abort"' in metrics
+
+
+async def _stream_text(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[str, str]:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        text = await r.aread()
+    events = sse_events(text.decode())
+    return "".join(e["choices"][0]["text"] for e in events), events[-1]["choices"][0]["finish_reason"]
+
+
+def test_64_concurrent_streams_match_sequential(url):
+    alone = {}
+    with httpx.Client(timeout=120) as c:
+        for p in PROMPTS:
+            r = c.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0})
+            alone[p] = r.json()["choices"][0]["text"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    before = httpx.get(url + "/stats").json()
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(_stream_text(client, url, p) for p in prompts))
+
+    t0 = time.time()
+    results = asyncio.run(run_all())
+    elapsed = time.time() - t0
+    for p, (text, reason) in zip(prompts, results):
+        assert text == alone[p], (p, text, alone[p])
+        assert reason in ("stop", "length")
+    after = httpx.get(url + "/stats").json()
+    assert after["max_num_running_seen"] > 8, after
+    assert after["num_generated_tokens"] - before["num_generated_tokens"] >= 64
+    # Batched: far fewer engine steps than tokens generated.
+    assert after["num_steps"] - before["num_steps"] < (after["num_generated_tokens"] - before["num_generated_tokens"]) / 4
+    print(f"64 concurrent streams in {elapsed:.1f}s")
+
+
+def test_metrics_names(url):
+    text = httpx.get(url + "/metrics").text
+    for name in [
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket", "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total", 'vllm:request_success_total{finished_reason="length"',
+    ]:
+        assert name in text, name
+
+
+def test_cli_help():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    for flag in ("--host", "--port", "--model", "--kv-cache-gib", "--api-key", "--threads",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--max-waiting", "--max-body-bytes",
+                 "--served-model-name", "MOONCAKE_API_KEY"):
+        assert flag in out, flag
