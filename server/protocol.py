@@ -214,6 +214,9 @@ def _common(body: dict, kind: str) -> tuple[dict[str, Any], int, bool, bool]:
             raise ProtocolError("'logit_bias' must be an object", "logit_bias")
         if logit_bias:
             raise ProtocolError("'logit_bias' is not supported", "logit_bias")
+    # vLLM's min_tokens would change which tokens may end a request; refuse rather than ignore.
+    if _integer(body, "min_tokens", 0, 0):
+        raise ProtocolError("'min_tokens' is not supported", "min_tokens")
     return fields, n, stream, include_usage
 
 

@@ -16,39 +16,20 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
+import uvicorn
 
 from engine.config import EngineConfig
 from server.app import ServerSettings, build_app
 from server.async_engine import AsyncLLMEngine
-
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+from prompts import PROMPTS
 
 API_KEY = "test-key-123"
 # One intra-op thread: on a small shared machine a second OpenMP thread that gets descheduled
 # stalls every parallel region (measured 10x slower steps under load).
 THREADS = int(os.environ.get("MOONCAKE_TEST_THREADS", "1"))
 PROMPT = "The capital of France is"
-
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Water boils at",
-    "My favourite book is",
-    "In 1969, the first human to walk on the moon was",
-    "Photosynthesis is the process by which",
-    "The quick brown fox",
-    "To make a cup of tea, first",
-    "The largest planet in our solar system is",
-    "Here is a list of fruits: apple, banana,",
-    "Machine learning is a field of computer science that",
-    "The Eiffel Tower is located in",
-    "A haiku about autumn:",
-    "If you multiply 7 by 8 you get",
-]
 
 
 def _socket() -> socket.socket:
@@ -325,6 +306,7 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "model": 3}, "model"),
+    ("/v1/completions", {"prompt": PROMPT, "min_tokens": 4}, "min_tokens"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
