@@ -1,6 +1,6 @@
 """Mooncake trace loading and prompt synthesis for ``bench.serving``.
 
-A Mooncake trace (e.g. ``/work/shared/eval/traces/conversation_trace.jsonl``) is a JSONL file,
+A Mooncake trace (e.g. ``../shared/eval/traces/conversation_trace.jsonl`` beside the repository) is a JSONL file,
 one request per line::
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}

@@ -8,20 +8,17 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-pytest.importorskip("httpx")
-starlette = pytest.importorskip("starlette")
-uvicorn = pytest.importorskip("uvicorn")
-
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
-
-from bench import serving  # noqa: E402
-from bench.trace import (  # noqa: E402
+from bench import serving
+from bench.trace import (
     BenchRequest,
     TraceEntry,
     block_tokens,
@@ -29,7 +26,8 @@ from bench.trace import (  # noqa: E402
     synthesize_requests,
 )
 
-REAL_TRACE = "/work/shared/eval/traces/conversation_trace.jsonl"
+# The shared traces live beside the repository (../shared), never inside it.
+REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces" / "conversation_trace.jsonl"
 TOKEN_SLEEP_S = 0.005
 
 
