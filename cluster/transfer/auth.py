@@ -1,0 +1,77 @@
+"""HMAC challenge handshake with the shared cluster secret.
+
+Both sides prove they hold the secret without sending it: each picks a fresh nonce and answers
+the other's with an HMAC over both nonces (and the hello it sends), so a recorded handshake cannot
+be replayed and a peer without the secret learns nothing but two random nonces. The data that
+follows is not encrypted; the secret keeps strangers from reading or writing registered memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+from .errors import AuthenticationError
+from .protocol import decode_json, encode_json, recv_exact
+
+MAGIC = b"MCPYTE01"
+NONCE_BYTES = 32
+MAC_BYTES = 32
+_LEN = struct.Struct("<I")
+_MAX_HELLO = 64 << 10
+
+
+def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    if not recv_exact(sock, memoryview(buf)):
+        raise ConnectionError("connection closed during the handshake")
+    return bytes(buf)
+
+
+def _recv_hello(sock: socket.socket) -> bytes:
+    (n,) = _LEN.unpack(_recv(sock, _LEN.size))
+    if n > _MAX_HELLO:
+        raise AuthenticationError(f"hello of {n} bytes is too large")
+    return _recv(sock, n)
+
+
+def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
+    """Authenticate to a Messenger; returns the server's hello. Raises AuthenticationError."""
+    try:
+        magic = _recv(sock, len(MAGIC))
+        if magic != MAGIC:
+            raise AuthenticationError("peer does not speak this transfer protocol")
+        server_nonce = _recv(sock, NONCE_BYTES)
+        client_nonce = os.urandom(NONCE_BYTES)
+        body = encode_json(hello)
+        mac = _mac(secret, b"client", server_nonce, client_nonce, body)
+        sock.sendall(client_nonce + mac + _LEN.pack(len(body)) + body)
+        server_mac = _recv(sock, MAC_BYTES)
+        server_body = _recv_hello(sock)
+    except (ConnectionError, socket.timeout) as exc:
+        # The Messenger closes without a word when our proof is wrong.
+        raise AuthenticationError(f"peer refused the handshake (wrong cluster secret?): {exc}") from exc
+    if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce, server_body)):
+        raise AuthenticationError("peer failed to prove it holds the cluster secret")
+    return decode_json(server_body)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
+    """Challenge a connecting peer; returns its hello. Raises AuthenticationError on a bad proof."""
+    server_nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(MAGIC + server_nonce)
+    client_nonce = _recv(sock, NONCE_BYTES)
+    client_mac = _recv(sock, MAC_BYTES)
+    client_body = _recv_hello(sock)
+    if not hmac.compare_digest(client_mac, _mac(secret, b"client", server_nonce, client_nonce, client_body)):
+        raise AuthenticationError("peer's proof does not match the cluster secret")
+    body = encode_json(hello)
+    sock.sendall(_mac(secret, b"server", client_nonce, server_nonce, body) + _LEN.pack(len(body)) + body)
+    return decode_json(client_body)

@@ -1,0 +1,273 @@
+"""The TransferEngine: one per process, the API the KV pool and the prefill->decode path use.
+
+It registers memory, serves peers through its :class:`Messenger`, and moves batches to and from
+peers over the transport chosen per peer: RDMA when both sides have a device, shared memory when
+the peer is on this host and the remote regions are shareable, TCP otherwise (or whatever the
+caller forces). Connections are opened on first use and reopened on the next request after a
+failure, so a dead peer costs the batches that were in flight with it and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .batch import Batch, Request
+from .config import TransferConfig
+from .errors import PeerError, RdmaUnavailable, TransferError
+from .messenger import Messenger
+from .protocol import Op, Status
+from .rdma import RdmaDevice, RdmaTransport
+from .regions import RegionHandle, RegionTable
+from .shm import SharedMemoryPool, ShmTransport, export_region
+from .tcp import Stream, TcpTransport, connect
+
+log = logging.getLogger(__name__)
+
+# (local region, local offset, remote region, remote offset, length)
+Entry = tuple[RegionHandle, int, RegionHandle, int, int]
+
+
+class Transport(Protocol):
+    name: str
+
+    @property
+    def alive(self) -> bool: ...
+
+    def submit(self, batch: Batch, op: Op, requests: Sequence[Request]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def host_identity() -> str:
+    """Same value exactly when two processes can map each other's memory (same kernel boot and
+    pid namespace, since shared memory is reached through ``/proc/<pid>``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return f"unshared-{secrets.token_hex(8)}"  # no /proc: never claim to share a host
+    return f"{socket.gethostname()}:{boot}:{pidns}"
+
+
+@dataclass
+class _Link:
+    """What this engine holds for one peer: a control stream, its hello, and opened transports."""
+
+    address: str
+    control: Stream
+    hello: dict
+    transports: dict[str, Transport] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for transport in self.transports.values():
+            transport.close()
+        self.control.close()
+
+
+class TransferEngine:
+    """Registers memory and moves batches of byte ranges to and from peer engines."""
+
+    def __init__(self, config: TransferConfig, *, verbs: Any | None = None) -> None:
+        """``verbs`` replaces pyverbs (tests pass an in-process stand-in); None loads pyverbs."""
+        self.config = config
+        self.engine_id = secrets.token_hex(8)
+        self._table = RegionTable()
+        self._shared = SharedMemoryPool()
+        self._rdma: RdmaDevice | None = None
+        self.rdma_status = "RDMA not requested (transport forced to tcp/shm)"
+        if config.transport in ("auto", "rdma"):
+            try:
+                self._rdma = RdmaDevice.open(config.rdma_device, verbs, config)
+                self.rdma_status = f"RDMA device {self._rdma.name}"
+            except RdmaUnavailable as exc:
+                if config.transport == "rdma":
+                    raise
+                self.rdma_status = str(exc)
+                log.info("transfer: %s", exc)
+        self._hello = {"engine_id": self.engine_id, "host": host_identity(), "rdma": self._rdma is not None}
+        handlers = {Op.EXPORT: self._export, Op.RDMA_CONNECT: self._rdma_connect}
+        self._messenger = Messenger(config, self._table, self._hello, handlers)
+        self.address = self._messenger.address
+        self._links: dict[str, _Link] = {}
+        self._link_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ----- memory ---------------------------------------------------------------------------
+
+    def alloc_shared(self, nbytes: int) -> torch.Tensor:
+        """A zeroed uint8 CPU tensor in shared memory; register it (or views of it) to let
+        same-host peers reach it without a socket."""
+        return self._shared.allocate(nbytes)
+
+    def register(self, buffer: object) -> RegionHandle:
+        """Register a contiguous CPU tensor or buffer-protocol object; returns its shareable handle."""
+        region = self._table.add(buffer, self._shared.locate)
+        if self._rdma is not None:
+            try:
+                self._rdma.register(region)
+            except TransferError:
+                self._table.remove(region.region_id)
+                raise
+        return RegionHandle(self.engine_id, self.address, region.region_id, region.length, region.shared is not None)
+
+    def unregister(self, handle: RegionHandle) -> None:
+        """Forget a region; the caller must not have transfers on it in flight."""
+        self._own(handle)
+        region = self._table.remove(handle.region_id)
+        if self._rdma is not None:
+            self._rdma.deregister(region.region_id)
+
+    # ----- transfers ------------------------------------------------------------------------
+
+    def write(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None) -> Batch:
+        """Copy local ranges into the peer's regions; returns the batch's future."""
+        return self._submit(peer, entries, Op.WRITE, transport)
+
+    def read(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None) -> Batch:
+        """Copy the peer's ranges into local regions; returns the batch's future."""
+        return self._submit(peer, entries, Op.READ, transport)
+
+    def write_sync(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None, timeout: float | None = None) -> None:
+        self.write(peer, entries, transport=transport).wait(timeout)
+
+    def read_sync(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None, timeout: float | None = None) -> None:
+        self.read(peer, entries, transport=transport).wait(timeout)
+
+    def transport_for(self, peer: str, remote: Sequence[RegionHandle] = ()) -> str:
+        """The transport a batch to ``peer`` touching ``remote`` regions would use."""
+        return self._choose(self._link(peer), remote, None)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.close()
+        self._messenger.close()
+        if self._rdma is not None:
+            self._rdma.close()
+        self._shared.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- internals ------------------------------------------------------------------------
+
+    def _submit(self, peer: str, entries: Sequence[Entry], op: Op, transport: str | None) -> Batch:
+        requests = []
+        batch = Batch(keepalive=requests)
+        try:
+            if self._closed:
+                raise TransferError("engine is closed")
+            for local, local_offset, remote, remote_offset, length in entries:
+                region = self._table.get(self._own(local).region_id)
+                if region is None:
+                    raise TransferError(f"local region {local.region_id} is not registered")
+                region.span(local_offset, length)  # our side of the bounds check
+                if op == Op.READ and not region.writable:
+                    raise TransferError(f"local region {local.region_id} is read-only")
+                requests.append(Request(region, local_offset, remote.region_id, remote_offset, length))
+            link = self._link(peer)
+            for _, _, remote, _, _ in entries:
+                if remote.engine_id != link.hello["engine_id"]:
+                    raise TransferError(f"region {remote.region_id} belongs to engine {remote.engine_id}, not to peer {peer}")
+            name = self._choose(link, [e[2] for e in entries], transport)
+            self._transport(link, name).submit(batch, op, requests)
+        except TransferError as exc:
+            batch.fail(exc)
+        return batch
+
+    def _own(self, handle: RegionHandle) -> RegionHandle:
+        if handle.engine_id != self.engine_id:
+            raise TransferError(f"region {handle.region_id} is not a region of this engine")
+        return handle
+
+    def _link(self, peer: str) -> _Link:
+        with self._lock:
+            lock = self._link_locks.setdefault(peer, threading.Lock())
+        with lock:  # one connect per peer at a time; other peers are not held up
+            link = self._links.get(peer)
+            if link is not None and link.control.alive:
+                return link
+            if link is not None:
+                link.close()  # reconnect on the next request after a failure
+            sock, hello = connect(peer, self.config, self._hello)
+            link = _Link(peer, Stream(sock, f"control {peer}", self.config), hello)
+            with self._lock:
+                if self._closed:
+                    link.close()
+                    raise TransferError("engine is closed")
+                self._links[peer] = link
+            return link
+
+    def _choose(self, link: _Link, remote: Sequence[RegionHandle], forced: str | None) -> str:
+        name = forced or (None if self.config.transport == "auto" else self.config.transport)
+        same_host = link.hello.get("host") == self._hello["host"]
+        if name is None:
+            if self._rdma is not None and link.hello.get("rdma"):
+                return "rdma"
+            if same_host and remote and all(h.shared for h in remote):
+                return "shm"
+            return "tcp"
+        if name == "shm" and not same_host:
+            raise TransferError(f"peer {link.address} is not on this host; shared memory cannot reach it")
+        if name == "rdma":
+            if self._rdma is None:
+                raise RdmaUnavailable(self.rdma_status)
+            if not link.hello.get("rdma"):
+                raise TransferError(f"peer {link.address} has no RDMA device")
+        if name not in ("tcp", "shm", "rdma"):
+            raise TransferError(f"unknown transport {name!r}")
+        return name
+
+    def _transport(self, link: _Link, name: str) -> Transport:
+        with self._lock:
+            lock = self._link_locks[link.address]
+        with lock:
+            transport = link.transports.get(name)
+            if transport is not None and transport.alive:
+                return transport
+            if transport is not None:
+                transport.close()
+            if name == "tcp":
+                transport = TcpTransport(link.address, self.config, self._hello)
+            elif name == "shm":
+                transport = ShmTransport(link.control, self.config)
+            else:
+                assert self._rdma is not None
+                transport = RdmaTransport(self._rdma, link.control, self.config)
+            link.transports[name] = transport
+            return transport
+
+    def _export(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
+        kind = request["kind"]
+        region_id = int(request["region_id"])
+        if kind == "shm":
+            if peer_hello.get("host") != self._hello["host"]:
+                return Status.UNSUPPORTED, {"reason": "peer is not on this host"}
+            return export_region(self._table, region_id)
+        if kind == "rdma" and self._rdma is not None:
+            return self._rdma.export(region_id)
+        return Status.UNSUPPORTED, {"reason": f"cannot export for {kind}"}
+
+    def _rdma_connect(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
+        if self._rdma is None:
+            return Status.UNSUPPORTED, {"reason": self.rdma_status}
+        return Status.OK, self._rdma.accept(request)

@@ -1,0 +1,188 @@
+"""Owning side: the Messenger answers peers' requests against this engine's registered regions.
+
+It listens (loopback unless configured otherwise), authenticates every connection with the
+cluster secret, then serves one connection per thread. Each request's descriptors are resolved
+against the :class:`RegionTable` *before* any byte of memory is touched: an unknown handle or an
+out-of-range slice gets an error reply, and a refused write's bytes are read off the socket and
+dropped so the stream stays in sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+
+from .auth import server_handshake
+from .config import TransferConfig
+from .errors import AuthenticationError
+from .protocol import (
+    CHECKSUM,
+    FLAG_CHECKSUM,
+    FLAG_WRITE,
+    MAX_CONTROL_PAYLOAD,
+    MAX_SLICES_PER_MESSAGE,
+    REPLY,
+    REQUEST,
+    SLICE,
+    Op,
+    Status,
+    checksum,
+    decode_json,
+    drain,
+    encode_json,
+    recv_exact,
+    recv_struct,
+    send_buffers,
+)
+from .regions import RegionTable
+
+log = logging.getLogger(__name__)
+
+# A control handler gets the request's JSON and returns a status and the JSON to send back.
+ControlHandler = Callable[[dict, dict], tuple[Status, dict]]
+
+
+class Messenger:
+    """Listens for peers and serves their reads, writes and control requests."""
+
+    def __init__(self, config: TransferConfig, table: RegionTable, hello: dict, handlers: dict[Op, ControlHandler]) -> None:
+        self._config = config
+        self._table = table
+        self._hello = hello
+        self._handlers = handlers
+        self._listener = socket.create_server((config.host, config.port), backlog=128, reuse_port=False)
+        self._listener.settimeout(0.5)  # lets the accept loop notice close()
+        host, port = self._listener.getsockname()[:2]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._closed = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"messenger {self.address}", daemon=True)
+        self._acceptor.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+        self._acceptor.join(timeout=2)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._config.socket_buffer_bytes)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._config.socket_buffer_bytes)
+            conn.settimeout(self._config.timeout_s)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"messenger conn {peer}", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            try:
+                peer_hello = server_handshake(conn, self._config.secret, self._hello)
+            except AuthenticationError as exc:
+                log.warning("transfer: refused peer %s:%s: %s", peer[0], peer[1], exc)
+                return
+            while not self._closed.is_set():
+                header = recv_struct(conn, REQUEST, idle_ok=lambda: True)
+                if header is None:
+                    return
+                if not self._handle(conn, peer_hello, *header):
+                    return
+        except (OSError, ConnectionError, ValueError) as exc:
+            # A peer that vanished mid-message only costs its own connection.
+            log.debug("transfer: connection from %s closed: %s", peer, exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, conn: socket.socket, peer_hello: dict, op: int, flags: int, count: int, msg_id: int, payload: int) -> bool:
+        """Serve one request; False when the stream can no longer be trusted and must close."""
+        if count > MAX_SLICES_PER_MESSAGE:
+            return False
+        raw = bytearray(SLICE.size * count)
+        if count and not recv_exact(conn, memoryview(raw)):
+            return False
+        slices = list(SLICE.iter_unpack(raw))
+        if op == Op.WRITE:
+            return self._write(conn, flags, msg_id, payload, slices)
+        if op == Op.READ:
+            return self._read(conn, flags, msg_id, payload, slices)
+        if op == Op.CHECK:
+            status, index, views = self._resolve(slices, write=bool(flags & FLAG_WRITE))
+            if status == Status.OK and flags & FLAG_CHECKSUM:
+                index = next((i for i, v in enumerate(views) if checksum(v) != slices[i][3]), -1)
+                status = Status.OK if index < 0 else Status.CHECKSUM_MISMATCH
+            return self._reply(conn, status, max(index, 0), msg_id)
+        if op == Op.PING:
+            return self._reply(conn, Status.OK, 0, msg_id) if payload == 0 else False
+        handler = self._handlers.get(op)
+        if payload > MAX_CONTROL_PAYLOAD:
+            return False
+        body = bytearray(payload)
+        if payload and not recv_exact(conn, memoryview(body)):
+            return False
+        if handler is None:
+            return self._reply(conn, Status.UNSUPPORTED, 0, msg_id)
+        try:
+            status, answer = handler(decode_json(body), peer_hello)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("transfer: bad control request %d: %s", op, exc)
+            return self._reply(conn, Status.BAD_REQUEST, 0, msg_id)
+        return self._reply(conn, status, 0, msg_id, encode_json(answer))
+
+    def _resolve(self, slices: list[tuple[int, int, int, int]], write: bool) -> tuple[Status, int, list[memoryview]]:
+        views = []
+        for i, (region_id, offset, length, _) in enumerate(slices):
+            status, view = self._table.resolve(region_id, offset, length, write)
+            if status != Status.OK:
+                return status, i, []
+            views.append(view)
+        return Status.OK, 0, views
+
+    def _write(self, conn: socket.socket, flags: int, msg_id: int, payload: int, slices: list) -> bool:
+        if payload != sum(s[2] for s in slices):
+            return False
+        status, index, views = self._resolve(slices, write=True)
+        if status != Status.OK:
+            drain(conn, payload)
+            return self._reply(conn, status, index, msg_id)
+        for view in views:
+            if not recv_exact(conn, view):  # straight into the registered region
+                return False
+        if flags & FLAG_CHECKSUM:
+            for i, view in enumerate(views):
+                if checksum(view) != slices[i][3]:
+                    return self._reply(conn, Status.CHECKSUM_MISMATCH, i, msg_id)
+        return self._reply(conn, Status.OK, 0, msg_id)
+
+    def _read(self, conn: socket.socket, flags: int, msg_id: int, payload: int, slices: list) -> bool:
+        if payload:
+            return False
+        status, index, views = self._resolve(slices, write=False)
+        if status != Status.OK:
+            return self._reply(conn, status, index, msg_id)
+        sums = b"".join(CHECKSUM.pack(checksum(v)) for v in views) if flags & FLAG_CHECKSUM else b""
+        total = sum(len(v) for v in views)
+        send_buffers(conn, [REPLY.pack(Status.OK, flags & FLAG_CHECKSUM, 0, msg_id, total) + sums, *views])
+        return True
+
+    def _reply(self, conn: socket.socket, status: Status, index: int, msg_id: int, body: bytes = b"") -> bool:
+        send_buffers(conn, [REPLY.pack(status, 0, index, msg_id, len(body)) + body])
+        return True

@@ -1,0 +1,129 @@
+"""Wire format shared by the requesting side (streams) and the owning side (Messenger).
+
+A request is a fixed header, ``count`` slice descriptors and, for a write, the slices' bytes back
+to back; a reply is a fixed header, for a checksummed read ``count`` checksums, then the bytes.
+Everything is little-endian and fixed-size so both sides can ``recv_into`` straight into the
+registered memory: the descriptors say where each slice goes before any of its bytes arrive.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import socket
+import struct
+from collections.abc import Callable, Sequence
+
+import xxhash
+
+# op, flags, slice count, message id, payload bytes
+REQUEST = struct.Struct("<BBHIQ")
+# status, flags, index of the failing slice, message id, payload bytes
+REPLY = struct.Struct("<BBHIQ")
+# region id, offset, length, checksum (0 when checksums are off)
+SLICE = struct.Struct("<QQQQ")
+CHECKSUM = struct.Struct("<Q")
+
+MAX_SLICES_PER_MESSAGE = 1024  # iovec limit of one sendmsg, and a bound on header size
+MAX_CONTROL_PAYLOAD = 1 << 20  # JSON control messages are small; refuse anything bigger
+
+FLAG_CHECKSUM = 1  # slices carry checksums to verify on arrival
+FLAG_WRITE = 2  # a CHECK asks for write access (otherwise read access)
+
+
+class Op(enum.IntEnum):
+    WRITE = 1  # bytes travel with the request into the owner's region
+    READ = 2  # bytes travel back with the reply
+    CHECK = 3  # validate descriptors only (shared memory checks before it copies)
+    PING = 4  # liveness fence
+    EXPORT = 5  # JSON: details a transport needs to reach a region directly (shm, rdma)
+    RDMA_CONNECT = 6  # JSON: queue-pair details exchanged over this side channel
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    UNKNOWN_REGION = 1
+    OUT_OF_BOUNDS = 2
+    CHECKSUM_MISMATCH = 3
+    READ_ONLY = 4
+    BAD_REQUEST = 5
+    UNSUPPORTED = 6
+
+
+def checksum(data: memoryview) -> int:
+    """Per-slice checksum; xxh3 runs at memory speed, so turning it on costs little."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def recv_exact(sock: socket.socket, view: memoryview, idle_ok: Callable[[], bool] | None = None) -> bool:
+    """Fill ``view`` from ``sock``; False on a clean EOF before the first byte.
+
+    The socket carries a timeout. A timeout before the first byte is tolerated while ``idle_ok()``
+    says nothing is pending (an idle connection is healthy); any other timeout, or an EOF in the
+    middle, raises, because the peer died or stalled with work outstanding.
+    """
+    got = 0
+    total = len(view)
+    while got < total:
+        try:
+            n = sock.recv_into(view[got:])
+        except socket.timeout:
+            if got == 0 and idle_ok is not None and idle_ok():
+                continue
+            raise
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError("connection closed in the middle of a message")
+        got += n
+    return True
+
+
+def recv_struct(sock: socket.socket, fmt: struct.Struct, idle_ok: Callable[[], bool] | None = None) -> tuple | None:
+    buf = bytearray(fmt.size)
+    if not recv_exact(sock, memoryview(buf), idle_ok):
+        return None
+    return fmt.unpack(buf)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
+    """Send every buffer in order with as few ``sendmsg`` calls as the kernel allows.
+
+    ``sendmsg`` gathers the header and the slices from where they lie (no joining copy); a short
+    send is resumed from the exact byte it stopped at.
+    """
+    pending = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers]
+    start = 0
+    while start < len(pending):
+        sent = sock.sendmsg(pending[start : start + MAX_SLICES_PER_MESSAGE + 2])
+        while sent and start < len(pending):
+            size = len(pending[start])
+            if sent >= size:
+                sent -= size
+                start += 1
+            else:
+                pending[start] = pending[start][sent:]
+                sent = 0
+        while start < len(pending) and len(pending[start]) == 0:
+            start += 1
+
+
+def drain(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` so a refused write leaves the stream in sync."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
+    while nbytes:
+        step = min(nbytes, len(scratch))
+        if not recv_exact(sock, scratch[:step]):
+            raise ConnectionError("connection closed while discarding a refused write")
+        nbytes -= step
+
+
+def encode_json(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode_json(data: bytes | bytearray) -> dict:
+    obj = json.loads(bytes(data))
+    if not isinstance(obj, dict):
+        raise ValueError("control payload must be a JSON object")
+    return obj

@@ -1,0 +1,182 @@
+"""Registered memory: the owner's table of regions and the handles peers use to name them.
+
+A :class:`RegionHandle` is plain data (``to_dict`` / ``from_dict``) so it can travel through the
+pool metadata or a control message. It names a region by the owning engine and an id; it carries
+no address or key, so holding a handle grants nothing: every access is resolved and bounds-checked
+by the owner's :class:`RegionTable`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import TransferError
+from .protocol import Status
+
+
+@dataclass(frozen=True)
+class RegionHandle:
+    """Names one registered region of one engine; safe to share with peers as plain data."""
+
+    engine_id: str
+    address: str
+    region_id: int
+    length: int
+    shared: bool = False  # lies in shared memory, so a same-host peer may map it
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "address": self.address,
+            "region_id": self.region_id,
+            "length": self.length,
+            "shared": self.shared,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RegionHandle:
+        try:
+            handle = cls(
+                str(data["engine_id"]),
+                str(data["address"]),
+                int(data["region_id"]),
+                int(data["length"]),
+                bool(data.get("shared", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a region handle: {data!r}") from exc
+        if handle.length <= 0 or handle.region_id < 0:
+            raise ValueError(f"not a region handle: {data!r}")
+        return handle
+
+
+@dataclass(frozen=True)
+class SharedSpan:
+    """Where a region lies inside a shared-memory file of this process (for same-host peers)."""
+
+    fd: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class LocalRegion:
+    """A registered buffer as its owner sees it: a flat byte view plus what keeps it alive."""
+
+    region_id: int
+    view: memoryview
+    tensor: torch.Tensor  # the same bytes as a uint8 tensor, for copies that run outside the GIL
+    writable: bool
+    address: int
+    shared: SharedSpan | None
+    keepalive: object
+
+    @property
+    def length(self) -> int:
+        return len(self.view)
+
+    def span(self, offset: int, length: int) -> memoryview:
+        """Local bounds check for the requesting side's own buffer."""
+        if offset < 0 or length <= 0 or offset + length > len(self.view):
+            raise TransferError(
+                f"local range [{offset}, {offset + length}) is outside region {self.region_id} of {len(self.view)} bytes"
+            )
+        return self.view[offset : offset + length]
+
+
+def as_byte_view(buffer: object) -> tuple[memoryview, bool, object]:
+    """A flat ``'B'`` memoryview of ``buffer``, whether it is writable, and the object to keep alive.
+
+    Accepts contiguous CPU tensors of any dtype and anything with the buffer protocol (bytearray,
+    mmap, numpy arrays, memoryview). Views are built without copying; they are what ``recv_into``
+    fills and ``sendmsg`` reads.
+    """
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise TransferError(
+                f"only CPU tensors can be registered (got {buffer.device}); stage device memory through a CPU tensor"
+            )
+        if not buffer.is_contiguous():
+            raise TransferError("tensor must be contiguous to be registered")
+        # uint8 view -> numpy keeps the tensor's storage alive for as long as the view lives.
+        array = buffer.detach().reshape(-1).view(torch.uint8).numpy()
+        view = memoryview(array)
+    else:
+        try:
+            view = memoryview(buffer)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise TransferError(f"cannot register {type(buffer).__name__}: no buffer protocol") from exc
+        if not view.c_contiguous:
+            raise TransferError("buffer must be C-contiguous to be registered")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if len(view) == 0:
+        raise TransferError("cannot register an empty buffer")
+    return view, not view.readonly, buffer
+
+
+def byte_tensor(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over the view's bytes (no copy)."""
+    with warnings.catch_warnings():
+        # A read-only source is fine: the engine only ever reads from it.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def view_address(view: memoryview) -> int:
+    """Virtual address of a view's first byte (what RDMA registers and shared memory matches)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class RegionTable:
+    """The owner's registered regions; every remote access is resolved here before memory is touched."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, LocalRegion] = {}
+        self._lock = threading.Lock()
+
+    def add(self, buffer: object, locate: Callable[[int, int], SharedSpan | None] = lambda a, n: None) -> LocalRegion:
+        """Register ``buffer``; ``locate`` says whether its bytes lie in shareable memory."""
+        view, writable, keepalive = as_byte_view(buffer)
+        address = view_address(view)
+        shared = locate(address, len(view))
+        with self._lock:
+            # Random ids make a stale or forged handle miss instead of hitting a newer region.
+            region_id = secrets.randbits(62)
+            while region_id in self._regions:
+                region_id = secrets.randbits(62)
+            region = LocalRegion(region_id, view, byte_tensor(view), writable, address, shared, keepalive)
+            self._regions[region_id] = region
+        return region
+
+    def remove(self, region_id: int) -> LocalRegion:
+        with self._lock:
+            region = self._regions.pop(region_id, None)
+        if region is None:
+            raise TransferError(f"region {region_id} is not registered")
+        return region
+
+    def get(self, region_id: int) -> LocalRegion | None:
+        with self._lock:
+            return self._regions.get(region_id)
+
+    def resolve(self, region_id: int, offset: int, length: int, write: bool) -> tuple[Status, memoryview | None]:
+        """The bytes ``[offset, offset + length)`` of a region, or the reason the access is refused."""
+        region = self.get(region_id)
+        if region is None:
+            return Status.UNKNOWN_REGION, None
+        if length <= 0 or offset < 0 or offset + length > region.length:
+            return Status.OUT_OF_BOUNDS, None
+        if write and not region.writable:
+            return Status.READ_ONLY, None
+        return Status.OK, region.view[offset : offset + length]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._regions)

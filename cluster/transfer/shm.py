@@ -1,0 +1,169 @@
+"""Shared memory: buffers a same-host peer can map, and the transport that copies through them.
+
+Shareable buffers come from :class:`SharedMemoryPool`, one ``memfd`` per allocation (tmpfs, like
+``/dev/shm``, but with no name to leak when the owner is killed: the kernel frees it once the last
+mapping goes). A peer on the same host asks the owner to EXPORT a region, opens the owner's file
+through ``/proc/<pid>/fd``, maps exactly the region's window and then copies with ``copy_`` (no
+socket, no second copy). The owner still decides: every batch is CHECKed by the owner before the
+copy and fenced with a PING after it, so unknown handles and out-of-range slices are refused and a
+dead owner fails the batch.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from .batch import Batch, Request, Slice
+from .config import TransferConfig
+from .errors import ChecksumError, PeerError, TransferError, remote_error
+from .protocol import FLAG_WRITE, MAX_SLICES_PER_MESSAGE, Op, Status, checksum, decode_json, encode_json
+from .regions import RegionTable, SharedSpan
+from .tcp import Stream
+
+PAGE = mmap.PAGESIZE
+
+
+class SharedMemoryPool:
+    """This engine's shareable allocations, and where a registered buffer lies inside them."""
+
+    def __init__(self) -> None:
+        self._blocks: list[tuple[int, int, int, mmap.mmap]] = []  # (address, length, fd, map)
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be positive, got {nbytes}")
+        fd = os.memfd_create("mooncake-py-transfer", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            block = mmap.mmap(fd, nbytes)
+        except OSError:
+            os.close(fd)
+            raise
+        tensor = torch.frombuffer(block, dtype=torch.uint8)
+        with self._lock:
+            self._blocks.append((tensor.data_ptr(), nbytes, fd, block))
+        return tensor
+
+    def locate(self, address: int, length: int) -> SharedSpan | None:
+        with self._lock:
+            for start, size, fd, _ in self._blocks:
+                if start <= address and address + length <= start + size:
+                    return SharedSpan(fd, address - start)
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            blocks, self._blocks = self._blocks, []
+        for _, _, fd, _ in blocks:
+            os.close(fd)  # mappings (ours and peers') stay valid until unmapped
+
+
+def export_region(table: RegionTable, region_id: int) -> tuple[Status, dict]:
+    """Owner side of EXPORT for shared memory: where a peer on this host can map the region."""
+    region = table.get(region_id)
+    if region is None:
+        return Status.UNKNOWN_REGION, {}
+    if region.shared is None:
+        return Status.UNSUPPORTED, {"reason": "region is not in shared memory"}
+    return Status.OK, {"pid": os.getpid(), "fd": region.shared.fd, "offset": region.shared.offset, "length": region.length}
+
+
+def map_window(pid: int, fd: int, offset: int, length: int) -> torch.Tensor:
+    """Map ``[offset, offset + length)`` of another process's memfd; the tensor keeps the map alive."""
+    start = offset - offset % PAGE  # mmap offsets must be page-aligned
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        file = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise PeerError(f"cannot open the owner's shared memory {path}: {exc}") from exc
+    try:
+        window = mmap.mmap(file, offset + length - start, offset=start)
+    finally:
+        os.close(file)
+    return torch.frombuffer(window, dtype=torch.uint8)[offset - start :]
+
+
+class ShmTransport:
+    """Copies a batch straight between local memory and a same-host peer's mapped regions."""
+
+    name = "shm"
+
+    def __init__(self, control: Stream, config: TransferConfig) -> None:
+        self._control = control
+        self._config = config
+        self._windows: dict[int, torch.Tensor] = {}
+        self._work: queue.SimpleQueue[tuple[Batch, Op, Sequence[Request]] | None] = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._run, name=f"{control.name} shm", daemon=True)
+        self._worker.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._control.alive
+
+    def submit(self, batch: Batch, op: Op, requests: Sequence[Request]) -> None:
+        batch.expect(1)
+        self._work.put((batch, op, requests))
+
+    def close(self) -> None:
+        self._work.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            batch, op, requests = item
+            try:
+                self._transfer(op, requests)
+            except TransferError as exc:
+                batch.fail(exc)
+            else:
+                batch.part_done()
+
+    def _transfer(self, op: Op, requests: Sequence[Request]) -> None:
+        write = op == Op.WRITE
+        entries = [Slice(r.local, r.region_id, r.offset) for r in requests]
+        for start in range(0, len(entries), MAX_SLICES_PER_MESSAGE):
+            chunk = entries[start : start + MAX_SLICES_PER_MESSAGE]
+            status, index, _ = self._control.call(Op.CHECK, slices=chunk, flags=FLAG_WRITE if write else 0)
+            if status != Status.OK:
+                if status == Status.UNKNOWN_REGION:
+                    self._windows.pop(chunk[index].region_id, None)
+                raise remote_error(status, f"{self._control.name}, entry at offset {chunk[index].offset}")
+        step = self._config.slice_bytes
+        for request in requests:
+            window = self._window(request.region_id)
+            remote = window[request.offset : request.offset + request.length]
+            local = request.local_tensor()
+            if len(remote) != request.length:  # the owner's CHECK already passed; this guards our map
+                raise TransferError(f"entry at offset {request.offset} is outside the mapped region")
+            dst, src = (remote, local) if write else (local, remote)
+            dst.copy_(src)
+            if self._config.checksum:
+                for at in range(0, request.length, step):
+                    a, b = dst[at : at + step].numpy(), src[at : at + step].numpy()
+                    if checksum(memoryview(a)) != checksum(memoryview(b)):
+                        raise ChecksumError(f"{self._control.name}: checksum mismatch at offset {request.offset + at}")
+        # The fence: a copy into a dead owner's memory is lost, so the batch only succeeds if the
+        # owner is still there after the last byte landed.
+        status, _, _ = self._control.call(Op.PING)
+        if status != Status.OK:
+            raise PeerError(f"{self._control.name}: fence failed with status {status}")
+
+    def _window(self, region_id: int) -> torch.Tensor:
+        window = self._windows.get(region_id)
+        if window is None:
+            status, _, body = self._control.call(Op.EXPORT, encode_json({"kind": "shm", "region_id": region_id}))
+            if status != Status.OK:
+                raise remote_error(status, f"{self._control.name}: cannot map region {region_id}")
+            info = decode_json(body)
+            window = map_window(int(info["pid"]), int(info["fd"]), int(info["offset"]), int(info["length"]))
+            self._windows[region_id] = window
+        return window
