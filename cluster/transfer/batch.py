@@ -6,8 +6,7 @@ import asyncio
 import threading
 from collections.abc import Generator, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -15,9 +14,12 @@ from .errors import TransferError
 from .regions import LocalRegion
 
 
-@dataclass(frozen=True)
-class Slice:
-    """One contiguous piece of a request: local bytes and where they go (or come from) remotely."""
+class Slice(NamedTuple):
+    """One contiguous piece of a request: local bytes and where they go (or come from) remotely.
+
+    Named tuples rather than dataclasses: a 1 GiB batch of 64 KiB slices builds 16k of them,
+    and tuple construction is several times cheaper.
+    """
 
     local: memoryview
     region_id: int
@@ -28,8 +30,7 @@ class Slice:
         return len(self.local)
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """One entry of a batch after the local side resolved and bounds-checked its own buffer."""
 
     local_region: LocalRegion
@@ -47,6 +48,9 @@ class Request:
 
     def slices(self, slice_bytes: int) -> Iterable[Slice]:
         local = self.local
+        if self.length <= slice_bytes:
+            yield Slice(local, self.region_id, self.offset)
+            return
         for start in range(0, self.length, slice_bytes):
             yield Slice(local[start : start + slice_bytes], self.region_id, self.offset + start)
 

@@ -26,7 +26,7 @@ from .errors import PeerError, RdmaUnavailable, TransferError
 from .messenger import Messenger
 from .protocol import Op, Status
 from .rdma import RdmaDevice, RdmaTransport
-from .regions import RegionHandle, RegionTable
+from .regions import LocalRegion, RegionHandle, RegionTable
 from .shm import SharedMemoryPool, ShmTransport, export_region
 from .tcp import Stream, TcpTransport, connect
 
@@ -176,23 +176,31 @@ class TransferEngine:
         try:
             if self._closed:
                 raise TransferError("engine is closed")
-            for local, local_offset, remote, remote_offset, length in entries:
-                region = self._table.get(self._own(local).region_id)
-                if region is None:
-                    raise TransferError(f"local region {local.region_id} is not registered")
-                region.span(local_offset, length)  # our side of the bounds check
-                if op == Op.READ and not region.writable:
-                    raise TransferError(f"local region {local.region_id} is read-only")
-                requests.append(Request(region, local_offset, remote.region_id, remote_offset, length))
             link = self._link(peer)
-            for _, _, remote, _, _ in entries:
-                if remote.engine_id != link.hello["engine_id"]:
+            peer_id = link.hello["engine_id"]
+            regions: dict[int, LocalRegion] = {}  # a batch usually names a handful of regions
+            for local, local_offset, remote, remote_offset, length in entries:
+                region = regions.get(local.region_id)
+                if region is None:
+                    region = regions[local.region_id] = self._local_region(local, op)
+                if local_offset < 0 or length <= 0 or local_offset + length > region.length:
+                    region.span(local_offset, length)  # raises with the details
+                if remote.engine_id != peer_id:
                     raise TransferError(f"region {remote.region_id} belongs to engine {remote.engine_id}, not to peer {peer}")
+                requests.append(Request(region, local_offset, remote.region_id, remote_offset, length))
             name = self._choose(link, [e[2] for e in entries], transport)
             self._transport(link, name).submit(batch, op, requests)
         except TransferError as exc:
             batch.fail(exc)
         return batch
+
+    def _local_region(self, handle: RegionHandle, op: Op) -> LocalRegion:
+        region = self._table.get(self._own(handle).region_id)
+        if region is None:
+            raise TransferError(f"local region {handle.region_id} is not registered")
+        if op == Op.READ and not region.writable:
+            raise TransferError(f"local region {handle.region_id} is read-only")
+        return region
 
     def _own(self, handle: RegionHandle) -> RegionHandle:
         if handle.engine_id != self.engine_id:

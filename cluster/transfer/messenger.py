@@ -32,6 +32,7 @@ from .protocol import (
     decode_json,
     drain,
     encode_json,
+    recv_buffers,
     recv_exact,
     recv_struct,
     send_buffers,
@@ -163,9 +164,7 @@ class Messenger:
         if status != Status.OK:
             drain(conn, payload)
             return self._reply(conn, status, index, msg_id)
-        for view in views:
-            if not recv_exact(conn, view):  # straight into the registered region
-                return False
+        recv_buffers(conn, views)  # straight into the registered region
         if flags & FLAG_CHECKSUM:
             for i, view in enumerate(views):
                 if checksum(view) != slices[i][3]:

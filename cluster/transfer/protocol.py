@@ -79,6 +79,25 @@ def recv_exact(sock: socket.socket, view: memoryview, idle_ok: Callable[[], bool
     return True
 
 
+def recv_buffers(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill each view in order with ``recvmsg_into``: one system call scatters the stream over
+    many slices, where a ``recv_into`` per slice would cost a call (and a GIL round) each."""
+    pending = [v for v in views if len(v)]
+    start = 0
+    while start < len(pending):
+        got = sock.recvmsg_into(pending[start : start + MAX_SLICES_PER_MESSAGE])[0]
+        if got == 0:
+            raise ConnectionError("connection closed in the middle of a message")
+        while got and start < len(pending):
+            size = len(pending[start])
+            if got >= size:
+                got -= size
+                start += 1
+            else:
+                pending[start] = pending[start][got:]
+                got = 0
+
+
 def recv_struct(sock: socket.socket, fmt: struct.Struct, idle_ok: Callable[[], bool] | None = None) -> tuple | None:
     buf = bytearray(fmt.size)
     if not recv_exact(sock, memoryview(buf), idle_ok):

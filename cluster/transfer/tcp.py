@@ -33,6 +33,7 @@ from .protocol import (
     Op,
     Status,
     checksum,
+    recv_buffers,
     recv_exact,
     recv_struct,
     send_buffers,
@@ -243,8 +244,7 @@ class Stream:
                 raw = bytearray(CHECKSUM.size * len(message.slices))
                 recv_exact(self._sock, memoryview(raw))
                 sums = tuple(v[0] for v in CHECKSUM.iter_unpack(raw))
-            for s in message.slices:
-                recv_exact(self._sock, s.local)  # straight into the registered buffer
+            recv_buffers(self._sock, [s.local for s in message.slices])  # straight into the registered buffer
             for i, s in enumerate(message.slices):
                 if sums and checksum(s.local) != sums[i]:
                     return ChecksumError(f"{self.name}: checksum mismatch reading slice at offset {s.offset}")
