@@ -13,14 +13,13 @@ node's own double check, since its load may have changed during prefill).
 * ``PredictiveEarlyRejection`` — judge the decode pool as it will be when the request gets
   there: requests finishing prefill by then have joined, and every running request is assumed to
   decode for a uniform ``t_d`` seconds (the paper's system-level prediction).
-* ``SurvivalPredictiveRejection`` — ours, see its docstring.
+* ``LateBindingRejection`` — ours: the decode instance is chosen when the KV is ready, so a
+  request is refused after prefill only when no decode instance has room.
 """
 
 from __future__ import annotations
 
-import bisect
 from abc import ABC, abstractmethod
-from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,9 +51,15 @@ def current_decode_load(step: DecodeStepModel, slo: SLO, pool: Sequence[DecodeIn
 
 
 class AdmissionPolicy(ABC):
-    def __init__(self, slo: SLO, step: DecodeStepModel) -> None:
+    def __init__(self, slo: SLO, step: DecodeStepModel, tbt_target: float = 1.0) -> None:
+        """``tbt_target``: fraction of the TBT SLO a decode instance is filled up to. A request's
+        TBT is its worst 10% of gaps, and contexts grow after admission, so an instance filled to
+        exactly the SLO breaks it for about half its requests."""
+        if not 0 < tbt_target <= 1:
+            raise ValueError(f"tbt_target must be in (0, 1], got {tbt_target}")
         self.slo = slo
         self.step = step
+        self.tbt_limit = slo.tbt_s * tbt_target
 
     @abstractmethod
     def on_arrival(
@@ -67,10 +72,20 @@ class AdmissionPolicy(ABC):
     ) -> Decision:
         ...
 
-    def on_decode(self, request: RequestInfo, state: DecodeInstanceState) -> bool:
-        """Decode-side check: the instance's TBT with this request added stays within the SLO."""
+    def fits(self, request: RequestInfo, state: DecodeInstanceState) -> bool:
+        """The instance's TBT with this request added stays within the SLO."""
         tbt = self.step.step_s(state.batch_size + 1, state.context_tokens + request.input_length)
-        return tbt <= self.slo.tbt_s
+        return tbt <= self.tbt_limit
+
+    def on_decode(
+        self, request: RequestInfo, decode_pool: Sequence[DecodeInstanceState], planned: int
+    ) -> int | None:
+        """When the KV reaches decode instance ``planned``: the instance to join, or None to reject.
+
+        The paper's decode node checks only itself.
+        """
+        state = next(s for s in decode_pool if s.index == planned)
+        return planned if self.fits(request, state) else None
 
     def observe_decode(self, duration_s: float) -> None:
         """Told the decode duration of every finished request; only learning policies use it."""
@@ -78,10 +93,12 @@ class AdmissionPolicy(ABC):
 
 class AcceptAll(AdmissionPolicy):
     def on_arrival(self, now, request, prefill, decode, decode_pool) -> Decision:  # type: ignore[override]
-        return Decision(True, prefill.ttft_s / self.slo.ttft_s, decode.predicted_tbt_s / self.slo.tbt_s)
+        return Decision(True, prefill.ttft_s / self.slo.ttft_s, decode.predicted_tbt_s / self.tbt_limit)
 
-    def on_decode(self, request: RequestInfo, state: DecodeInstanceState) -> bool:
-        return True
+    def on_decode(
+        self, request: RequestInfo, decode_pool: Sequence[DecodeInstanceState], planned: int
+    ) -> int | None:
+        return planned
 
 
 class PerStageRejection(AdmissionPolicy):
@@ -91,17 +108,29 @@ class PerStageRejection(AdmissionPolicy):
 
 
 class EarlyRejection(AdmissionPolicy):
+    """The decode node's check, moved before prefill: the chosen instance's TBT now, with the request."""
+
     def on_arrival(self, now, request, prefill, decode, decode_pool) -> Decision:  # type: ignore[override]
         p_load = prefill.ttft_s / self.slo.ttft_s
-        d_load = current_decode_load(self.step, self.slo, decode_pool)
+        state = next(s for s in decode_pool if s.index == decode.instance)
+        tbt = self.step.step_s(state.batch_size + 1, state.context_tokens + request.input_length)
+        d_load = tbt / self.tbt_limit
         return Decision(max(p_load, d_load) < 1.0, p_load, d_load)
 
 
 class PredictiveEarlyRejection(AdmissionPolicy):
-    """Early rejection on the decode load predicted for the moment the request reaches decode."""
+    """Early rejection on the decode load predicted for the moment the request reaches decode.
 
-    def __init__(self, slo: SLO, step: DecodeStepModel, decode_time_s: float) -> None:
-        super().__init__(slo, step)
+    At ``at = now + predicted TTFT`` each decode instance holds its running requests that began
+    less than ``t_d`` before ``at`` and the requests routed to it whose KV lands by ``at`` (this
+    one included, on its chosen instance); the decode load is the mean over the pool of that
+    batch's step time relative to the TBT limit (arXiv §7.3).
+    """
+
+    def __init__(
+        self, slo: SLO, step: DecodeStepModel, decode_time_s: float, tbt_target: float = 1.0
+    ) -> None:
+        super().__init__(slo, step, tbt_target)
         if decode_time_s <= 0:
             raise ValueError(f"decode_time_s must be positive, got {decode_time_s}")
         self.t_d = decode_time_s
@@ -112,6 +141,9 @@ class PredictiveEarlyRejection(AdmissionPolicy):
         total = 0.0
         for s in decode_pool:
             batch, context = s.batch_size, s.context_tokens
+            if s.index == decode.instance:
+                batch += 1
+                context += request.input_length
             for start, prompt in zip(s.running_start_s, s.running_prompt):
                 if start + self.t_d <= at:
                     batch -= 1
@@ -120,76 +152,28 @@ class PredictiveEarlyRejection(AdmissionPolicy):
                 if ready <= at:
                     batch += 1
                     context += prompt
-            if s.index == decode.instance:
-                batch += 1
-                context += request.input_length
             total += self.step.step_s(batch, max(context, 0))
-        d_load = total / (len(decode_pool) * self.slo.tbt_s)
+        d_load = total / (len(decode_pool) * self.tbt_limit)
         return Decision(max(p_load, d_load) < 1.0, p_load, d_load)
 
 
-class SurvivalPredictiveRejection(AdmissionPolicy):
-    """Ours: predict the decode instance the request is routed to, with learned decode lifetimes.
+class LateBindingRejection(PerStageRejection):
+    """Ours: bind the decode instance when the KV is ready; refuse after prefill only if none fits.
 
-    Prediction-based early rejection assumes every decode lasts exactly ``t_d`` and averages the
-    load over the pool. Decode lengths are heavy-tailed, so a request that has decoded for a
-    while is likely to go on; and the request joins *one* instance, whose own check decides
-    whether it is rejected after prefill. This policy keeps the durations of recently finished
-    decodes and, for each sequence running on the chosen instance, weights it by the probability
-    of still running at the horizon given its age, ``S(age + h) / S(age)`` with ``S`` the
-    empirical survival function; routed requests that land by the horizon count in full. It
-    accepts iff the prefill load and that instance's predicted load are below 1. Until
-    ``min_samples`` decodes have finished it falls back to the uniform ``t_d``.
+    The paper fixes the decode instance at arrival, so a request is refused after its prefill
+    whenever that one instance is full, even if another has room. Here the decode side takes,
+    when the KV arrives, the planned instance if it fits, else the least loaded one that fits
+    (the KV, already in the planned node's DRAM, is copied over at the transfer bandwidth).
+    On arrival only the TTFT is judged: a decode check then, on the pool as it is *now*,
+    refused many requests for which an instance had room by the time their KV was ready.
     """
 
-    def __init__(
-        self,
-        slo: SLO,
-        step: DecodeStepModel,
-        prior_decode_time_s: float,
-        window: int = 2000,
-        min_samples: int = 50,
-    ) -> None:
-        super().__init__(slo, step)
-        if prior_decode_time_s <= 0 or window <= 0 or not 0 < min_samples <= window:
-            raise ValueError("need prior_decode_time_s > 0 and 0 < min_samples <= window")
-        self.prior = prior_decode_time_s
-        self.min_samples = min_samples
-        self._recent: deque[float] = deque(maxlen=window)
-        self._sorted: list[float] = []
-        self._stale = False
-
-    def observe_decode(self, duration_s: float) -> None:
-        self._recent.append(duration_s)
-        self._stale = True
-
-    def _survival(self, x: float) -> float:
-        """P(decode lasts > x), smoothed so that a sequence older than every sample still counts."""
-        d = self._sorted
-        return (len(d) - bisect.bisect_right(d, x) + 1) / (len(d) + 1)
-
-    def _still_running(self, age: float, horizon: float) -> float:
-        if len(self._recent) < self.min_samples:
-            return 1.0 if age + horizon < self.prior else 0.0
-        return self._survival(age + horizon) / self._survival(age)
-
-    def on_arrival(self, now, request, prefill, decode, decode_pool) -> Decision:  # type: ignore[override]
-        if self._stale:
-            self._sorted = sorted(self._recent)
-            self._stale = False
-        p_load = prefill.ttft_s / self.slo.ttft_s
-        horizon = prefill.ttft_s
-        at = now + horizon
-        state = next(s for s in decode_pool if s.index == decode.instance)
-        batch = 1.0
-        context = float(request.input_length + state.context_tokens - sum(state.running_prompt))
-        for start, prompt in zip(state.running_start_s, state.running_prompt):
-            alive = self._still_running(now - start, horizon)
-            batch += alive
-            context += alive * prompt
-        for ready, prompt in zip(state.incoming_ready_s, state.incoming_prompt):
-            if ready <= at:
-                batch += 1
-                context += prompt
-        d_load = self.step.step_s(batch, context) / self.slo.tbt_s
-        return Decision(max(p_load, d_load) < 1.0, p_load, d_load)
+    def on_decode(
+        self, request: RequestInfo, decode_pool: Sequence[DecodeInstanceState], planned: int
+    ) -> int | None:
+        fitting = [s for s in decode_pool if self.fits(request, s)]
+        if not fitting:
+            return None
+        if any(s.index == planned for s in fitting):
+            return planned
+        return min(fitting, key=lambda s: self.step.step_s(s.batch_size, s.context_tokens)).index

@@ -1,0 +1,106 @@
+"""Configuration of one simulated cluster run, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from cluster.cost_model import (
+    A800_X8,
+    LLAMA3_70B,
+    DecodeStepModel,
+    HardwareSpec,
+    ModelSpec,
+    PrefillCostModel,
+    TransferModel,
+)
+
+SCHEDULERS = ("random", "load_balancing", "local", "global")
+ADMISSIONS = ("none", "per_stage", "early", "predictive", "late_binding")
+
+# Calibration (see bench/README.md). Prefill MFU 0.6 puts Mooncake's mean prefill time on the
+# conversation trace near FAST'25 Fig. 8's ~1.05 s. Decode is calibrated far below the HBM
+# roofline (which for GQA LLaMA3-70B would leave the decode pool nearly idle at the paper's 2x
+# overload point, although arXiv Table 3 shows decode rejecting): 15% of peak bandwidth and
+# 20 ms of per-step overhead (tensor-parallel all-reduces over 80 layers, launches).
+CALIBRATED_HARDWARE = HardwareSpec(
+    peak_flops=A800_X8.peak_flops,
+    hbm_bytes_per_s=A800_X8.hbm_bytes_per_s,
+    hbm_bytes=A800_X8.hbm_bytes,
+    nic_bytes_per_s=A800_X8.nic_bytes_per_s,
+    prefill_mfu=0.6,
+    decode_mfu=0.5,
+    hbm_efficiency=0.6,
+    kv_read_efficiency=0.12,
+    step_overhead_s=0.015,
+)
+
+# The arXiv-era cluster of the overload experiment (Table 3) was slower: replaying a load like
+# ours at 2x it refused 18% of requests. Prefill MFU 0.35 and decode KV reads at 8% of peak put
+# our baseline at 15% refused on the conversation trace at 2x (see bench/README.md).
+ARXIV_OVERLOAD_HARDWARE = replace(CALIBRATED_HARDWARE, prefill_mfu=0.35, kv_read_efficiency=0.08)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    n_prefill: int = 8
+    n_decode: int = 8
+    # Per prefill instance DRAM cache; None = unbounded. 3M tokens ~ 1 TB of LLaMA3-70B KV.
+    cache_capacity_tokens: int | None = 3_000_000
+    block_size: int = 512
+    scheduler: str = "global"
+    kvcache_balancing_threshold: float = 2.0
+    admission: str = "none"
+    decode_time_s: float = 20.0  # t_d of prediction-based early rejection
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    tbt_target: float = 1.0  # decode instances admit up to this fraction of the TBT SLO
+    speed: float = 1.0  # trace timestamps are divided by this
+    prefill_chunk: int = 4096  # KV streams to decode per chunk; the last chunk's transfer trails prefill
+    output_tokens: int | None = None  # force every output to this length (FAST'25 Fig. 10 uses 1)
+    profile_noise: float = 0.03  # relative error of the profiled prefill times the Conductor fits
+    sample_interval_s: float = 5.0
+    replica_interval_s: float = 30.0
+    hot_keys: int = 100
+    seed: int = 0
+    model: ModelSpec = LLAMA3_70B
+    hardware: HardwareSpec = field(default=CALIBRATED_HARDWARE)
+
+    def __post_init__(self) -> None:
+        if self.n_prefill <= 0 or self.n_decode <= 0:
+            raise ValueError("need at least one prefill and one decode instance")
+        if self.cache_capacity_tokens is not None and self.cache_capacity_tokens < 0:
+            raise ValueError("cache_capacity_tokens must be >= 0 or None")
+        if self.block_size <= 0 or self.prefill_chunk <= 0:
+            raise ValueError("block_size and prefill_chunk must be positive")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.kvcache_balancing_threshold < 1:
+            raise ValueError("kvcache_balancing_threshold must be >= 1")
+        if min(self.decode_time_s, self.ttft_slo_s, self.tbt_slo_s, self.speed) <= 0:
+            raise ValueError("decode_time_s, SLOs and speed must be positive")
+        if self.output_tokens is not None and self.output_tokens <= 0:
+            raise ValueError("output_tokens must be positive or None")
+        if not 0 < self.tbt_target <= 1:
+            raise ValueError("tbt_target must be in (0, 1]")
+        if not 0 <= self.profile_noise < 1:
+            raise ValueError("profile_noise must be in [0, 1)")
+        if min(self.sample_interval_s, self.replica_interval_s) <= 0 or self.hot_keys < 0:
+            raise ValueError("sampling intervals must be positive and hot_keys >= 0")
+
+    @property
+    def cache_capacity_blocks(self) -> int | None:
+        if self.cache_capacity_tokens is None:
+            return None
+        return self.cache_capacity_tokens // self.block_size
+
+    def prefill_model(self) -> PrefillCostModel:
+        """The true prefill time the simulated instances take."""
+        return PrefillCostModel.from_flops(self.model, self.hardware)
+
+    def decode_model(self) -> DecodeStepModel:
+        return DecodeStepModel.from_specs(self.model, self.hardware)
+
+    def transfer_model(self) -> TransferModel:
+        return TransferModel.from_specs(self.model, self.hardware)

@@ -1,0 +1,53 @@
+"""Summary statistics of a simulated run, as a JSON-ready dict."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, SimResult
+
+
+def distribution(values: np.ndarray) -> dict[str, float]:
+    v = values[~np.isnan(values)]
+    if v.size == 0:
+        return {"count": 0, "mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    p50, p90, p99 = np.percentile(v, [50, 90, 99])
+    return {"count": int(v.size), "mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(r: SimResult) -> dict[str, Any]:
+    cfg = r.config
+    done = r.status == COMPLETED
+    prefilled = ~np.isnan(r.ttft_s)
+    # A request without decode steps has no TBT and cannot break the TBT SLO.
+    tbt_ok = np.isnan(r.tbt_s) | (r.tbt_s <= cfg.tbt_slo_s)
+    effective = done & (r.ttft_s <= cfg.ttft_slo_s) & tbt_ok
+    span = float(np.nanmax(r.finish_s)) if done.any() else 0.0
+    n = len(r.status)
+    in_prefilled = r.input_length[prefilled].sum()
+    return {
+        "requests": n,
+        "completed": int(done.sum()),
+        "rejected": int((r.status != COMPLETED).sum()),
+        "rejected_on_arrival": int((r.status == REJECTED_ON_ARRIVAL).sum()),
+        "rejected_at_decode": int((r.status == REJECTED_AT_DECODE).sum()),
+        "wasted_prefill_s": float(r.prefill_s[r.status == REJECTED_AT_DECODE].sum()),
+        "ttft_s": distribution(np.where(done, r.ttft_s, np.nan)),
+        "tbt_s": distribution(np.where(done, r.tbt_s, np.nan)),
+        "slo_attainment": float(effective.sum() / n),
+        "goodput_req_per_s": float(effective.sum() / span) if span else 0.0,
+        "goodput_tokens_per_s": float(r.output_length[effective].sum() / span) if span else 0.0,
+        "prefix_hit_rate": float(r.prefix_tokens[prefilled].sum() / in_prefilled) if in_prefilled else 0.0,
+        "pulled_token_share": float(r.pulled_tokens[prefilled].sum() / in_prefilled) if in_prefilled else 0.0,
+        "prefill_s_per_request": float(r.prefill_s[prefilled].mean()) if prefilled.any() else 0.0,
+        "hot_key_replicas_mean": float(np.mean(r.hot_key_replicas)) if r.hot_key_replicas else 0.0,
+        "hot_key_replicas_last": float(r.hot_key_replicas[-1]) if r.hot_key_replicas else 0.0,
+        "load": {"t": r.sample_t, "prefill": r.prefill_load, "decode": r.decode_load},
+        "replicas": {"t": r.replica_t, "hot_key_mean": r.hot_key_replicas},
+        "makespan_s": span,
+        "wall_s": r.wall_s,
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("model", "hardware")},
+    }

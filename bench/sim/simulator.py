@@ -1,0 +1,290 @@
+"""Discrete-event replay of a Mooncake trace on a simulated disaggregated cluster.
+
+Events are request arrivals (trace order), KV arrivals at decode instances, and load samples.
+On arrival the Conductor's policies from ``cluster/`` run on plain state snapshots: the prefill
+scheduler picks an instance and prefix, the decode balancer a decode instance, the admission
+policy accepts or rejects. An accepted request is queued FIFO on its prefill instance (after
+pulling a remote prefix through the source's NIC if the plan says so); its KV reaches the decode
+instance when prefill ends plus the transfer of the last chunk, where the decode node checks
+its own load again and the request joins the continuous batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from bench.sim.config import SimConfig
+from bench.sim.decode import DecodeInstance
+from bench.sim.prefill import PrefillInstance
+from bench.sim.profiling import fit_prefill_predictor
+from bench.trace import TraceEntry
+from cluster.admission import (
+    SLO,
+    AcceptAll,
+    AdmissionPolicy,
+    EarlyRejection,
+    LateBindingRejection,
+    PerStageRejection,
+    PredictiveEarlyRejection,
+    current_decode_load,
+)
+from cluster.instance_state import RequestInfo
+from cluster.prefix_index import LRUBlockCache
+from cluster.scheduling import (
+    DecodeLoadBalancer,
+    GlobalCacheAwareScheduler,
+    LoadBalancingScheduler,
+    LocalCacheAwareScheduler,
+    PrefillEstimator,
+    PrefillScheduler,
+    RandomScheduler,
+)
+
+COMPLETED, REJECTED_ON_ARRIVAL, REJECTED_AT_DECODE = 0, 1, 2
+
+
+@dataclass
+class SimResult:
+    """Per-request outcomes (arrays indexed by trace order) and sampled pool loads."""
+
+    config: SimConfig
+    arrival_s: np.ndarray
+    input_length: np.ndarray
+    output_length: np.ndarray
+    status: np.ndarray
+    ttft_s: np.ndarray  # NaN if rejected on arrival
+    tbt_s: np.ndarray  # mean of the longest 10% inter-token gaps (FAST'25); NaN if no decode step
+    finish_s: np.ndarray
+    prefix_tokens: np.ndarray
+    pulled_tokens: np.ndarray
+    prefill_s: np.ndarray
+    sample_t: list[float] = field(default_factory=list)
+    prefill_load: list[float] = field(default_factory=list)
+    decode_load: list[float] = field(default_factory=list)
+    replica_t: list[float] = field(default_factory=list)
+    hot_key_replicas: list[float] = field(default_factory=list)  # mean instances holding a hot key
+    wall_s: float = 0.0
+
+
+def make_scheduler(config: SimConfig, estimator: PrefillEstimator) -> PrefillScheduler:
+    if config.scheduler == "random":
+        return RandomScheduler(estimator, seed=config.seed)
+    if config.scheduler == "load_balancing":
+        return LoadBalancingScheduler(estimator)
+    if config.scheduler == "local":
+        return LocalCacheAwareScheduler(estimator)
+    return GlobalCacheAwareScheduler(estimator, config.kvcache_balancing_threshold)
+
+
+def make_admission(config: SimConfig) -> AdmissionPolicy:
+    slo = SLO(config.ttft_slo_s, config.tbt_slo_s)
+    step = config.decode_model()
+    target = config.tbt_target
+    if config.admission == "none":
+        return AcceptAll(slo, step)
+    if config.admission == "per_stage":
+        return PerStageRejection(slo, step, target)
+    if config.admission == "early":
+        return EarlyRejection(slo, step, target)
+    if config.admission == "predictive":
+        return PredictiveEarlyRejection(slo, step, config.decode_time_s, target)
+    return LateBindingRejection(slo, step, target)
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, entries: Sequence[TraceEntry]) -> None:
+        if not entries:
+            raise ValueError("empty trace")
+        self.config = config
+        self.entries = sorted(entries, key=lambda e: e.timestamp_ms)
+        t0 = self.entries[0].timestamp_ms
+        n = len(self.entries)
+        self.arrival = np.array([(e.timestamp_ms - t0) / 1000.0 / config.speed for e in self.entries])
+        self.input_length = np.array([e.input_length for e in self.entries], dtype=np.int64)
+        outs = [config.output_tokens or max(e.output_length, 1) for e in self.entries]
+        self.output_length = np.array(outs, dtype=np.int64)
+        self.status = np.full(n, COMPLETED, dtype=np.int8)
+        self.ttft = np.full(n, np.nan)
+        self.first_token_at = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.prefix = np.zeros(n, dtype=np.int64)
+        self.pulled = np.zeros(n, dtype=np.int64)
+        self.prefill_s = np.zeros(n)
+        self.decode_of = np.full(n, -1, dtype=np.int64)
+
+        self.true_prefill = config.prefill_model()
+        self.transfer = config.transfer_model()
+        step = config.decode_model()
+        predictor = fit_prefill_predictor(self.true_prefill, config.profile_noise, config.seed)
+        estimator = PrefillEstimator(predictor, self.transfer, config.block_size)
+        self.scheduler = make_scheduler(config, estimator)
+        self.balancer = DecodeLoadBalancer(step)
+        self.admission = make_admission(config)
+        self.slo = self.admission.slo
+        self.step_model = step
+        self.prefill = [
+            PrefillInstance(i, LRUBlockCache(config.cache_capacity_blocks)) for i in range(config.n_prefill)
+        ]
+        self.decode = [DecodeInstance(i, step, self._on_finish) for i in range(config.n_decode)]
+        counts = Counter(k for e in self.entries for k in e.hash_ids)
+        self.hot_keys = [k for k, _ in counts.most_common(config.hot_keys)]
+        self.result = SimResult(
+            config=config,
+            arrival_s=self.arrival,
+            input_length=self.input_length,
+            output_length=self.output_length,
+            status=self.status,
+            ttft_s=self.ttft,
+            tbt_s=np.full(n, np.nan),
+            finish_s=self.finish,
+            prefix_tokens=self.prefix,
+            pulled_tokens=self.pulled,
+            prefill_s=self.prefill_s,
+        )
+
+    def _on_finish(self, request: int, t: float) -> None:
+        self.finish[request] = t
+        self.admission.observe_decode(t - self.first_token_at[request])
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        cfg = self.config
+        # (time, request, moved): KV reaching its planned decode node, or a node it was moved to.
+        joins: list[tuple[float, int, bool]] = []
+        next_sample, next_replica = 0.0, 0.0
+        i, n = 0, len(self.entries)
+        while i < n or joins:
+            t_arrival = self.arrival[i] if i < n else math.inf
+            t_join = joins[0][0] if joins else math.inf
+            t = min(t_arrival, t_join)
+            while next_sample <= t:
+                self._sample_load(next_sample)
+                next_sample += cfg.sample_interval_s
+            while next_replica <= t:
+                self._sample_replicas(next_replica)
+                next_replica += cfg.replica_interval_s
+            if t_join <= t_arrival:
+                _, request, moved = heapq.heappop(joins)
+                if moved:
+                    self._kv_moved(t, request)
+                else:
+                    landed = self._kv_arrives(t, request)
+                    if landed is not None:
+                        heapq.heappush(joins, (landed, request, True))
+            else:
+                ready = self._arrive(t, i)
+                if ready is not None:
+                    heapq.heappush(joins, (ready, i, False))
+                i += 1
+        while any(d.running for d in self.decode):
+            self._sample_load(next_sample)
+            next_sample += cfg.sample_interval_s
+        for d in self.decode:
+            d.drain()
+        self._fill_tbt()
+        self.result.wall_s = time.perf_counter() - wall0
+        return self.result
+
+    def _arrive(self, now: float, i: int) -> float | None:
+        """Route or reject request ``i``; returns when its KV reaches decode, None if rejected."""
+        entry = self.entries[i]
+        n = entry.input_length
+        request = RequestInfo(request_id=i, input_length=n, block_keys=entry.hash_ids)
+        plan = self.scheduler.select(request, [p.state(now) for p in self.prefill])
+        for d in self.decode:
+            d.advance_to(now)
+        decode_pool = [d.state() for d in self.decode]
+        dplan = self.balancer.select(request, decode_pool)
+        if not self.admission.on_arrival(now, request, plan, dplan, decode_pool).accept:
+            self.status[i] = REJECTED_ON_ARRIVAL
+            return None
+        inst = self.prefill[plan.instance]
+        inputs_ready = now
+        if plan.source is not None:
+            inputs_ready = self.prefill[plan.source].send(now, self.transfer.seconds(plan.transfer_tokens))
+        seconds = self.true_prefill.seconds(n, plan.prefix_tokens)
+        end = inst.run(now, seconds, inputs_ready)
+        inst.cache.insert(entry.hash_ids)
+        self.prefix[i] = plan.prefix_tokens
+        self.pulled[i] = plan.transfer_tokens
+        self.prefill_s[i] = seconds
+        self.ttft[i] = end - now
+        self.first_token_at[i] = end
+        self.decode_of[i] = dplan.instance
+        # The Conductor's own prediction of when the KV lands, as the decode state reports it.
+        self.decode[dplan.instance].incoming[i] = (now + plan.ttft_s, n)
+        computed = n - plan.prefix_tokens
+        last_chunk = computed - (max(computed - 1, 0) // self.config.prefill_chunk) * self.config.prefill_chunk
+        return end + self.transfer.seconds(last_chunk)
+
+    def _kv_arrives(self, now: float, i: int) -> float | None:
+        """The decode side decides; returns when the KV lands elsewhere if it must move first."""
+        planned = int(self.decode_of[i])
+        for d in self.decode:
+            d.advance_to(now)
+        del self.decode[planned].incoming[i]
+        n = int(self.input_length[i])
+        request = RequestInfo(request_id=i, input_length=n, block_keys=self.entries[i].hash_ids)
+        chosen = self.admission.on_decode(request, [d.state() for d in self.decode], planned)
+        if chosen is None:
+            self.status[i] = REJECTED_AT_DECODE
+            return None
+        if chosen != planned:
+            # The KV sits in the planned node's DRAM; copy it over, holding the place on the target.
+            self.decode_of[i] = chosen
+            landed = now + self.transfer.seconds(n)
+            self.decode[chosen].incoming[i] = (landed, n)
+            return landed
+        self.decode[planned].join(i, n, int(self.output_length[i]) - 1)
+        return None
+
+    def _kv_moved(self, now: float, i: int) -> None:
+        inst = self.decode[self.decode_of[i]]
+        inst.advance_to(now)
+        del inst.incoming[i]
+        inst.join(i, int(self.input_length[i]), int(self.output_length[i]) - 1)
+
+    def _sample_load(self, t: float) -> None:
+        for d in self.decode:
+            d.advance_to(t)
+        r = self.result
+        r.sample_t.append(t)
+        r.prefill_load.append(
+            sum(p.queue_s(t) for p in self.prefill) / (len(self.prefill) * self.slo.ttft_s)
+        )
+        r.decode_load.append(current_decode_load(self.step_model, self.slo, [d.state() for d in self.decode]))
+
+    def _sample_replicas(self, t: float) -> None:
+        if not self.hot_keys:
+            return
+        held = sum(1 for k in self.hot_keys for p in self.prefill if k in p.cache)
+        self.result.replica_t.append(t)
+        self.result.hot_key_replicas.append(held / len(self.hot_keys))
+
+    def _fill_tbt(self) -> None:
+        """TBT of each request: the mean of its longest 10% inter-token gaps (FAST'25 §5.1)."""
+        step_end = [np.asarray(d.step_end) for d in self.decode]
+        tbt = self.result.tbt_s
+        for i in np.flatnonzero(~np.isnan(self.finish)):
+            steps = int(self.output_length[i]) - 1
+            if steps <= 0:
+                continue
+            d = self.decode_of[i]
+            s0 = self.decode[d].join_step[i]
+            ends = step_end[d][s0 : s0 + steps]
+            gaps = np.empty(steps)
+            gaps[0] = ends[0] - self.first_token_at[i]
+            gaps[1:] = np.diff(ends)
+            k = max(1, math.ceil(0.1 * steps))
+            tbt[i] = np.partition(gaps, steps - k)[steps - k :].mean()
+
+
+def simulate(config: SimConfig, entries: Sequence[TraceEntry]) -> SimResult:
+    return Simulator(config, entries).run()

@@ -1,0 +1,193 @@
+"""The paper's scheduling and overload experiments on the trace-replay simulator.
+
+    python -m bench.simulate schedulers   # FAST'25 Fig. 5: mean TTFT per prefill scheduler
+    python -m bench.simulate hitrate      # FAST'25 Fig. 9: hit rate vs cache capacity
+    python -m bench.simulate global       # FAST'25 Fig. 10: local vs global KV cache
+    python -m bench.simulate overload     # arXiv Table 3, Fig. 9/10: admission under 2x load
+
+Each prints a table beside the paper's numbers and writes ``NAME.json`` and PNG plots to
+``--out`` (default ``out/simulate/NAME``). ``--trace FILE`` replays another trace in the
+Mooncake JSONL format instead of the default ones. Calibration: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from bench.sim.config import ARXIV_OVERLOAD_HARDWARE, SimConfig
+from bench.sim.hitrate import lru_hit_rate
+from bench.sim.metrics import summarize
+from bench.sim.plots import plot_bars, plot_hit_curves, plot_latency_cdfs, plot_loads
+from bench.sim.simulator import SimResult, simulate
+from bench.trace import TraceEntry, load_trace
+
+TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces"
+
+# FAST'25 Fig. 5: mean TTFT (s) on the conversation trace.
+PAPER_FIG5 = {"random": 19.65, "load_balancing": 5.27, "local": 3.58, "global": 3.07}
+# FAST'25 Fig. 9: maximum hit rate, and the share of it a 3M-token cache reaches.
+PAPER_FIG9 = {"conversation": (0.40, 0.41), "synthetic": (0.66, 0.48)}
+# FAST'25 Fig. 10: hit rate local -> global, and prefill time global / local.
+PAPER_FIG10 = {"conversation": (0.17, 0.38, 0.76), "synthetic": (0.27, 0.63, 0.52)}
+# arXiv Table 3: rejected requests of 23,000 replayed at 2x on 8P + 8D.
+PAPER_TABLE3 = {"per_stage": 4183, "early": 3771, "predictive": 3589}
+
+
+def trace_path(name: str) -> Path:
+    return TRACE_DIR / f"{name}_trace.jsonl"
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "-" if math.isnan(v) else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def run_all(configs: dict[str, SimConfig], entries: list[TraceEntry]) -> dict[str, SimResult]:
+    results = {}
+    for name, cfg in configs.items():
+        results[name] = simulate(cfg, entries)
+        print(f"  {name}: {len(entries)} requests simulated in {results[name].wall_s:.1f} s")
+    return results
+
+
+def save_json(out: Path, name: str, payload: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1, allow_nan=True))
+
+
+def exp_schedulers(args: argparse.Namespace, out: Path) -> None:
+    entries = load_trace(str(args.trace or trace_path("conversation")))
+    configs = {s: SimConfig(scheduler=s, seed=args.seed) for s in PAPER_FIG5}
+    results = run_all(configs, entries)
+    summaries = {k: summarize(r) for k, r in results.items()}
+    g = summaries["global"]["ttft_s"]["mean"]
+    rows = []
+    for name, s in summaries.items():
+        t = s["ttft_s"]
+        paper = PAPER_FIG5[name]
+        rows.append([name, t["mean"], paper, t["mean"] / g, paper / PAPER_FIG5["global"], t["p90"], s["prefix_hit_rate"]])
+    print("\nFAST'25 Fig. 5: mean TTFT by prefill scheduler (8 prefill + 8 decode, conversation trace)")
+    print_table(["scheduler", "TTFT s", "paper s", "/global", "paper /global", "p90 s", "hit rate"], rows)
+    save_json(out, "schedulers", {"paper_mean_ttft_s": PAPER_FIG5, "runs": summaries})
+    plot_bars(list(summaries), [r[1] for r in rows], list(PAPER_FIG5.values()), "mean TTFT (s)", out / "schedulers_ttft.png")
+    plot_latency_cdfs(results, out / "schedulers_cdf.png")
+
+
+def exp_hitrate(args: argparse.Namespace, out: Path) -> None:
+    capacities = [1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8, 1e9]
+    traces = {"custom": args.trace} if args.trace else {n: trace_path(n) for n in PAPER_FIG9}
+    curves: dict[str, list[float]] = {}
+    for name, path in traces.items():
+        entries = load_trace(str(path))
+        curves[name] = [lru_hit_rate(entries, int(c)) for c in capacities]
+    print("\nFAST'25 Fig. 9: prefix hit rate vs cache capacity (one LRU cache, requests in order)")
+    print_table(["tokens", *curves], [[f"{c:.0e}", *(curves[n][i] for n in curves)] for i, c in enumerate(capacities)])
+    rows = []
+    at_3m = capacities.index(3e6)
+    for name, rates in curves.items():
+        peak = max(rates)
+        paper_max, paper_share = PAPER_FIG9.get(name, (math.nan, math.nan))
+        rows.append([name, peak, paper_max, rates[at_3m] / peak if peak else math.nan, paper_share])
+    print_table(["trace", "max hit", "paper max", "3M / max", "paper 3M / max"], rows)
+    save_json(out, "hitrate", {"capacities_tokens": capacities, "hit_rate": curves, "paper": PAPER_FIG9})
+    plot_hit_curves(capacities, curves, out / "hitrate.png")
+
+
+def exp_global(args: argparse.Namespace, out: Path) -> None:
+    traces = {"custom": args.trace} if args.trace else {n: trace_path(n) for n in PAPER_FIG10}
+    base = SimConfig(n_prefill=10, n_decode=1, cache_capacity_tokens=3_000_000, output_tokens=1, seed=args.seed)
+    # "Local cache" is bracketed by two schedulers that only ever use an instance's own cache:
+    # cache-oblivious load balancing, and local cache-aware placement.
+    modes = ("load_balancing", "local", "global")
+    rows, payload = [], {}
+    for name, path in traces.items():
+        entries = load_trace(str(path))
+        results = run_all({m: replace(base, scheduler=m) for m in modes}, entries)
+        s = {m: summarize(r) for m, r in results.items()}
+        hit = {m: s[m]["prefix_hit_rate"] for m in modes}
+        time_per_req = {m: s[m]["prefill_s_per_request"] for m in modes}
+        pooled = lru_hit_rate(entries, base.n_prefill * 3_000_000)
+        p_loc, p_glo, p_time = PAPER_FIG10.get(name, (math.nan, math.nan, math.nan))
+        rows.append([
+            name, hit["load_balancing"], hit["local"], hit["global"],
+            hit["global"] / hit["load_balancing"], hit["global"] / hit["local"], p_glo / p_loc,
+            time_per_req["global"] / time_per_req["load_balancing"], time_per_req["global"] / time_per_req["local"],
+            p_time, pooled, s["global"]["hot_key_replicas_mean"],
+        ])
+        payload[name] = {**s, "single_pool_30M_hit_rate": pooled}
+        plot_latency_cdfs(results, out / f"global_{name}_cdf.png")
+    print("\nFAST'25 Fig. 10: local vs global cache (10 prefill x 3M tokens, 1-token outputs)")
+    print_table(
+        ["trace", "hit LB", "hit local", "hit global", "x vs LB", "x vs local", "paper x",
+         "prefill t g/LB", "g/local", "paper", "one 30M LRU", "hot-key replicas"],
+        rows,
+    )
+    payload["paper"] = PAPER_FIG10
+    save_json(out, "global", payload)
+
+
+def exp_overload(args: argparse.Namespace, out: Path) -> None:
+    entries = load_trace(str(args.trace or trace_path("conversation")))
+    base = SimConfig(
+        speed=2.0, hardware=ARXIV_OVERLOAD_HARDWARE, tbt_target=0.9, decode_time_s=25.0, seed=args.seed
+    )
+    policies = ("per_stage", "early", "predictive", "late_binding")
+    results = run_all({p: replace(base, admission=p) for p in policies}, entries)
+    summaries = {k: summarize(r) for k, r in results.items()}
+    n = len(entries)
+    rows = []
+    for name, s in summaries.items():
+        paper = PAPER_TABLE3.get(name, math.nan)
+        rows.append([
+            name, s["rejected"], s["rejected"] / n, paper, paper / 23000, s["rejected_on_arrival"],
+            s["rejected_at_decode"], s["wasted_prefill_s"], s["slo_attainment"], s["goodput_req_per_s"],
+        ])
+    print(f"\narXiv Table 3: rejected requests under overload (8P + 8D, trace at 2x, {n} requests)")
+    print_table(
+        ["policy", "rejected", "share", "paper", "paper share", "on arrival", "at decode", "wasted prefill s",
+         "SLO met", "goodput req/s"],
+        rows,
+    )
+    save_json(out, "overload", {"paper_rejected_of_23000": PAPER_TABLE3, "runs": summaries})
+    plot_loads({k: results[k] for k in ("per_stage", "early", "predictive")}, out / "overload_load.png")
+    plot_latency_cdfs(results, out / "overload_cdf.png")
+
+
+EXPERIMENTS: dict[str, Callable[[argparse.Namespace, Path], None]] = {
+    "schedulers": exp_schedulers,
+    "hitrate": exp_hitrate,
+    "global": exp_global,
+    "overload": exp_overload,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    parser.add_argument("--trace", type=Path, help="replay this Mooncake JSONL trace instead of the default")
+    parser.add_argument("--out", type=Path, help="output folder (default out/simulate/EXPERIMENT)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = args.out or Path("out") / "simulate" / args.experiment
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    EXPERIMENTS[args.experiment](args, out)
+    print(f"\nwrote {out}/ in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
