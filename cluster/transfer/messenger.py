@@ -54,7 +54,6 @@ class Messenger:
         self._hello = hello
         self._handlers = handlers
         self._listener = socket.create_server((config.host, config.port), backlog=128, reuse_port=False)
-        self._listener.settimeout(0.5)  # lets the accept loop notice close()
         host, port = self._listener.getsockname()[:2]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._closed = threading.Event()
@@ -65,6 +64,10 @@ class Messenger:
 
     def close(self) -> None:
         self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             conns = list(self._conns)
@@ -80,8 +83,6 @@ class Messenger:
         while not self._closed.is_set():
             try:
                 conn, peer = self._listener.accept()
-            except socket.timeout:
-                continue
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
