@@ -46,9 +46,6 @@ class DecodeInstance:
     def context_tokens(self) -> int:
         return self._prompt_sum + len(self.running) * self.steps - self._s0_sum
 
-    def step_s(self) -> float:
-        return self.step.step_s(len(self.running), self.context_tokens)
-
     def state(self) -> DecodeInstanceState:
         running = self.running.values()
         incoming = self.incoming.values()

@@ -23,7 +23,6 @@ class PrefillInstance:
         self.cache = cache
         self.free_at = 0.0  # when the last queued prefill ends
         self.nic_free_at = 0.0  # outgoing KV pulls from this instance are served one at a time
-        self.busy_s = 0.0
 
     def queue_s(self, now: float) -> float:
         return max(0.0, self.free_at - now)
@@ -41,5 +40,4 @@ class PrefillInstance:
         """Queue a prefill of ``seconds`` that cannot start before ``inputs_ready``; returns its end."""
         start = max(now, self.free_at, inputs_ready)
         self.free_at = start + seconds
-        self.busy_s += seconds
         return self.free_at

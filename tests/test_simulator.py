@@ -1,0 +1,191 @@
+"""The trace-replay cluster simulator: hand-made traces with known outcomes, determinism, CLI."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from bench.sim.config import SimConfig
+from bench.sim.decode import DecodeInstance
+from bench.sim.hitrate import lru_hit_rate
+from bench.sim.metrics import summarize
+from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, simulate
+from bench.simulate import main
+from bench.trace import TraceEntry
+from cluster.cost_model import DecodeStepModel
+
+BS = 512
+
+
+def shared_prefix_trace(n, gap_ms=100_000, output=3):
+    """``n`` requests, far apart, sharing blocks 0-2 and each adding one block of its own."""
+    return [TraceEntry(i * gap_ms, 4 * BS, output, [0, 1, 2, 1000 + i]) for i in range(n)]
+
+
+def random_trace(n, seed=0, gap_ms=400):
+    rng = np.random.default_rng(seed)
+    entries, next_id = [], 100
+    roots = [[i] for i in range(5)]
+    for i in range(n):
+        blocks = int(rng.integers(1, 40))
+        root = roots[int(rng.integers(0, len(roots)))]
+        keys = list(root) + list(range(next_id, next_id + blocks))
+        next_id += blocks
+        roots.append(keys[: len(keys) // 2])
+        entries.append(TraceEntry(i * gap_ms, len(keys) * BS - 100, int(rng.integers(2, 300)), keys))
+    return entries
+
+
+def test_lru_hit_rate_by_hand():
+    # Request 1 misses; each later one reuses 3 of its 4 blocks: 3 * 3 / 16.
+    assert lru_hit_rate(shared_prefix_trace(4), None) == pytest.approx(9 / 16)
+    assert lru_hit_rate(shared_prefix_trace(4), 0) == 0.0
+
+
+def test_shared_prefix_hit_rate_and_ttft_in_the_simulator():
+    cfg = SimConfig(n_prefill=1, n_decode=1, scheduler="global")
+    r = simulate(cfg, shared_prefix_trace(4))
+    s = summarize(r)
+    assert s["prefix_hit_rate"] == pytest.approx(9 / 16)
+    # Requests are far apart: TTFT is exactly the prefill time of the uncached tokens.
+    true = cfg.prefill_model()
+    assert r.ttft_s[0] == pytest.approx(true.seconds(4 * BS))
+    assert r.ttft_s[1:] == pytest.approx([true.seconds(4 * BS, 3 * BS)] * 3)
+    assert (r.status == COMPLETED).all()
+
+
+def test_single_request_decodes_alone_at_the_single_sequence_step_time():
+    cfg = SimConfig(n_prefill=1, n_decode=1)
+    r = simulate(cfg, [TraceEntry(0, 1000, 11, [0, 1])])
+    step = cfg.decode_model()
+    # 10 decode steps after the first token; context grows from 1000 to 1009 tokens.
+    steps = [step.step_s(1, 1000 + k) for k in range(10)]
+    ready = r.ttft_s[0] + cfg.transfer_model().seconds(1000)
+    assert r.finish_s[0] == pytest.approx(ready + sum(steps))
+    assert r.tbt_s[0] == pytest.approx(ready - r.ttft_s[0] + steps[0])  # longest gap includes the KV copy
+
+
+def test_global_cache_pulls_from_a_busy_holder_and_replicates():
+    # Request 0 caches the prefix on one instance and keeps it busy; request 1 arrives while it
+    # is busy, so the other instance pulls the prefix and now both hold it.
+    big = TraceEntry(0, 60 * BS, 2, list(range(60)))
+    follow = TraceEntry(10, 61 * BS, 2, list(range(60)) + [999])
+    cfg = SimConfig(n_prefill=2, n_decode=1, scheduler="global", hot_keys=1, replica_interval_s=1.0)
+    follow_up = TraceEntry(60_000, 1, 1, [7777])  # a later arrival so the replica sampler runs
+    r = simulate(cfg, [big, follow, follow_up])
+    assert r.pulled_tokens[1] == 60 * BS and r.prefix_tokens[1] == 60 * BS
+    assert r.hot_key_replicas[-1] == 2.0
+
+
+def test_decode_instance_batches_continuously():
+    finished = {}
+    step = DecodeStepModel(base_s=1.0, per_seq_s=0.0, per_context_token_s=0.0, kv_capacity_tokens=100)
+    d = DecodeInstance(0, step, lambda rid, t: finished.setdefault(rid, t))
+    d.join(0, prompt=10, decode_steps=3)
+    d.advance_to(1.5)  # step 1 ends at 1.0, step 2 is under way at 1.5 and runs to 2.0
+    d.join(1, prompt=20, decode_steps=2)
+    assert d.batch_size == 2 and d.context_tokens == 10 + 2 + 20
+    d.drain()
+    assert finished == {0: 3.0, 1: 4.0}
+    d.join(2, prompt=90, decode_steps=5)
+    d.join(3, prompt=50, decode_steps=1)  # 90 + 50 > 100 tokens of HBM: waits for room
+    assert d.batch_size == 1 and len(d.waiting) == 1
+    d.drain()
+    assert finished[3] == 4.0 + 5 + 1
+
+
+def long_requests(arrivals_s):
+    n = 100_000  # with the calibrated step model, two such contexts fit a 0.07 s TBT, three do not
+    return [TraceEntry(t * 1000, n, 2000, list(range(1000 * k, 1000 * k + 196))) for k, t in enumerate(arrivals_s)]
+
+
+OVERLOAD = SimConfig(n_prefill=8, n_decode=1, tbt_slo_s=0.07, decode_time_s=1000.0)
+
+
+def test_simultaneous_burst_only_prediction_rejects_before_prefill():
+    entries = long_requests([0.0] * 8)
+    per_stage = simulate(replace(OVERLOAD, admission="per_stage"), entries)
+    early = simulate(replace(OVERLOAD, admission="early"), entries)
+    predictive = simulate(replace(OVERLOAD, admission="predictive"), entries)
+    # Nobody is decoding yet, so early rejection sees an idle pool and wastes 6 prefills too.
+    assert list(per_stage.status) == [COMPLETED] * 2 + [REJECTED_AT_DECODE] * 6
+    assert list(early.status) == list(per_stage.status)
+    # Prediction counts the two already routed requests landing first.
+    assert list(predictive.status) == [COMPLETED] * 2 + [REJECTED_ON_ARRIVAL] * 6
+    assert summarize(predictive)["wasted_prefill_s"] == 0.0
+
+
+def test_early_rejection_refuses_while_decode_is_full():
+    entries = long_requests([0.0, 0.0] + [60.0] * 6)
+    early = simulate(replace(OVERLOAD, admission="early"), entries)
+    assert list(early.status) == [COMPLETED] * 2 + [REJECTED_ON_ARRIVAL] * 6
+    assert (simulate(replace(OVERLOAD, admission="none"), entries).status == COMPLETED).all()
+
+
+def test_simulator_is_deterministic_for_a_seed():
+    entries = random_trace(300)
+    cfg = SimConfig(n_prefill=4, n_decode=2, scheduler="random", admission="predictive", speed=4.0, seed=5)
+    a, b = simulate(cfg, entries), simulate(cfg, entries)
+    for field in ("status", "ttft_s", "tbt_s", "finish_s", "prefix_tokens", "pulled_tokens"):
+        assert np.array_equal(getattr(a, field), getattr(b, field), equal_nan=True), field
+    assert a.prefill_load == b.prefill_load and a.decode_load == b.decode_load
+    c = simulate(replace(cfg, seed=6), entries)
+    assert not np.array_equal(a.ttft_s, c.ttft_s, equal_nan=True)
+
+
+@pytest.mark.parametrize("admission", ["none", "per_stage", "early", "predictive", "late_binding"])
+def test_every_request_is_accounted_for(admission):
+    entries = random_trace(200, seed=1, gap_ms=150)
+    r = simulate(SimConfig(n_prefill=2, n_decode=2, admission=admission, speed=3.0), entries)
+    s = summarize(r)
+    assert s["completed"] + s["rejected"] == len(entries)
+    done = r.status == COMPLETED
+    assert not np.isnan(r.finish_s[done]).any()
+    assert (r.finish_s[done] >= r.arrival_s[done] + r.ttft_s[done]).all()
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError):
+        SimConfig(scheduler="fastest")
+    with pytest.raises(ValueError):
+        SimConfig(admission="maybe")
+    with pytest.raises(ValueError):
+        SimConfig(n_prefill=0)
+    with pytest.raises(ValueError):
+        SimConfig(tbt_target=1.5)
+
+
+@pytest.mark.parametrize("experiment", ["schedulers", "hitrate", "global", "overload"])
+def test_cli_writes_json_and_png(tmp_path, experiment, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "\n".join(
+            json.dumps({"timestamp": e.timestamp_ms, "input_length": e.input_length,
+                        "output_length": e.output_length, "hash_ids": e.hash_ids})
+            for e in random_trace(60, seed=2)
+        )
+    )
+    out = tmp_path / "out"
+    main([experiment, "--trace", str(trace), "--out", str(out)])
+    data = json.loads((out / f"{experiment}.json").read_text())
+    assert data
+    assert list(out.glob("*.png"))
+    assert "paper" in capsys.readouterr().out
+
+
+def test_late_binding_moves_kv_to_the_decode_instance_that_freed_up():
+    # Each decode instance fits one 100k-token context at a 0.05 s TBT. A decodes long on
+    # instance 0, B briefly on instance 1; C is routed to instance 0 (a tie) while B still runs,
+    # but by the time C's KV is ready only instance 1 has room.
+    a, b, c = long_requests([0.0, 0.0, 26.0])
+    b = replace(b, output_length=100)
+    cfg = replace(OVERLOAD, n_decode=2, tbt_slo_s=0.05)
+    per_stage = simulate(replace(cfg, admission="per_stage"), [a, b, c])
+    late = simulate(replace(cfg, admission="late_binding"), [a, b, c])
+    assert list(per_stage.status) == [COMPLETED, COMPLETED, REJECTED_AT_DECODE]
+    assert (late.status == COMPLETED).all()
+    # C decodes after its KV is copied from instance 0's DRAM to instance 1.
+    step = cfg.decode_model()
+    ready = late.arrival_s[2] + late.ttft_s[2] + cfg.transfer_model().seconds(100_000)
+    assert late.finish_s[2] > ready + 1999 * step.step_s(1, 100_000)
