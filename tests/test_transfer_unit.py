@@ -1,0 +1,251 @@
+"""Transfer engine pieces without a second process: config, handles, handshake, wire checks,
+checksum mismatches in both directions, batches as futures and awaitables."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+import torch
+
+from cluster.transfer import (
+    AuthenticationError,
+    Batch,
+    ChecksumError,
+    RegionHandle,
+    TransferConfig,
+    TransferEngine,
+    TransferError,
+)
+from cluster.transfer.auth import client_handshake, server_handshake
+from cluster.transfer.protocol import (
+    CHECKSUM,
+    FLAG_CHECKSUM,
+    REPLY,
+    REQUEST,
+    SLICE,
+    Op,
+    Status,
+    checksum,
+    recv_buffers,
+    recv_exact,
+    recv_struct,
+    send_buffers,
+)
+from cluster.transfer.regions import RegionTable
+from cluster.transfer.tcp import connect
+
+SECRET = b"unit test cluster secret"
+
+
+def config(**overrides) -> TransferConfig:
+    return TransferConfig(secret=SECRET, timeout_s=overrides.pop("timeout_s", 5.0), transport=overrides.pop("transport", "tcp"), **overrides)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"secret": b"short"},
+        {"port": 70000},
+        {"streams": 0},
+        {"slice_bytes": 100},
+        {"slice_bytes": 1 << 20, "message_bytes": 1 << 19},
+        {"timeout_s": 0},
+        {"transport": "carrier-pigeon"},
+        {"socket_buffer_bytes": 1024},
+        {"rdma_gid_index": -1},
+        {"host": ""},
+    ],
+)
+def test_config_rejects_invalid_values(bad):
+    kwargs = {"secret": SECRET, **bad}
+    with pytest.raises(ValueError):
+        TransferConfig(**kwargs)
+
+
+def test_defaults_listen_on_loopback():
+    assert TransferConfig(secret=SECRET).host == "127.0.0.1"
+
+
+def test_handle_round_trips_as_plain_data():
+    handle = RegionHandle("abc", "127.0.0.1:1", 42, 4096, True)
+    assert RegionHandle.from_dict(handle.to_dict()) == handle
+    with pytest.raises(ValueError):
+        RegionHandle.from_dict({"engine_id": "abc", "address": "x", "region_id": 1})
+    with pytest.raises(ValueError):
+        RegionHandle.from_dict({**handle.to_dict(), "length": 0})
+
+
+def test_region_table_checks_bounds_ids_and_write_access():
+    table = RegionTable()
+    rw = table.add(bytearray(100))
+    ro = table.add(bytes(100))
+    assert table.resolve(rw.region_id, 90, 10, write=True)[0] == Status.OK
+    assert table.resolve(rw.region_id, 91, 10, write=True)[0] == Status.OUT_OF_BOUNDS
+    assert table.resolve(rw.region_id, -1, 10, write=False)[0] == Status.OUT_OF_BOUNDS
+    assert table.resolve(rw.region_id, 0, 0, write=False)[0] == Status.OUT_OF_BOUNDS
+    assert table.resolve(rw.region_id + 1, 0, 1, write=False)[0] == Status.UNKNOWN_REGION
+    assert table.resolve(ro.region_id, 0, 1, write=True)[0] == Status.READ_ONLY
+    assert table.resolve(ro.region_id, 0, 1, write=False)[0] == Status.OK
+
+
+def test_registers_tensors_of_any_dtype_and_buffers_but_not_strided_or_empty():
+    table = RegionTable()
+    assert table.add(torch.zeros(10, dtype=torch.bfloat16)).length == 20
+    assert table.add(memoryview(bytearray(8)).cast("I")).length == 8
+    with pytest.raises(TransferError):
+        table.add(torch.zeros(4, 4)[:, 0])
+    with pytest.raises(TransferError):
+        table.add(bytearray())
+    with pytest.raises(TransferError):
+        table.add(object())
+
+
+def test_handshake_both_ways_and_wrong_secret():
+    for server_secret, ok in ((SECRET, True), (b"another secret, not ours", False)):
+        a, b = socket.socketpair()
+        a.settimeout(5)
+        b.settimeout(5)
+        result = {}
+
+        def serve() -> None:
+            try:
+                result["hello"] = server_handshake(b, server_secret, {"who": "server"})
+            except AuthenticationError as exc:
+                result["error"] = exc
+                b.close()  # what the Messenger does: close without a word
+
+        t = threading.Thread(target=serve)
+        t.start()
+        if ok:
+            assert client_handshake(a, SECRET, {"who": "client"}) == {"who": "server"}
+        else:
+            with pytest.raises(AuthenticationError):
+                client_handshake(a, SECRET, {"who": "client"})
+        t.join(5)
+        assert ("hello" in result) == ok
+        a.close()
+        b.close()
+
+
+def test_send_and_receive_many_buffers_with_short_reads():
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    b.settimeout(5)
+    chunks = [bytes([i]) * (1000 * i + 1) for i in range(40)]
+    t = threading.Thread(target=send_buffers, args=(a, [memoryview(c) for c in chunks]))
+    t.start()
+    out = [bytearray(len(c)) for c in chunks]
+    recv_buffers(b, [memoryview(o) for o in out])
+    t.join(5)
+    assert [bytes(o) for o in out] == chunks
+    a.close()
+    assert recv_struct(b, REPLY) is None  # clean EOF before a message
+    b.close()
+
+
+def _raw_stream(engine: TransferEngine) -> socket.socket:
+    sock, _ = connect(engine.address, config(), {"engine_id": "raw", "host": "elsewhere", "rdma": False})
+    return sock
+
+
+def test_owner_rejects_a_write_whose_checksum_does_not_match():
+    with TransferEngine(config()) as owner:
+        region = torch.zeros(8192, dtype=torch.uint8)
+        handle = owner.register(region)
+        sock = _raw_stream(owner)
+        payload = bytes(range(256)) * 16
+        header = REQUEST.pack(Op.WRITE, FLAG_CHECKSUM, 1, 1, len(payload))
+        send_buffers(sock, [header + SLICE.pack(handle.region_id, 0, len(payload), checksum(memoryview(payload)) ^ 1), payload])
+        status, _, index, msg_id, _ = recv_struct(sock, REPLY)
+        assert (Status(status), index, msg_id) == (Status.CHECKSUM_MISMATCH, 0, 1)
+        # The same slice with the right checksum lands, on the same connection.
+        send_buffers(sock, [REQUEST.pack(Op.WRITE, FLAG_CHECKSUM, 1, 2, len(payload)) + SLICE.pack(handle.region_id, 0, len(payload), checksum(memoryview(payload))), payload])
+        assert Status(recv_struct(sock, REPLY)[0]) == Status.OK
+        # The owner verifies bytes it did not receive itself (what the RDMA path asks for).
+        send_buffers(sock, [REQUEST.pack(Op.CHECK, FLAG_CHECKSUM, 1, 3, 0) + SLICE.pack(handle.region_id, 0, 4096, 12345)])
+        assert Status(recv_struct(sock, REPLY)[0]) == Status.CHECKSUM_MISMATCH
+        sock.close()
+
+
+class LyingOwner:
+    """Speaks the protocol but corrupts the checksum of every read reply it sends."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.region = bytes(range(256)) * 64
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            conn.settimeout(5)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            server_handshake(conn, SECRET, {"engine_id": "liar", "host": "elsewhere", "rdma": False})
+            while (header := recv_struct(conn, REQUEST)) is not None:
+                _, _, count, msg_id, _ = header
+                raw = bytearray(SLICE.size * count)
+                recv_exact(conn, memoryview(raw))
+                slices = [self.region[o : o + n] for _, o, n, _ in SLICE.iter_unpack(raw)]
+                sums = b"".join(CHECKSUM.pack(checksum(memoryview(s)) ^ 1) for s in slices)
+                send_buffers(conn, [REPLY.pack(Status.OK, FLAG_CHECKSUM, 0, msg_id, sum(map(len, slices))) + sums, *slices])
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_reader_rejects_slices_whose_checksum_does_not_match():
+    liar = LyingOwner()
+    with TransferEngine(config(checksum=True)) as engine:
+        local = engine.register(bytearray(4096))
+        remote = RegionHandle("liar", liar.address, 1, 16384)
+        with pytest.raises(ChecksumError):
+            engine.read(liar.address, [(local, 0, remote, 0, 4096)]).wait(10)
+    liar.close()
+
+
+def test_batch_is_a_future_and_an_awaitable():
+    batch = Batch()
+    batch.expect(2)
+    batch.part_done()
+    assert not batch.done()
+    batch.part_done()
+    batch.wait(1)
+    failed = Batch()
+    failed.expect(2)
+    failed.fail(TransferError("first"))
+    failed.fail(TransferError("second"))  # only the first error is kept
+    failed.part_done()
+    with pytest.raises(TransferError, match="first"):
+        failed.wait(1)
+
+    async def waiter() -> None:
+        late = Batch()
+        late.expect(1)
+        asyncio.get_running_loop().call_later(0.01, late.part_done)
+        await late
+
+    asyncio.run(waiter())
+
+
+def test_empty_batch_completes_and_foreign_local_handles_are_refused():
+    with TransferEngine(config()) as a, TransferEngine(config()) as b:
+        theirs = b.register(bytearray(64))
+        a.write(b.address, []).wait(5)
+        with pytest.raises(TransferError, match="not a region of this engine"):
+            a.write(b.address, [(theirs, 0, theirs, 0, 8)]).wait(5)
+        with pytest.raises(TransferError, match="unknown transport"):
+            a.write(b.address, [], transport="smoke-signals").wait(5)
