@@ -1,7 +1,7 @@
 """Admission control under overload (arXiv 2407.00079 §7): accept a request or reject it (HTTP 429).
 
 Loads are SLO-relative: prefill load = predicted TTFT / TTFT SLO, decode load = predicted TBT /
-TBT SLO; a stage is overloaded at load >= 1. Every policy answers two questions: on arrival
+TBT limit (the SLO times ``tbt_target``); a stage is overloaded at load >= 1. Every policy answers two questions: on arrival
 (``on_arrival``), and when the request's KV reaches its decode instance (``on_decode``, the decode
 node's own double check, since its load may have changed during prefill).
 
@@ -92,7 +92,14 @@ class AdmissionPolicy(ABC):
 
 
 class AcceptAll(AdmissionPolicy):
-    def on_arrival(self, now, request, prefill, decode, decode_pool) -> Decision:  # type: ignore[override]
+    def on_arrival(
+        self,
+        now: float,
+        request: RequestInfo,
+        prefill: PrefillPlan,
+        decode: DecodePlan,
+        decode_pool: Sequence[DecodeInstanceState],
+    ) -> Decision:
         return Decision(True, prefill.ttft_s / self.slo.ttft_s, decode.predicted_tbt_s / self.tbt_limit)
 
     def on_decode(
@@ -102,7 +109,14 @@ class AcceptAll(AdmissionPolicy):
 
 
 class PerStageRejection(AdmissionPolicy):
-    def on_arrival(self, now, request, prefill, decode, decode_pool) -> Decision:  # type: ignore[override]
+    def on_arrival(
+        self,
+        now: float,
+        request: RequestInfo,
+        prefill: PrefillPlan,
+        decode: DecodePlan,
+        decode_pool: Sequence[DecodeInstanceState],
+    ) -> Decision:
         load = prefill.ttft_s / self.slo.ttft_s
         return Decision(load < 1.0, load, current_decode_load(self.step, self.slo, decode_pool))
 
@@ -110,7 +124,14 @@ class PerStageRejection(AdmissionPolicy):
 class EarlyRejection(AdmissionPolicy):
     """The decode node's check, moved before prefill: the chosen instance's TBT now, with the request."""
 
-    def on_arrival(self, now, request, prefill, decode, decode_pool) -> Decision:  # type: ignore[override]
+    def on_arrival(
+        self,
+        now: float,
+        request: RequestInfo,
+        prefill: PrefillPlan,
+        decode: DecodePlan,
+        decode_pool: Sequence[DecodeInstanceState],
+    ) -> Decision:
         p_load = prefill.ttft_s / self.slo.ttft_s
         state = next(s for s in decode_pool if s.index == decode.instance)
         tbt = self.step.step_s(state.batch_size + 1, state.context_tokens + request.input_length)
@@ -135,7 +156,14 @@ class PredictiveEarlyRejection(AdmissionPolicy):
             raise ValueError(f"decode_time_s must be positive, got {decode_time_s}")
         self.t_d = decode_time_s
 
-    def on_arrival(self, now, request, prefill, decode, decode_pool) -> Decision:  # type: ignore[override]
+    def on_arrival(
+        self,
+        now: float,
+        request: RequestInfo,
+        prefill: PrefillPlan,
+        decode: DecodePlan,
+        decode_pool: Sequence[DecodeInstanceState],
+    ) -> Decision:
         p_load = prefill.ttft_s / self.slo.ttft_s
         at = now + prefill.ttft_s
         total = 0.0
