@@ -127,8 +127,10 @@ class Messenger:
         if op == Op.READ:
             return self._read(conn, flags, msg_id, payload, slices)
         if op == Op.CHECK:
+            if not flags & FLAG_CHECKSUM:
+                return self._reply(conn, *self._table.check_all(slices, write=bool(flags & FLAG_WRITE)), msg_id)
             status, index, views = self._resolve(slices, write=bool(flags & FLAG_WRITE))
-            if status == Status.OK and flags & FLAG_CHECKSUM:
+            if status == Status.OK:
                 index = next((i for i, v in enumerate(views) if checksum(v) != slices[i][3]), -1)
                 status = Status.OK if index < 0 else Status.CHECKSUM_MISMATCH
             return self._reply(conn, status, max(index, 0), msg_id)

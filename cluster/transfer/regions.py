@@ -134,6 +134,16 @@ def view_address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+def check_access(region: LocalRegion | None, offset: int, length: int, write: bool) -> Status:
+    if region is None:
+        return Status.UNKNOWN_REGION
+    if length <= 0 or offset < 0 or offset + length > region.length:
+        return Status.OUT_OF_BOUNDS
+    if write and not region.writable:
+        return Status.READ_ONLY
+    return Status.OK
+
+
 class RegionTable:
     """The owner's registered regions; every remote access is resolved here before memory is touched."""
 
@@ -169,13 +179,21 @@ class RegionTable:
     def resolve(self, region_id: int, offset: int, length: int, write: bool) -> tuple[Status, memoryview | None]:
         """The bytes ``[offset, offset + length)`` of a region, or the reason the access is refused."""
         region = self.get(region_id)
-        if region is None:
-            return Status.UNKNOWN_REGION, None
-        if length <= 0 or offset < 0 or offset + length > region.length:
-            return Status.OUT_OF_BOUNDS, None
-        if write and not region.writable:
-            return Status.READ_ONLY, None
-        return Status.OK, region.view[offset : offset + length]
+        status = check_access(region, offset, length, write)
+        if status != Status.OK:
+            return status, None
+        return status, region.view[offset : offset + length]
+
+    def check_all(self, slices: list[tuple[int, int, int, int]], write: bool) -> tuple[Status, int]:
+        """Check (region, offset, length, _) descriptors without building views; the first refusal."""
+        cache: dict[int, LocalRegion | None] = {}
+        for i, (region_id, offset, length, _) in enumerate(slices):
+            if region_id not in cache:
+                cache[region_id] = self.get(region_id)
+            status = check_access(cache[region_id], offset, length, write)
+            if status != Status.OK:
+                return status, i
+        return Status.OK, 0
 
     def __len__(self) -> int:
         with self._lock:

@@ -142,37 +142,51 @@ class ShmTransport:
 
     def _transfer(self, op: Op, requests: Sequence[Request]) -> None:
         write = op == Op.WRITE
-        entries = [Slice(r.local, r.region_id, r.offset) for r in requests]
-        for start in range(0, len(entries), MAX_SLICES_PER_MESSAGE):
-            chunk = entries[start : start + MAX_SLICES_PER_MESSAGE]
-            status, index, _ = self._control.call(Op.CHECK, slices=chunk, flags=FLAG_WRITE if write else 0)
+        flags = FLAG_WRITE if write else 0
+        # Every chunk goes to the owner for checking at once and is copied as soon as its answer
+        # is in, so the owner checks chunk k+1 while we copy chunk k. Entries the owner refuses
+        # are never copied (earlier chunks of a failing batch may have been).
+        chunks = [requests[i : i + MAX_SLICES_PER_MESSAGE] for i in range(0, len(requests), MAX_SLICES_PER_MESSAGE)]
+        answers = [
+            self._control.request(Op.CHECK, slices=[Slice(r.local, r.region_id, r.offset) for r in chunk], flags=flags)
+            for chunk in chunks
+        ]
+        for chunk, answer in zip(chunks, answers):
+            status, index, _ = self._control.answer(answer)
             if status != Status.OK:
                 if status == Status.UNKNOWN_REGION:
                     self._windows.pop(chunk[index].region_id, None)
                 raise remote_error(status, f"{self._control.name}, entry at offset {chunk[index].offset}")
+            self._copy(chunk, write)
+        # The fence: a copy into a dead owner's memory is lost, so the batch only succeeds if the
+        # owner is still there after the last byte landed.
+        status, _, _ = self._control.call(Op.PING)
+        if status != Status.OK:
+            raise PeerError(f"{self._control.name}: fence failed with status {status}")
+
+    def _copy(self, requests: Sequence[Request], write: bool) -> None:
         step = self._config.slice_bytes
+        region_id, window = -1, None
         for request in requests:
-            window = self._window(request.region_id)
+            if request.region_id != region_id:
+                region_id, window = request.region_id, self._window(request.region_id)
             if request.offset + request.length > len(window):  # the owner's CHECK passed; this guards our map
                 raise TransferError(f"entry at offset {request.offset} is outside the mapped region")
             local = request.local_region.address + request.local_offset
             remote = window.address + request.offset
-            dst, src = (remote, local) if write else (local, remote)
             # memmove rather than torch's copy_: it releases the GIL too, and it never starts an
             # OpenMP team in this thread, which on a small host fights the caller's own team
             # (seconds-long stalls were measured with copy_ here).
-            ctypes.memmove(dst, src, request.length)
+            if write:
+                ctypes.memmove(remote, local, request.length)
+            else:
+                ctypes.memmove(local, remote, request.length)
             if self._config.checksum:
                 remote_view = window.view[request.offset : request.offset + request.length]
                 local_view = request.local
                 for at in range(0, request.length, step):
                     if checksum(remote_view[at : at + step]) != checksum(local_view[at : at + step]):
                         raise ChecksumError(f"{self._control.name}: checksum mismatch at offset {request.offset + at}")
-        # The fence: a copy into a dead owner's memory is lost, so the batch only succeeds if the
-        # owner is still there after the last byte landed.
-        status, _, _ = self._control.call(Op.PING)
-        if status != Status.OK:
-            raise PeerError(f"{self._control.name}: fence failed with status {status}")
 
     def _window(self, region_id: int) -> Window:
         window = self._windows.get(region_id)

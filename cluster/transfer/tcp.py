@@ -129,15 +129,23 @@ class Stream:
         else:
             self._outbox.put(message)
 
-    def call(self, op: Op, payload: bytes = b"", slices: Sequence[Slice] = (), flags: int = 0) -> tuple[Status, int, bytes]:
-        """A control request answered synchronously (within the timeout)."""
+    def request(self, op: Op, payload: bytes = b"", slices: Sequence[Slice] = (), flags: int = 0) -> Future:
+        """Send a control request; the future resolves to (status, failing index, payload)."""
         reply: Future = Future()
         self.submit(Message(op, slices=slices, payload=payload, reply=reply, flags=flags))
+        return reply
+
+    def answer(self, reply: Future) -> tuple[Status, int, bytes]:
+        """Wait for a control reply; a silent peer kills the stream after the timeout."""
         try:
             return reply.result(self._timeout_s * 2)
         except TimeoutError as exc:
-            self._die(PeerError(f"{self.name}: no reply to {op.name} within {self._timeout_s}s"))
-            raise PeerError(f"{self.name}: no reply to {op.name}") from exc
+            self._die(PeerError(f"{self.name}: no reply within {self._timeout_s}s"))
+            raise PeerError(f"{self.name}: no reply to a control request") from exc
+
+    def call(self, op: Op, payload: bytes = b"", slices: Sequence[Slice] = (), flags: int = 0) -> tuple[Status, int, bytes]:
+        """A control request answered synchronously (within the timeout)."""
+        return self.answer(self.request(op, payload, slices, flags))
 
     def close(self) -> None:
         self._die(PeerError(f"{self.name}: closed"))
