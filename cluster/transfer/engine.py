@@ -22,7 +22,7 @@ import torch
 
 from .batch import Batch, Request
 from .config import TransferConfig
-from .errors import PeerError, RdmaUnavailable, TransferError
+from .errors import RdmaUnavailable, TransferError
 from .messenger import Messenger
 from .protocol import Op, Status
 from .rdma import RdmaDevice, RdmaTransport
