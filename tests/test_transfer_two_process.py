@@ -199,7 +199,7 @@ def test_peer_killed_mid_transfer_fails_pending_batches(peer, transport):
         src = engine.register(torch.ones(64 * MiB, dtype=torch.uint8))
         entries = [(src, i, victim.handle, i, 64 * 1024) for i in range(0, 64 * MiB, 64 * 1024)]
         engine.write(victim.address, entries, transport=transport).wait(30)  # connected and warm
-        batches = [engine.write(victim.address, entries, transport=transport) for _ in range(24)]
+        batches = [engine.write(victim.address, entries, transport=transport) for _ in range(48)]
         time.sleep(0.05)
         victim.kill()
         start = time.monotonic()
