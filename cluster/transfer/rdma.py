@@ -12,6 +12,7 @@ in-process stand-in (``tests/verbs_double.py``). No part of this file has run on
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -63,6 +64,10 @@ def load_pyverbs() -> Verbs:
     added = DEBIAN_DIST_PACKAGES not in sys.path and os.path.isdir(DEBIAN_DIST_PACKAGES)
     if added:
         sys.path.append(DEBIAN_DIST_PACKAGES)
+    # Importing pyverbs configures the root logger (handler and INFO level); the host
+    # application's logging is not ours to change, so it is put back afterwards.
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
     try:
         import pyverbs.enums as enums
         from pyverbs.addr import GID, AHAttr, GlobalRoute
@@ -76,6 +81,8 @@ def load_pyverbs() -> Verbs:
     except ImportError as exc:
         raise RdmaUnavailable(f"RDMA unavailable: pyverbs does not import ({exc}); apt-get install python3-pyverbs") from exc
     finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
         if added:
             sys.path.remove(DEBIAN_DIST_PACKAGES)
     return Verbs(get_device_list, Context, PD, CQ, MR, QP, QPCap, QPInitAttr, QPAttr, AHAttr, GlobalRoute, GID, SGE, SendWR, enums, PyverbsError)
