@@ -8,8 +8,6 @@ from collections.abc import Generator, Iterable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
-import torch
-
 from .errors import TransferError
 from .regions import LocalRegion
 
@@ -42,9 +40,6 @@ class Request(NamedTuple):
     @property
     def local(self) -> memoryview:
         return self.local_region.view[self.local_offset : self.local_offset + self.length]
-
-    def local_tensor(self) -> torch.Tensor:
-        return self.local_region.tensor[self.local_offset : self.local_offset + self.length]
 
     def slices(self, slice_bytes: int) -> Iterable[Slice]:
         local = self.local

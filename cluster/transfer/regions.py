@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +71,6 @@ class LocalRegion:
 
     region_id: int
     view: memoryview
-    tensor: torch.Tensor  # the same bytes as a uint8 tensor, for copies that run outside the GIL
     writable: bool
     address: int
     shared: SharedSpan | None
@@ -121,14 +119,6 @@ def as_byte_view(buffer: object) -> tuple[memoryview, bool, object]:
     return view, not view.readonly, buffer
 
 
-def byte_tensor(view: memoryview) -> torch.Tensor:
-    """A uint8 tensor over the view's bytes (no copy)."""
-    with warnings.catch_warnings():
-        # A read-only source is fine: the engine only ever reads from it.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=torch.uint8)
-
-
 def view_address(view: memoryview) -> int:
     """Virtual address of a view's first byte (what RDMA registers and shared memory matches)."""
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
@@ -161,7 +151,7 @@ class RegionTable:
             region_id = secrets.randbits(62)
             while region_id in self._regions:
                 region_id = secrets.randbits(62)
-            region = LocalRegion(region_id, view, byte_tensor(view), writable, address, shared, keepalive)
+            region = LocalRegion(region_id, view, writable, address, shared, keepalive)
             self._regions[region_id] = region
         return region
 
@@ -194,7 +184,3 @@ class RegionTable:
             if status != Status.OK:
                 return status, i
         return Status.OK, 0
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._regions)
