@@ -142,10 +142,12 @@ class EarlyRejection(AdmissionPolicy):
 class PredictiveEarlyRejection(AdmissionPolicy):
     """Early rejection on the decode load predicted for the moment the request reaches decode.
 
-    At ``at = now + predicted TTFT`` each decode instance holds its running requests that began
-    less than ``t_d`` before ``at`` and the requests routed to it whose KV lands by ``at`` (this
-    one included, on its chosen instance); the decode load is the mean over the pool of that
-    batch's step time relative to the TBT limit (arXiv §7.3).
+    At ``at = now + predicted TTFT`` each decode instance holds the requests (running, or routed
+    to it with KV landing by ``at``; this one included, on its chosen instance) whose decode,
+    assumed to last a uniform ``t_d`` from when it starts, has not ended by ``at``; the decode
+    load is the mean over the pool of that batch's step time relative to the TBT limit (arXiv
+    §7.3). A departing request takes its generated tokens with it (estimated from its age).
+    The contexts of the remaining ones are taken as they are now.
     """
 
     def __init__(
@@ -169,15 +171,23 @@ class PredictiveEarlyRejection(AdmissionPolicy):
         total = 0.0
         for s in decode_pool:
             batch, context = s.batch_size, s.context_tokens
+            # A departing sequence takes its whole context with it, the tokens it generated
+            # included. Every running sequence gains one token per step, so its generated
+            # tokens are the batch's generated total shared in proportion to its age.
+            generated = max(context - sum(s.running_prompt), 0)
             if s.index == decode.instance:
                 batch += 1
                 context += request.input_length
-            for start, prompt in zip(s.running_start_s, s.running_prompt):
+            ages = [max(now - start, 0.0) for start in s.running_start_s]
+            age_sum = sum(ages)
+            for start, prompt, age in zip(s.running_start_s, s.running_prompt, ages):
                 if start + self.t_d <= at:
                     batch -= 1
-                    context -= prompt
+                    context -= prompt + (generated * age / age_sum if age_sum > 0 else 0.0)
+            # Routed requests count if their KV has landed by ``at`` and, like running ones,
+            # their decode (``t_d`` from landing) has not ended by then.
             for ready, prompt in zip(s.incoming_ready_s, s.incoming_prompt):
-                if ready <= at:
+                if ready <= at < ready + self.t_d:
                     batch += 1
                     context += prompt
             total += self.step.step_s(batch, max(context, 0))

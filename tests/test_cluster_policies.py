@@ -246,6 +246,30 @@ def test_prediction_averages_over_the_pool():
     assert d.accept and d.decode_load == pytest.approx(0.6)
 
 
+def test_prediction_also_retires_routed_requests_after_t_d():
+    # Nine requests land at t=1; with t_d = 5 s their decode has ended by t=10, when a request
+    # arriving at t=0 with a 10 s TTFT reaches decode. With t_d = 20 s they are still there.
+    pool = [decode_state(0, 0, incoming=[(1.0, 0)] * 9)]
+    args = (0.0, request([1], n=1), prefill_plan(10.0), DecodePlan(0, 0.0), pool)
+    d = PredictiveEarlyRejection(SLO_, STEP, decode_time_s=5.0).on_arrival(*args)
+    assert d.accept and d.decode_load == pytest.approx((0.01 + 0.01) / 0.1)
+    d = PredictiveEarlyRejection(SLO_, STEP, decode_time_s=20.0).on_arrival(*args)
+    assert not d.accept and d.decode_load == pytest.approx((0.01 + 0.01 * 10) / 0.1)
+
+
+def test_prediction_removes_the_generated_tokens_of_finished_decodes():
+    # Two sequences with 100-token prompts joined at t=0 and t=5; at t=10 they hold 300 tokens,
+    # i.e. 100 generated, split 2:1 by age. With t_d = 8 s only the first ends before t=11:
+    # it leaves with 100 + 66.7 tokens, the one remaining holds 133.3, plus the new 50.
+    step = DecodeStepModel(base_s=0.01, per_seq_s=0.0, per_context_token_s=1e-4, kv_capacity_tokens=10**6)
+    state = DecodeInstanceState(index=0, running_start_s=[0.0, 5.0], running_prompt=[100, 100],
+                                context_tokens=300, incoming_ready_s=[], incoming_prompt=[])
+    d = PredictiveEarlyRejection(SLO_, step, decode_time_s=8.0).on_arrival(
+        10.0, request([1], n=50), prefill_plan(1.0), DecodePlan(0, 0.0), [state]
+    )
+    assert d.decode_load == pytest.approx((0.01 + 1e-4 * (300 + 50 - 100 - 200 / 3)) / 0.1)
+
+
 def test_tbt_target_keeps_headroom():
     pol = PerStageRejection(SLO_, STEP, tbt_target=0.8)
     assert pol.on_decode(request([1], n=1), [decode_state(0, 5)], 0) == 0  # 0.07 s <= 0.08 s
