@@ -17,11 +17,12 @@ import os
 import queue
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
 
-from .batch import Batch, Request, Slice
+from .batch import Batch, Request
 from .config import TransferConfig
 from .errors import ChecksumError, PeerError, TransferError, remote_error
 from .protocol import FLAG_WRITE, MAX_SLICES_PER_MESSAGE, Op, Status, checksum, decode_json, encode_json
@@ -103,6 +104,54 @@ def map_window(pid: int, fd: int, offset: int, length: int) -> Window:
     return Window(view, view_address(view))
 
 
+class _Span(NamedTuple):
+    """A remote range the owner checks: entries that follow each other in one region, merged."""
+
+    region_id: int
+    offset: int
+    length: int
+
+
+class _Chunk(NamedTuple):
+    """Up to one message of entries: what the owner checks, what is copied, and the entries."""
+
+    spans: list[_Span]
+    runs: list[list[int]]  # [local address, region id, remote offset, length]
+    requests: Sequence[Request]
+
+
+def _plan(requests: Sequence[Request]) -> _Chunk:
+    """One pass over a chunk's entries: entries contiguous remotely (a layer's blocks, say) are
+    checked as one range, and those contiguous locally too are copied with one ``memmove``."""
+    spans: list[list[int]] = []
+    runs: list[list[int]] = []
+    span: list[int] = []
+    run: list[int] = []
+    region_id = remote_end = local_end = -1
+    for local_region, local_offset, request_region, offset, length in requests:  # length > 0: checked
+        local = local_region.address + local_offset
+        if request_region == region_id and offset == remote_end:
+            span[2] += length
+            if local == local_end:
+                run[3] += length
+            else:
+                run = [local, region_id, offset, length]
+                runs.append(run)
+        else:
+            region_id = request_region
+            span = [region_id, offset, length]
+            spans.append(span)
+            run = [local, region_id, offset, length]
+            runs.append(run)
+        remote_end, local_end = offset + length, local + length
+    return _Chunk([_Span(*s) for s in spans], runs, requests)
+
+
+# Below this many bytes a chunk is copied on the transport's thread alone: handing parts to the
+# pool costs tens of microseconds, more than a small copy takes.
+PARALLEL_MIN_BYTES = 1 << 20
+
+
 class ShmTransport:
     """Copies a batch straight between local memory and a same-host peer's mapped regions."""
 
@@ -112,7 +161,8 @@ class ShmTransport:
         self._control = control
         self._config = config
         self._windows: dict[int, Window] = {}
-        self._work: queue.SimpleQueue[tuple[Batch, Op, Sequence[Request]] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[tuple[Batch, Op, list[tuple[_Chunk, Future]]] | None] = queue.SimpleQueue()
+        self._pool: ThreadPoolExecutor | None = None  # the extra copy threads, started on first need
         self._worker = threading.Thread(target=self._run, name=f"{control.name} shm", daemon=True)
         self._worker.start()
 
@@ -121,72 +171,107 @@ class ShmTransport:
         return self._control.alive
 
     def submit(self, batch: Batch, op: Op, requests: Sequence[Request]) -> None:
+        # Planned and sent for checking here, not when the copy thread gets to this batch, so the
+        # owner checks this batch while earlier ones are still being copied.
         batch.expect(1)
-        self._work.put((batch, op, requests))
+        flags = FLAG_WRITE if op == Op.WRITE else 0
+        chunks = []
+        for i in range(0, len(requests), MAX_SLICES_PER_MESSAGE):
+            chunk = _plan(requests[i : i + MAX_SLICES_PER_MESSAGE])
+            chunks.append((chunk, self._control.request(Op.CHECK, slices=chunk.spans, flags=flags)))
+        self._work.put((batch, op, chunks))
 
     def close(self) -> None:
         self._work.put(None)
 
     def _run(self) -> None:
-        while True:
-            item = self._work.get()
-            if item is None:
-                return
-            batch, op, requests = item
-            try:
-                self._transfer(op, requests)
-            except TransferError as exc:
-                batch.fail(exc)
-            else:
-                batch.part_done()
+        try:
+            while True:
+                item = self._work.get()
+                if item is None:
+                    return
+                batch, op, chunks = item
+                try:
+                    self._transfer(op, chunks)
+                    # The fence: a copy into a dead owner's memory is lost, so the batch only
+                    # succeeds if the owner is still there after the last byte landed. Its answer
+                    # is awaited off this thread, which goes on to copy the next batch.
+                    fence = self._control.request(Op.PING)
+                except Exception as exc:  # noqa: BLE001 - anything else would strand the batch
+                    batch.fail(exc)
+                else:
+                    fence.add_done_callback(lambda answer, batch=batch: self._fenced(batch, answer))
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
 
-    def _transfer(self, op: Op, requests: Sequence[Request]) -> None:
+    def _fenced(self, batch: Batch, answer: Future) -> None:
+        exc = answer.exception()
+        if exc is not None:
+            batch.fail(exc)
+        elif answer.result()[0] != Status.OK:
+            batch.fail(PeerError(f"{self._control.name}: fence failed with status {answer.result()[0]}"))
+        else:
+            batch.part_done()
+
+    def _transfer(self, op: Op, chunks: list[tuple[_Chunk, Future]]) -> None:
+        # Each chunk is copied as soon as the owner's answer to its CHECK is in. Entries the owner
+        # refuses are never copied (earlier chunks of a failing batch may have been).
         write = op == Op.WRITE
-        flags = FLAG_WRITE if write else 0
-        # Every chunk goes to the owner for checking at once and is copied as soon as its answer
-        # is in, so the owner checks chunk k+1 while we copy chunk k. Entries the owner refuses
-        # are never copied (earlier chunks of a failing batch may have been).
-        chunks = [requests[i : i + MAX_SLICES_PER_MESSAGE] for i in range(0, len(requests), MAX_SLICES_PER_MESSAGE)]
-        answers = [
-            self._control.request(Op.CHECK, slices=[Slice(r.local, r.region_id, r.offset) for r in chunk], flags=flags)
-            for chunk in chunks
-        ]
-        for chunk, answer in zip(chunks, answers):
+        for chunk, answer in chunks:
             status, index, _ = self._control.answer(answer)
             if status != Status.OK:
+                span = chunk.spans[index] if 0 <= index < len(chunk.spans) else chunk.spans[0]
                 if status == Status.UNKNOWN_REGION:
-                    self._windows.pop(chunk[index].region_id, None)
-                raise remote_error(status, f"{self._control.name}, entry at offset {chunk[index].offset}")
-            self._copy(chunk, write)
-        # The fence: a copy into a dead owner's memory is lost, so the batch only succeeds if the
-        # owner is still there after the last byte landed.
-        status, _, _ = self._control.call(Op.PING)
-        if status != Status.OK:
-            raise PeerError(f"{self._control.name}: fence failed with status {status}")
-
-    def _copy(self, requests: Sequence[Request], write: bool) -> None:
-        step = self._config.slice_bytes
-        region_id, window = -1, None
-        for request in requests:
-            if request.region_id != region_id:
-                region_id, window = request.region_id, self._window(request.region_id)
-            if request.offset + request.length > len(window):  # the owner's CHECK passed; this guards our map
-                raise TransferError(f"entry at offset {request.offset} is outside the mapped region")
-            local = request.local_region.address + request.local_offset
-            remote = window.address + request.offset
-            # memmove rather than torch's copy_: it releases the GIL too, and it never starts an
-            # OpenMP team in this thread, which on a small host fights the caller's own team
-            # (seconds-long stalls were measured with copy_ here).
-            if write:
-                ctypes.memmove(remote, local, request.length)
-            else:
-                ctypes.memmove(local, remote, request.length)
+                    self._windows.pop(span.region_id, None)
+                raise remote_error(status, f"{self._control.name}, entry at offset {span.offset}")
+            self._move(self._runs(chunk.runs, write))
             if self._config.checksum:
-                remote_view = window.view[request.offset : request.offset + request.length]
-                local_view = request.local
-                for at in range(0, request.length, step):
-                    if checksum(remote_view[at : at + step]) != checksum(local_view[at : at + step]):
-                        raise ChecksumError(f"{self._control.name}: checksum mismatch at offset {request.offset + at}")
+                self._verify(chunk.requests)
+
+    def _verify(self, requests: Sequence[Request]) -> None:
+        step = self._config.slice_bytes
+        windows = self._windows
+        for request in requests:
+            remote_view = windows[request.region_id].view[request.offset : request.offset + request.length]
+            local_view = request.local
+            for at in range(0, request.length, step):
+                if checksum(remote_view[at : at + step]) != checksum(local_view[at : at + step]):
+                    raise ChecksumError(f"{self._control.name}: checksum mismatch at offset {request.offset + at}")
+
+    def _runs(self, runs: list[list[int]], write: bool) -> list[tuple[int, int, int]]:
+        """The planned runs as ``(destination, source, length)`` addresses in this process."""
+        out = []
+        region_id, base, size = -1, 0, 0
+        for local, run_region, offset, length in runs:
+            if run_region != region_id:
+                region_id = run_region
+                window = self._window(region_id)
+                base, size = window.address, len(window.view)
+            if offset + length > size:  # the owner's CHECK passed; this guards our map
+                raise TransferError(f"entry at offset {offset} is outside the mapped region")
+            out.append((base + offset, local, length) if write else (local, base + offset, length))
+        return out
+
+    def _move(self, runs: list[tuple[int, int, int]]) -> None:
+        # memmove rather than torch's copy_: it releases the GIL too, and it never starts an
+        # OpenMP team in this thread, which on a small host fights the caller's own team
+        # (seconds-long stalls were measured with copy_ here). Big chunks are cut into one part
+        # per copy thread; this thread copies the first part itself.
+        threads = self._config.shm_copy_threads
+        total = sum(run[2] for run in runs)
+        if threads == 1 or total < PARALLEL_MIN_BYTES:
+            _memmove_all(runs)
+            return
+        parts = _split(runs, total, threads)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix=f"{self._control.name} shm copy")
+        pending = [self._pool.submit(_memmove_all, part) for part in parts[1:]]
+        try:
+            _memmove_all(parts[0])
+        finally:
+            for future in pending:
+                future.result()
 
     def _window(self, region_id: int) -> Window:
         window = self._windows.get(region_id)
@@ -198,3 +283,28 @@ class ShmTransport:
             window = map_window(int(info["pid"]), int(info["fd"]), int(info["offset"]), int(info["length"]))
             self._windows[region_id] = window
         return window
+
+
+def _memmove_all(runs: list[list[int]]) -> None:
+    memmove = ctypes.memmove
+    for destination, source, length in runs:
+        memmove(destination, source, length)
+
+
+def _split(runs: list[list[int]], total: int, parts: int) -> list[list[list[int]]]:
+    """Cut runs into ``parts`` lists of about equal bytes (cuts at 4 KiB multiples)."""
+    share = -(-total // parts)
+    share += -share % 4096
+    out: list[list[list[int]]] = [[]]
+    room = share
+    for destination, source, length in runs:
+        while length > room and len(out) < parts:
+            if room:
+                out[-1].append([destination, source, room])
+                destination, source, length = destination + room, source + room, length - room
+            out.append([])
+            room = share
+        if length:
+            out[-1].append([destination, source, length])
+            room -= length
+    return out
