@@ -84,11 +84,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
-        capacity = self.runner.num_blocks * config.block_size
-        log.info(
-            "engine ready: %s, max_model_len %d, KV capacity %d tokens in %d blocks of %d",
-            path, self.max_model_len, capacity, self.runner.num_blocks, config.block_size,
-        )
+        log.info("engine ready: %s, max_model_len %d", path, self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

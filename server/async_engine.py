@@ -217,12 +217,7 @@ class AsyncLLMEngine(EngineClient):
                 log.exception("model failed to load")
                 return
             self._engine = engine
-            bm = engine.block_manager
-            log.info(
-                "KV cache: %d blocks x %d tokens = %d tokens; serving %r (max_model_len %d)",
-                bm.num_blocks, self.config.block_size, bm.num_blocks * self.config.block_size,
-                self._model_name, engine.max_model_len,
-            )
+            log.info("ready: serving %r", self._model_name)  # the engine logged its KV cache
             self._publish_stats(engine)
             self._ready.set()
             self._loop(engine)
