@@ -79,6 +79,23 @@ def recv_exact(sock: socket.socket, view: memoryview, idle_ok: Callable[[], bool
     return True
 
 
+def _advance(pending: list[memoryview], start: int, nbytes: int) -> int:
+    """Consume ``nbytes`` moved by one scatter/gather call from ``pending[start:]``.
+
+    Returns the index of the first buffer not yet complete; a partly moved buffer is replaced
+    by its remaining tail so the next call resumes at the exact byte.
+    """
+    while nbytes and start < len(pending):
+        size = len(pending[start])
+        if nbytes >= size:
+            nbytes -= size
+            start += 1
+        else:
+            pending[start] = pending[start][nbytes:]
+            nbytes = 0
+    return start
+
+
 def recv_buffers(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Fill each view in order with ``recvmsg_into``: one system call scatters the stream over
     many slices, where a ``recv_into`` per slice would cost a call (and a GIL round) each."""
@@ -88,14 +105,7 @@ def recv_buffers(sock: socket.socket, views: Sequence[memoryview]) -> None:
         got = sock.recvmsg_into(pending[start : start + MAX_SLICES_PER_MESSAGE])[0]
         if got == 0:
             raise ConnectionError("connection closed in the middle of a message")
-        while got and start < len(pending):
-            size = len(pending[start])
-            if got >= size:
-                got -= size
-                start += 1
-            else:
-                pending[start] = pending[start][got:]
-                got = 0
+        start = _advance(pending, start, got)
 
 
 def recv_struct(sock: socket.socket, fmt: struct.Struct, idle_ok: Callable[[], bool] | None = None) -> tuple | None:
@@ -115,14 +125,7 @@ def send_buffers(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> 
     start = 0
     while start < len(pending):
         sent = sock.sendmsg(pending[start : start + MAX_SLICES_PER_MESSAGE + 2])
-        while sent and start < len(pending):
-            size = len(pending[start])
-            if sent >= size:
-                sent -= size
-                start += 1
-            else:
-                pending[start] = pending[start][sent:]
-                sent = 0
+        start = _advance(pending, start, sent)
         while start < len(pending) and len(pending[start]) == 0:
             start += 1
 
