@@ -72,10 +72,17 @@ class AdmissionPolicy(ABC):
     ) -> Decision:
         ...
 
+    def prefill_load(self, prefill: PrefillPlan) -> float:
+        """Predicted TTFT relative to the TTFT SLO."""
+        return prefill.ttft_s / self.slo.ttft_s
+
+    def tbt_with(self, request: RequestInfo, state: DecodeInstanceState) -> float:
+        """The instance's step time once this request has joined its batch."""
+        return self.step.step_s(state.batch_size + 1, state.context_tokens + request.input_length)
+
     def fits(self, request: RequestInfo, state: DecodeInstanceState) -> bool:
         """The instance's TBT with this request added stays within the SLO."""
-        tbt = self.step.step_s(state.batch_size + 1, state.context_tokens + request.input_length)
-        return tbt <= self.tbt_limit
+        return self.tbt_with(request, state) <= self.tbt_limit
 
     def on_decode(
         self, request: RequestInfo, decode_pool: Sequence[DecodeInstanceState], planned: int
@@ -100,7 +107,7 @@ class AcceptAll(AdmissionPolicy):
         decode: DecodePlan,
         decode_pool: Sequence[DecodeInstanceState],
     ) -> Decision:
-        return Decision(True, prefill.ttft_s / self.slo.ttft_s, decode.predicted_tbt_s / self.tbt_limit)
+        return Decision(True, self.prefill_load(prefill), decode.predicted_tbt_s / self.tbt_limit)
 
     def on_decode(
         self, request: RequestInfo, decode_pool: Sequence[DecodeInstanceState], planned: int
@@ -117,7 +124,7 @@ class PerStageRejection(AdmissionPolicy):
         decode: DecodePlan,
         decode_pool: Sequence[DecodeInstanceState],
     ) -> Decision:
-        load = prefill.ttft_s / self.slo.ttft_s
+        load = self.prefill_load(prefill)
         return Decision(load < 1.0, load, current_decode_load(self.step, self.slo, decode_pool))
 
 
@@ -132,10 +139,9 @@ class EarlyRejection(AdmissionPolicy):
         decode: DecodePlan,
         decode_pool: Sequence[DecodeInstanceState],
     ) -> Decision:
-        p_load = prefill.ttft_s / self.slo.ttft_s
+        p_load = self.prefill_load(prefill)
         state = next(s for s in decode_pool if s.index == decode.instance)
-        tbt = self.step.step_s(state.batch_size + 1, state.context_tokens + request.input_length)
-        d_load = tbt / self.tbt_limit
+        d_load = self.tbt_with(request, state) / self.tbt_limit
         return Decision(max(p_load, d_load) < 1.0, p_load, d_load)
 
 
@@ -166,7 +172,7 @@ class PredictiveEarlyRejection(AdmissionPolicy):
         decode: DecodePlan,
         decode_pool: Sequence[DecodeInstanceState],
     ) -> Decision:
-        p_load = prefill.ttft_s / self.slo.ttft_s
+        p_load = self.prefill_load(prefill)
         at = now + prefill.ttft_s
         total = 0.0
         for s in decode_pool:

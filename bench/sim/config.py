@@ -20,8 +20,8 @@ ADMISSIONS = ("none", "per_stage", "early", "predictive", "late_binding")
 # Calibration (see bench/README.md). Prefill MFU 0.6 puts Mooncake's mean prefill time on the
 # conversation trace near FAST'25 Fig. 8's ~1.05 s. Decode is calibrated far below the HBM
 # roofline (which for GQA LLaMA3-70B would leave the decode pool nearly idle at the paper's 2x
-# overload point, although arXiv Table 3 shows decode rejecting): 15% of peak bandwidth and
-# 20 ms of per-step overhead (tensor-parallel all-reduces over 80 layers, launches).
+# overload point, although arXiv Table 3 shows decode rejecting): KV reads at 12% of peak
+# bandwidth and 15 ms of per-step overhead (tensor-parallel all-reduces over 80 layers, launches).
 CALIBRATED_HARDWARE = HardwareSpec(
     peak_flops=A800_X8.peak_flops,
     hbm_bytes_per_s=A800_X8.hbm_bytes_per_s,
