@@ -105,6 +105,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -124,6 +127,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     threads: int | None = None  # torch intra-op threads; None: all cores
     seed: int = 0
+    # "both": prefill and decode here (colocated). "prefill": a request ends here after its first
+    # token, handed off to a decode instance with its KV (see cluster/instance.py).
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -144,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if self.threads is None:
             self.threads = os.cpu_count() or 1
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

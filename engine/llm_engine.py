@@ -10,9 +10,11 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
@@ -21,7 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Logprobs, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 from paged_kv import BlockManager
 
@@ -41,6 +43,34 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[Logprobs] = field(default_factory=list)
+    # Set when a prefill instance hands the request off (finish_reason "handoff"): the state of
+    # its seeded generator after the first token, so the decode instance samples as we would.
+    sampler_state: bytes | None = None
+
+
+class KVCapacityError(RuntimeError):
+    """Not enough free KV blocks to take a request's KV now (a decode instance is full)."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks a decode instance holds for a request's prompt KV. The first ``cached_blocks`` were
+    already in its prefix cache; the prefill instance sends the rest into ``block_ids[cached_blocks:]``."""
+
+    block_ids: list[int]
+    cached_blocks: int
+
+
+class KVSink(Protocol):
+    """Where a prefill instance's engine sends the KV of prompts it finishes (cluster/kv_stream.py).
+
+    ``layer_done`` runs on the engine thread after each layer of a step in which ``seqs`` compute
+    their last prompt tokens; it must not block on the transfer (the next layer is waiting).
+    """
+
+    def wants(self, request_id: str) -> bool: ...
+
+    def layer_done(self, layer: int, kv_cache: torch.Tensor, seqs: list[Sequence]) -> None: ...
 
 
 @dataclass
@@ -54,6 +84,7 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens_computed: int
     num_generated_tokens: int
+    num_reserved: int
 
 
 class LLMEngine:
@@ -81,6 +112,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
+        self.kv_sink: KVSink | None = None
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -112,6 +144,14 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError (and changes nothing) when it cannot be served."""
+        seq = self._new_sequence(prompt, params, request_id)
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(
+        self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None
+    ) -> Sequence:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -132,10 +172,62 @@ class LLMEngine:
                 f"the KV cache capacity of {capacity} tokens"
             )
         detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens)
-        seq = Sequence(request_id, ids, params, detok, self.config.device)
+        return Sequence(request_id, ids, params, detok, self.config.device)
+
+    # -- disaggregation: a decode instance receiving a prompt's KV ---------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+        """Hold blocks for the KV of a prompt that a prefill instance computes.
+
+        Full prompt blocks already in this instance's prefix cache are reused (they need not be
+        sent). Raises ``KVCapacityError`` when the blocks are not free now, ``ValueError`` for a
+        request that could never be served. Released by ``abort`` or taken over by ``admit_prefilled``.
+        """
+        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        bm = self.block_manager
+        cached = bm.match_prefix(seq.block_table, seq.token_ids)
+        if not bm.can_grow(seq.block_table, seq.num_prompt_tokens):
+            bm.free(seq.block_table)
+            raise KVCapacityError(
+                f"{bm.blocks_needed(seq.block_table, seq.num_prompt_tokens)} KV blocks needed, "
+                f"{bm.pool.num_free} free"
+            )
+        bm.grow(seq.block_table, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RESERVED
+        seq.num_cached_tokens = cached
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        return Reservation(list(seq.block_table.block_ids), cached // self.config.block_size)
+
+    def admit_prefilled(
+        self,
+        request_id: str,
+        kv: torch.Tensor | None,
+        first_token: int,
+        sampler_state: bytes | None,
+        num_cached_tokens: int,
+    ) -> None:
+        """Start decoding a reserved request from its received prompt KV and first token.
+
+        ``kv`` is a ``kernels.gather_kv`` buffer of every layer for ``block_ids[cached_blocks:]``
+        (None when every block was cached here). The first token was already streamed by the
+        prefill instance; it is replayed into the detokenizer so later text continues from it.
+        """
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.RESERVED:
+            raise ValueError(f"request {request_id!r} has no KV reservation here")
+        table = seq.block_table
+        skip = seq.num_cached_tokens // self.config.block_size
+        if kv is not None:
+            kernels.scatter_kv(kv, self.runner.kv_cache, table.block_ids[skip:])
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit(table, seq.token_ids, seq.num_computed_tokens)
+        if sampler_state is not None:
+            if seq.sampling.generator is None:
+                raise ValueError("sampler_state given for a request without a seed")
+            seq.sampling.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
+        seq.append_token(first_token)
+        seq.detokenizer.add(first_token)
+        seq.num_cached_tokens = num_cached_tokens  # what the client's usage reports: the prefill's hit
+        self.scheduler.add_running(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""
@@ -153,7 +245,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits, sampling = self.runner.run(batch)
+        on_layer = None
+        sink = self.kv_sink
+        if sink is not None:
+            # Sequences computing their last prompt tokens now: their KV is complete layer by layer.
+            done = [
+                s.seq for s in batch
+                if s.samples and s.seq.num_output_tokens == 0 and sink.wants(s.seq.request_id)
+            ]
+            if done:
+                kv_cache = self.runner.kv_cache
+
+                def on_layer(layer: int) -> None:
+                    sink.layer_done(layer, kv_cache, done)
+
+        logits, sampling = self.runner.run(batch, on_layer)
         for s in batch:
             seq = s.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
@@ -187,9 +293,16 @@ class LLMEngine:
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             reason = "length"
+        sampler_state = None
+        if reason is None and self.config.role == "prefill":
+            # Not flushing the detokenizer: text it holds back (half a character, a possible
+            # stop string) is emitted by the decode instance, which replays this token.
+            reason = "handoff"
+            if seq.sampling.generator is not None:
+                sampler_state = bytes(seq.sampling.generator.get_state().numpy())
+        elif reason is not None and not seq.detokenizer.stopped:
+            text += seq.detokenizer.finish()
         if reason is not None:
-            if not seq.detokenizer.stopped:
-                text += seq.detokenizer.finish()
             self.scheduler.finish(seq, reason)
             del self.seqs[seq.request_id]
         return RequestOutput(
@@ -202,6 +315,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=[logprobs] if logprobs is not None else [],
+            sampler_state=sampler_state,
         )
 
     def stats(self) -> EngineStats:
@@ -216,4 +330,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
+            num_reserved=sum(s.status is SequenceStatus.RESERVED for s in self.seqs.values()),
         )

@@ -9,6 +9,7 @@ kernel goes through :mod:`kernels`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -196,14 +197,21 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Logits ``[len(logits_indices), vocab]`` (fp32) for the selected token positions."""
+        """Logits ``[len(logits_indices), vocab]`` (fp32) for the selected token positions.
+
+        ``on_layer(i)`` is called once layer ``i`` has written this step's K/V into the cache:
+        a prefill instance starts sending that layer's KV while the next layers compute.
+        """
         if self.kv_cache is None:
             raise RuntimeError("the model has no KV cache attached")
         x = F.embedding(input_ids, self.embed)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.cos_sin, self.kv_cache, meta)
+            if on_layer is not None:
+                on_layer(i)
         # Only the tokens that sample need the final norm and the (large) LM head.
         x, _ = kernels.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps, residual[logits_indices])
         head = self.embed if self.lm_head is None else self.lm_head

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -115,8 +116,12 @@ class ModelRunner:
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, ordered
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step; returns logits for the sequences that sample, and those sequences."""
+    def run(
+        self, batch: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """Run one step; returns logits for the sequences that sample, and those sequences.
+
+        ``on_layer`` is passed to the model (called after each layer's KV is written)."""
         input_ids, positions, meta, ordered = self.prepare(batch)
         last, rows, sampling = -1, [], []
         for s in ordered:
@@ -124,5 +129,5 @@ class ModelRunner:
             if s.samples:
                 rows.append(last)
                 sampling.append(s)
-        logits = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64))
+        logits = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64), on_layer)
         return logits, sampling

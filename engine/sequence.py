@@ -14,6 +14,7 @@ from paged_kv import BlockTable
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    RESERVED = "reserved"  # blocks held for KV a prefill instance is sending (decode role)
     FINISHED = "finished"
 
 

@@ -26,9 +26,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME
@@ -38,6 +39,8 @@ from engine.tokenizer import Tokenizer
 from server.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def default_model_name(model: str | None) -> str:
@@ -159,9 +162,27 @@ class AsyncLLMEngine(EngineClient):
             with self._count_lock:
                 self._num_unstarted -= 1
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        return self.stream(request_id, lambda e: e.add_request(prompt, params, request_id=request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result (or
+        raise its exception). The way to touch the engine from outside, e.g. to reserve KV."""
+        if not self.is_ready:
+            raise EngineNotReady(self._load_error or "the model is still loading")
+        if self._stopping:
+            raise EngineError("the server is shutting down")
+        future: Future = Future()
+        self._submit(("call", fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def stream(
+        self, request_id: str, start: Callable[[LLMEngine], Any]
+    ) -> AsyncIterator[RequestOutput]:
+        """Like ``generate``, for a request that enters the engine through ``start(engine)``
+        (run on the engine thread): ``add_request``, or ``admit_prefilled`` on a decode instance."""
         if not self.is_ready:
             if self._done.is_set() and self._ready.is_set():
                 raise EngineError("the engine has stopped")
@@ -178,7 +199,7 @@ class AsyncLLMEngine(EngineClient):
             req.counted = True
         finished = False
         try:
-            self._submit(("add", req, prompt, params))
+            self._submit(("add", req, start))
             while True:
                 item = await req.queue.get()
                 self._uncount(req)
@@ -237,6 +258,8 @@ class AsyncLLMEngine(EngineClient):
             for command in commands:
                 if command[0] == "add":
                     self._add(engine, live, outbox, *command[1:])
+                elif command[0] == "call":
+                    self._call(engine, *command[1:])
                 else:
                     self._abort(engine, live, outbox, command[1])
             if stopping:
@@ -252,9 +275,16 @@ class AsyncLLMEngine(EngineClient):
             self._publish_stats(engine)
             self._send(outbox)
 
-    def _add(self, engine, live, outbox, req: _Request, prompt, params) -> None:
+    @staticmethod
+    def _call(engine: LLMEngine, fn: Callable[[LLMEngine], Any], future: Future) -> None:
         try:
-            engine.add_request(prompt, params, request_id=req.request_id)
+            future.set_result(fn(engine))
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            future.set_exception(e)
+
+    def _add(self, engine, live, outbox, req: _Request, start) -> None:
+        try:
+            start(engine)
         except ValueError as e:
             outbox.append((req, ValueError(str(e))))
         except Exception as e:  # noqa: BLE001
@@ -322,6 +352,7 @@ class AsyncLLMEngine(EngineClient):
             "model": self._model_name,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
+            "num_reserved": s.num_reserved,
             "num_blocks": s.num_blocks,
             "block_size": self.config.block_size,
             "num_free_blocks": bm.pool.num_free,

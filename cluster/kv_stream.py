@@ -1,0 +1,183 @@
+"""Layer-wise KV streaming from a prefill instance to a decode instance (FAST'25 §4.1, Fig. 4).
+
+The decode instance reserves blocks and a range of its receive staging (``KVDestination``); the
+prefill instance's engine calls ``KVSender.layer_done`` after each layer of the step that
+finishes a prompt: the layer's pages are packed by ``kernels.gather_kv`` into the send staging
+and handed to the Messenger (``TransferEngine.write``), which copies them into the decode
+instance's range while the next layer computes. The decode instance then unpacks the whole
+buffer into its pages with ``kernels.scatter_kv`` (``LLMEngine.admit_prefilled``).
+
+Wire layout of a request's KV in staging (``KVLayout.shape``): ``[layers, 2, blocks, Hkv,
+block_size, D]``, the ``gather_kv`` layout, so layer ``l`` is the byte range
+``[l * layer_bytes, (l + 1) * layer_bytes)`` on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import kernels
+from cluster.staging import StagingArea, StagingRange
+from cluster.transfer import Batch, RegionHandle, TransferEngine, TransferError
+from engine.config import parse_dtype
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Page geometry both sides must share for KV to move between them."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def page_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=parse_dtype(self.dtype)).element_size()
+        return self.num_kv_heads * self.block_size * self.head_dim * itemsize
+
+    def layer_bytes(self, num_blocks: int) -> int:
+        return 2 * num_blocks * self.page_bytes
+
+    def nbytes(self, num_blocks: int) -> int:
+        return self.num_layers * self.layer_bytes(num_blocks)
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
+        layers, _, _, heads, block_size, head_dim = kv_cache.shape
+        return cls(layers, heads, block_size, head_dim, str(kv_cache.dtype).removeprefix("torch."))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        return cls(**{k: data[k] for k in ("num_layers", "num_kv_heads", "block_size", "head_dim", "dtype")})
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a decode instance takes a request's prompt KV: its Messenger address, its receive
+    staging region, the offset of the range reserved there, and how many leading prompt blocks it
+    already holds (only the blocks after those are sent)."""
+
+    address: str
+    region: RegionHandle
+    offset: int
+    skip_blocks: int
+    num_blocks: int  # blocks sent
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"address": self.address, "region": self.region.to_dict(), "offset": self.offset,
+                "skip_blocks": self.skip_blocks, "num_blocks": self.num_blocks}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVDestination:
+        try:
+            return cls(str(data["address"]), RegionHandle.from_dict(data["region"]), int(data["offset"]),
+                       int(data["skip_blocks"]), int(data["num_blocks"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed KV destination: {e}") from None
+
+
+class _Outgoing:
+    __slots__ = ("dest", "staging", "batches", "error")
+
+    def __init__(self, dest: KVDestination, staging: StagingRange | None):
+        self.dest = dest
+        self.staging = staging
+        self.batches: list[Batch] = []
+        self.error: str | None = None
+
+
+class KVSender:
+    """The prefill side (an ``engine.llm_engine.KVSink``): requests announced with ``expect``
+    are streamed layer by layer; ``finish`` waits for the last write and frees the staging."""
+
+    def __init__(self, transfer: TransferEngine, staging: StagingArea, layout: KVLayout) -> None:
+        self.transfer = transfer
+        self.staging = staging
+        self.layout = layout
+        # expect/finish run on the event loop, layer_done on the engine thread. layer_done holds
+        # the lock while it packs and submits, so once finish has popped a request no copy into
+        # its staging can still start.
+        self._lock = threading.Lock()
+        self._out: dict[str, _Outgoing] = {}
+
+    def expect(self, request_id: str, dest: KVDestination) -> None:
+        """Stream this request's prompt KV to ``dest`` when it is computed (raises StagingFull)."""
+        staging = self.staging.allocate(self.layout.nbytes(dest.num_blocks)) if dest.num_blocks else None
+        with self._lock:
+            if request_id in self._out:
+                if staging is not None:
+                    self.staging.release(staging)
+                raise ValueError(f"request {request_id!r} is already being streamed")
+            self._out[request_id] = _Outgoing(dest, staging)
+
+    def wants(self, request_id: str) -> bool:
+        out = self._out.get(request_id)
+        return out is not None and out.staging is not None
+
+    def layer_done(self, layer: int, kv_cache: torch.Tensor, seqs: list[Sequence]) -> None:
+        lb = self.layout.layer_bytes
+        with self._lock:
+            for seq in seqs:
+                out = self._out.get(seq.request_id)
+                if out is None or out.staging is None or out.error is not None:
+                    continue
+                d = out.dest
+                ids = seq.block_table.block_ids[d.skip_blocks :]
+                if len(ids) != d.num_blocks:
+                    out.error = f"prefill holds {len(ids)} blocks after the skipped ones, decode expects {d.num_blocks}"
+                    continue
+                buf = self.staging.view(out.staging, kv_cache.dtype, self.layout.shape(d.num_blocks))
+                part = buf[layer : layer + 1]
+                layers = range(layer, layer + 1)
+                if kv_cache.device == part.device:
+                    kernels.gather_kv(kv_cache, ids, layers, out=part)
+                else:  # KV on the GPU, staging in host memory
+                    part.copy_(kernels.gather_kv(kv_cache, torch.tensor(ids, device=kv_cache.device), layers))
+                nbytes = lb(d.num_blocks)
+                entry = (self.staging.handle, out.staging.offset + layer * nbytes, d.region,
+                         d.offset + layer * nbytes, nbytes)
+                out.batches.append(self.transfer.write(d.address, [entry]))
+
+    async def finish(self, request_id: str, timeout_s: float) -> None:
+        """Wait for every write of the request, then free its staging. Raises ``TransferError``
+        if a write failed or the KV was never fully sent (unless nothing was to be sent)."""
+        with self._lock:
+            out = self._out.pop(request_id, None)
+        if out is None:
+            return
+        try:
+            for batch in out.batches:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(batch)), timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(f"KV write to {out.dest.address} did not complete in {timeout_s} s") from None
+        finally:
+            if out.staging is not None:
+                # A write that timed out may still read the range: wait for the transport to let go.
+                await asyncio.get_running_loop().run_in_executor(None, _settle, out.batches, timeout_s)
+                self.staging.release(out.staging)
+        if out.error is not None:
+            raise TransferError(out.error)
+        if out.staging is not None and len(out.batches) != self.layout.num_layers:
+            raise TransferError(f"only {len(out.batches)} of {self.layout.num_layers} layers were sent")
+
+
+def _settle(batches: list[Batch], timeout_s: float) -> None:
+    for batch in batches:
+        try:
+            batch.exception(timeout_s)
+        except Exception:  # noqa: BLE001 -- timed out or cancelled: the transport has given up
+            pass
