@@ -34,6 +34,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._index: dict[PrefixKey, int] = {}
         self.num_evictions = 0
+        # Bumped whenever the set of cached keys changes, so a reporter can skip unchanged sets.
+        self.version = 0
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -83,6 +85,7 @@ class BlockPool:
                 # The index may point at another block with the same key; only drop our entry.
                 if self._index.get(key) == block:
                     del self._index[key]
+                    self.version += 1
                 self.num_evictions += 1
             self.ref_counts[block] = 1
             out.append(block)
@@ -121,7 +124,8 @@ class BlockPool:
         self.keys[block] = key
         # A duplicate of an existing key keeps the older entry; this block still carries the key
         # so it stays a valid (if unreachable) cached copy until evicted.
-        self._index.setdefault(key, block)
+        if self._index.setdefault(key, block) == block:
+            self.version += 1
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (unused cached blocks become free)."""
@@ -132,6 +136,7 @@ class BlockPool:
         for block in range(self.num_blocks):
             self.keys[block] = None
         self._index.clear()
+        self.version += 1
 
     # -- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:

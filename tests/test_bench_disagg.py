@@ -1,0 +1,185 @@
+"""bench.disagg: workloads, SLO derivation, goodput / rejection accounting, report (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench import disagg, serving
+from bench.serving import RequestResult
+
+from tests.test_bench_serving import fake_server  # noqa: F401  (fixture)
+
+
+def test_shared_prefix_workload_deterministic_and_shared():
+    kw = dict(num_prefixes=3, prefix_len=40, suffix_len=(5, 9), output_len=(2, 4), rate=5.0,
+              vocab_size=1000)
+    a = disagg.shared_prefix_requests(30, seed=1, **kw)
+    b = disagg.shared_prefix_requests(30, seed=1, **kw)
+    c = disagg.shared_prefix_requests(30, seed=2, **kw)
+    assert [(r.prompt, r.output_len, r.arrival_s) for r in a] == \
+           [(r.prompt, r.output_len, r.arrival_s) for r in b]
+    assert [r.prompt for r in a] != [r.prompt for r in c]
+    prefixes = disagg.make_prefixes(3, 40, 1000, seed=1)
+    assert len({tuple(p) for p in prefixes}) == 3
+    heads = [tuple(r.prompt[:40]) for r in a]
+    assert set(heads) == {tuple(p) for p in prefixes}  # each prefix used, nothing else
+    assert max(heads.count(h) for h in set(heads)) > 1  # really shared
+    suffixes = [tuple(r.prompt[40:]) for r in a]
+    assert len(set(suffixes)) == len(suffixes)  # suffixes are per request
+    assert all(45 <= len(r.prompt) <= 49 and 2 <= r.output_len <= 4 for r in a)
+    assert all(100 <= t < 1000 for r in a for t in r.prompt)
+    arr = [r.arrival_s for r in a]
+    assert arr[0] == 0 and arr == sorted(arr) and arr == serving.arrival_times(30, 5.0, 1.0, 1)
+
+
+def test_unloaded_requests_distinct_prompts():
+    reqs = disagg.unloaded_requests(4, 16, 8, vocab_size=500, seed=0)
+    assert len({tuple(r.prompt) for r in reqs}) == 4  # no prefix-cache hits between them
+    assert all(len(r.prompt) == 16 and r.output_len == 8 and r.arrival_s == 0 for r in reqs)
+
+
+def _res(ttft_s: float, gaps: list[float], *, ok: bool = True, status: int = 200,
+         t0: float = 100.0) -> RequestResult:
+    r = RequestResult(prompt_len=10, output_len=len(gaps) + 1, send_time=t0, status=status)
+    if not ok:
+        r.rejected = status == 429
+        r.error = f"HTTP {status}"
+        r.end_time = t0 + 0.01
+        return r
+    t = t0 + ttft_s
+    r.first_token_time = t
+    r.chunk_times = [t]
+    for g in gaps:
+        t += g
+        r.chunk_times.append(t)
+    r.end_time = t
+    r.output_tokens = len(r.chunk_times)
+    r.success = True
+    return r
+
+
+def test_unloaded_values_and_slo_derivation():
+    results = [_res(0.10, [0.02] * 9), _res(0.30, [0.02] * 8 + [0.05]), _res(0.20, [0.03] * 9),
+               _res(0, [], ok=False, status=500)]
+    u = disagg.unloaded_values(results)
+    assert u["n"] == 3
+    assert u["ttft_ms"] == pytest.approx(200.0)
+    # per-request TBT = the longest of 9 gaps (10% rounded up to 1): 20, 50, 30 -> median 30
+    assert u["tbt_ms"] == pytest.approx(30.0)
+    slos = disagg.derive_slos(u)
+    assert (slos["ttft_ms"], slos["tbt_ms"]) == pytest.approx((2000.0, 150.0))
+    assert "colocated" in slos["ttft_from"]
+    over = disagg.derive_slos(u, slo_ttft_ms=500, ttft_factor=3, tbt_factor=2)
+    assert (over["ttft_ms"], over["tbt_ms"]) == pytest.approx((500.0, 60.0))
+    assert over["ttft_from"] == "given"
+    assert disagg.derive_slos(None, slo_ttft_ms=1, slo_tbt_ms=2)["tbt_ms"] == 2
+    with pytest.raises(ValueError):
+        disagg.derive_slos(None, slo_ttft_ms=1)
+    with pytest.raises(RuntimeError):
+        disagg.unloaded_values([_res(0, [], ok=False, status=429)])
+
+
+def test_goodput_and_rejection_accounting_and_table():
+    slo = dict(slo_ttft_ms=500.0, slo_tbt_ms=100.0)
+    colo = [_res(0.1, [0.05] * 5), _res(0.2, [0.05] * 5), _res(0.9, [0.05] * 5),  # late TTFT
+            _res(0.1, [0.05] * 4 + [0.3]),  # TBT miss
+            _res(0, [], ok=False, status=429), _res(0, [], ok=False, status=429),
+            _res(0, [], ok=False, status=500)]
+    m = serving.compute_metrics(colo, 10.0, **slo)
+    s = disagg.summarize(m)
+    assert (s["sent"], s["completed"], s["rejected"], s["failed"]) == (7, 4, 2, 1)
+    assert s["goodput"] == pytest.approx(2 / 10.0)  # rejected and failed count as misses
+    assert s["slo_attainment"] == pytest.approx(2 / 7)
+    assert s["throughput"] == pytest.approx(4 / 10.0)
+    assert s["tbt_p90_ms"] > 100.0 and s["ttft_p90_ms"] > s["ttft_p50_ms"]
+
+    dis = [_res(0.1, [0.02] * 5) for _ in range(5)] + [_res(0, [], ok=False, status=429)] * 2
+    sd = disagg.summarize(serving.compute_metrics(dis, 10.0, **slo))
+    assert (sd["completed"], sd["rejected"], sd["failed"]) == (5, 2, 0)
+    summaries = {"colocated": {"poisson": s}, "disaggregated": {"poisson": sd}}
+    c = disagg.compare(summaries, "poisson")
+    assert c["goodput"] == pytest.approx(2.5)
+    assert c["tbt_p90"] == pytest.approx(sd["tbt_p90_ms"] / s["tbt_p90_ms"])
+    assert disagg.compare(summaries, "trace") == {"goodput": None, "tbt_p90": None}
+    assert disagg.ratio(1.0, 0.0) is None
+
+    slos = disagg.derive_slos({"ttft_ms": 50.0, "tbt_ms": 20.0})
+    table = disagg.format_table(summaries, slos, {"colocated": {"ttft_ms": 50.0, "tbt_ms": 20.0}})
+    assert "poisson: disaggregated/colocated goodput = 2.50x, TBT p90 ratio = " in table
+    assert "| poisson | colocated | 7 | 4 | 2 | 1 | 0.200 | 28.6% |" in table
+    assert "TTFT <= 500.0 ms" in table and "TBT <= 100.0 ms" in table
+    rows = [ln for ln in table.splitlines() if ln.startswith("| poisson")]
+    header = next(ln for ln in table.splitlines() if ln.startswith("| workload"))
+    assert all(r.count("|") == header.count("|") for r in rows)
+    # one deployment only: no ratio line
+    assert "goodput =" not in disagg.format_table({"colocated": {"poisson": s}})
+
+
+def test_server_command_and_optional_flags(tmp_path):
+    cmd = disagg.server_command("colocated", 1234, python="py", extra=["--max-waiting=4"])
+    assert cmd[:7] == ["py", "-m", "server", "--host", "127.0.0.1", "--port", "1234"]
+    assert cmd[7:] == [*disagg.DEPLOYMENTS["colocated"], "--max-waiting=4"]
+    dropped = disagg.server_command("colocated", 1, drop_flags=["--mode"])
+    assert "--mode" not in dropped and "colocated" not in dropped[1:]
+    assert disagg.flag_listed("--mode", "  --mode {colocated,disaggregated}")
+    assert not disagg.flag_listed("--mode", "  --model MODEL")
+    args = disagg.build_parser().parse_args(["--workloads", "poisson", "--deployments",
+                                             "disaggregated,colocated", "--disagg-args",
+                                             "--admission early"])
+    assert args.workloads == ["poisson"] and args.deployments == ["disaggregated", "colocated"]
+    with pytest.raises(SystemExit):
+        disagg.build_parser().parse_args(["--workloads", "bogus"])
+
+
+def test_stop_server_kills_the_process_group(tmp_path):
+    # a leader that ignores SIGTERM and a child: both must be gone afterwards
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            "print('up', flush=True); time.sleep(60)")
+    sp = disagg.start_server("t", [sys.executable, "-c", code], "http://127.0.0.1:1",
+                             tmp_path / "t.log")
+    deadline = time.time() + 10
+    while "up" not in sp.log_tail() and time.time() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    disagg.stop_server(sp, timeout_s=1.0)
+    assert time.monotonic() - t0 < 8
+    assert sp.proc.returncode is not None
+    assert not disagg._group_alive(sp.proc.pid)
+
+
+def test_health_wait_fails_fast_when_the_server_dies(tmp_path):
+    sp = disagg.start_server("dead", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+                             f"http://127.0.0.1:{disagg.free_port()}", tmp_path / "d.log")
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        disagg.wait_for_health(sp, timeout_s=30)
+    disagg.stop_server(sp, timeout_s=1)
+
+
+def test_unloaded_and_workload_against_fake_server(fake_server):  # noqa: F811
+    url, state = fake_server
+    state["reject_first"] = 0
+    ureqs = disagg.unloaded_requests(3, 8, 4, vocab_size=500)
+    res, _, _ = asyncio.run(serving.run_benchmark(url, ureqs, max_concurrency=1, progress=False))
+    u = disagg.unloaded_values(res[1:])
+    assert u["n"] == 2 and u["ttft_ms"] > 0 and u["tbt_ms"] > 0
+    state["reject_first"] = state["count"] + 2  # the next two requests get 429
+    reqs = disagg.shared_prefix_requests(6, num_prefixes=2, prefix_len=8, suffix_len=(1, 3),
+                                         output_len=(2, 3), rate=500.0, vocab_size=500)
+    res, dur, _ = asyncio.run(serving.run_benchmark(url, reqs, progress=False))
+    s = disagg.summarize(serving.compute_metrics(res, dur, slo_ttft_ms=60_000, slo_tbt_ms=60_000))
+    assert (s["completed"], s["rejected"], s["failed"]) == (4, 2, 0)
+    assert s["goodput"] == pytest.approx(4 / dur)
+    json.dumps(serving.result_records(res))
+
+
+def test_help():
+    out = subprocess.run([sys.executable, "-m", "bench.disagg", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "--deployments" in out.stdout and "--slo-tbt-ms" in out.stdout

@@ -1,0 +1,168 @@
+"""Prefill -> decode KV streaming inside one process: two engines, two Messengers, real transfers.
+
+The decode engine reserves blocks and a staging range, the prefill engine streams each layer's
+KV there as the layer finishes, and the decode engine scatters it into its pages and continues.
+Checked: the KV that lands equals the KV the prefill computed (page by page), the continuation
+equals a colocated engine's, prefix blocks the decode side already holds are not resent, and
+every block and staging range is returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cluster.kv_stream import KVDestination, KVLayout, KVSender
+from cluster.staging import StagingArea, StagingFull
+from cluster.transfer import TransferConfig, TransferEngine
+from engine.config import EngineConfig
+from engine.llm_engine import KVCapacityError, LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.tiny_models import make_tiny_model
+
+SECRET = b"kv stream test cluster secret"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "Qwen3ForCausalLM", tie=False, seed=3))
+
+
+def _engine(model: str, role: str, num_blocks_gib: float = 0.01) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, device="cpu", role=role, kv_cache_gib=num_blocks_gib,
+                                  threads=1, max_num_batched_tokens=64))
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def pair(request, model):
+    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    tp = TransferEngine(TransferConfig(secret=SECRET, transport=request.param))
+    td = TransferEngine(TransferConfig(secret=SECRET, transport=request.param))
+    layout = KVLayout.of_cache(prefill.runner.kv_cache)
+    send, recv = StagingArea(tp, 1 << 22), StagingArea(td, 1 << 22)
+    sender = KVSender(tp, send, layout)
+    prefill.kv_sink = sender
+    yield prefill, decode, sender, recv, td, layout
+    for e in (prefill, decode):
+        assert not e.has_unfinished() and not e.seqs
+        assert e.block_manager.pool.num_in_use == 0
+        e.block_manager.check_integrity()
+    assert send.num_allocated == 0 and recv.num_allocated == 0
+    send.check(), recv.check()
+    tp.close(), td.close()
+
+
+def _handoff(prefill, decode, sender, recv, td, layout, rid, prompt, params):
+    """Reserve on decode, prefill with streaming, admit on decode; returns the prefill output and
+    the prefill's block ids (still cached there) and the decode's."""
+    res = decode.reserve(rid, prompt, params)
+    n = len(res.block_ids) - res.cached_blocks
+    staging = recv.allocate(layout.nbytes(n)) if n else None
+    dest = KVDestination(td.address, recv.handle, staging.offset if staging else 0, res.cached_blocks, n)
+    sender.expect(rid, dest)
+    prefill.add_request(prompt, params, request_id=rid)
+    prefill_blocks = []
+    original = sender.layer_done
+
+    def spy(layer, kv_cache, seqs):
+        if layer == 0:
+            prefill_blocks.extend(seqs[0].block_table.block_ids)
+        original(layer, kv_cache, seqs)
+
+    sender.layer_done = spy
+    outs = []
+    while prefill.has_unfinished():
+        outs.extend(prefill.step())
+    sender.layer_done = original
+    asyncio.run(sender.finish(rid, 10.0))
+    (out,) = outs
+    assert out.finished and out.finish_reason == "handoff" and len(out.new_token_ids) == 1
+    kv = recv.view(staging, decode.runner.kv_cache.dtype, layout.shape(n)) if staging else None
+    decode.admit_prefilled(rid, kv, out.new_token_ids[0], out.sampler_state, out.num_cached_tokens)
+    if staging:
+        recv.release(staging)
+    return out, prefill_blocks, res
+
+
+def _run(engine):
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return tokens
+
+
+def test_received_kv_equals_computed_and_output_matches_colocated(pair, model):
+    prefill, decode, sender, recv, td, layout = pair
+    prompt = list(range(5, 5 + 53))  # 3 full blocks of 16 and a partial one
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out, p_blocks, res = _handoff(prefill, decode, sender, recv, td, layout, "r1", prompt, params)
+    assert res.cached_blocks == 0 and len(res.block_ids) == 4
+    # The KV that landed equals the KV the prefill computed, block by block, every layer.
+    d_blocks = decode.seqs["r1"].block_table.block_ids
+    pk, dk = prefill.runner.kv_cache, decode.runner.kv_cache
+    full = len(prompt) // 16
+    torch.testing.assert_close(dk[:, :, d_blocks[:full]], pk[:, :, p_blocks[:full]], rtol=0, atol=0)
+    tail = len(prompt) % 16  # the partial block: only its first `tail` slots are the prompt's
+    torch.testing.assert_close(dk[:, :, d_blocks[full], :, :tail], pk[:, :, p_blocks[full], :, :tail], rtol=0, atol=0)
+
+    decoded = [out.new_token_ids[0]] + _run(decode)["r1"]
+    colocated = _engine(model, "both")
+    colocated.add_request(prompt, params, request_id="c")
+    assert decoded == _run(colocated)["c"]
+
+
+def test_cached_prefix_is_not_resent_and_seeded_sampling_continues(pair, model):
+    prefill, decode, sender, recv, td, layout = pair
+    shared = list(range(100, 100 + 48))
+    params = SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True)
+    results = []
+    for i, suffix in enumerate(([1, 2, 3, 4, 5], [9, 8, 7])):
+        out, _, res = _handoff(prefill, decode, sender, recv, td, layout, f"s{i}", shared + suffix, params)
+        results.append(((out.new_token_ids[0], *_run(decode)[f"s{i}"]), res))
+    # The second request's three shared blocks were already on the decode instance: not sent.
+    assert results[0][1].cached_blocks == 0 and results[1][1].cached_blocks == 3
+    colocated = _engine(model, "both")
+    for i, suffix in enumerate(([1, 2, 3, 4, 5], [9, 8, 7])):
+        colocated.add_request(shared + suffix, params, request_id=f"c{i}")
+    expected = _run(colocated)
+    assert [list(r[0]) for r in results] == [expected["c0"], expected["c1"]]
+
+
+def test_reserve_without_room_raises_and_leaks_nothing(pair, model):
+    kv = pair[1].runner.kv_cache
+    block_bytes = kv[:, :, 0].numel() * kv.element_size()
+    decode = _engine(model, "decode", 20 * block_bytes / (1 << 30))  # a 20-block cache
+    total = decode.block_manager.num_blocks
+    assert total == 20
+    half = [(7 * i) % 200 for i in range(16 * (total // 2 + 1))]  # more than half of the blocks
+    held = decode.reserve("held", half, SamplingParams(max_tokens=1))
+    with pytest.raises(KVCapacityError):
+        decode.reserve("big", half[::-1], SamplingParams(max_tokens=1))
+    assert "big" not in decode.seqs
+    assert decode.block_manager.pool.num_in_use == len(held.block_ids)
+    assert decode.abort("held")
+    assert decode.block_manager.pool.num_in_use == 0
+
+
+def test_staging_allocator_first_fit_merges_and_refuses():
+    with TransferEngine(TransferConfig(secret=SECRET, transport="tcp")) as te:
+        area = StagingArea(te, 1024)
+        a, b, c = area.allocate(100), area.allocate(200), area.allocate(300)
+        assert (a.offset, b.offset, c.offset) == (0, 128, 384)
+        with pytest.raises(StagingFull):
+            area.allocate(400)
+        area.release(b)
+        assert area.allocate(150).offset == 128  # first fit reuses the hole
+        area.release(a)
+        with pytest.raises(ValueError):
+            area.release(a)
+        with pytest.raises(ValueError):
+            area.allocate(2048)
+        area.check()
+        for r in list(area._used):
+            area.release(type(a)(r, 1))
+        area.check()
+        assert area.num_free_bytes == 1024 and area.allocate(1024).offset == 0
