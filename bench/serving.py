@@ -422,7 +422,8 @@ def plot_cdfs(results: list[RequestResult], path: str, m: dict | None = None) ->
     plt.close(fig)
 
 
-def write_json(path: str, m: dict, results: list[RequestResult], args: dict | None = None) -> None:
+def result_records(results: list[RequestResult]) -> list[dict]:
+    """Per-request records for JSON: times relative to each request's send time."""
     recs = []
     for r in results:
         d = asdict(r)
@@ -431,8 +432,12 @@ def write_json(path: str, m: dict, results: list[RequestResult], args: dict | No
         d["first_token_time"] = None if r.first_token_time is None else r.first_token_time - t0
         d["end_time"] = r.end_time - t0
         recs.append(d)
+    return recs
+
+
+def write_json(path: str, m: dict, results: list[RequestResult], args: dict | None = None) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"args": args or {}, "metrics": m, "requests": recs}, f, indent=1)
+        json.dump({"args": args or {}, "metrics": m, "requests": result_records(results)}, f, indent=1)
 
 
 # --------------------------------------------------------------------------- CLI

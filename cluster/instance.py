@@ -7,13 +7,15 @@ same ``AsyncLLMEngine`` the single-process server uses; around it the instance a
 
 * ``GET  /instance/info``     role, model facts, KV page layout, Messenger address, measured profile
 * ``GET  /instance/state``    load, free blocks, and the cached prefix keys (only when changed)
-* ``POST /instance/reserve``  (decode) hold blocks + a receive-staging range for a prompt's KV;
-  507 when there is no room now
+* ``POST /instance/reserve``  hold blocks + a receive-staging range for a prompt's KV (decode;
+  or a pulled prefix on a prefill instance); 507 when there is no room now
 * ``POST /instance/prefill``  (prefill) compute a prompt, stream its KV layer by layer into the
   given destination, answer the first token once the last layer has been written
 * ``POST /instance/generate`` (decode/both) stream the rest of a request as NDJSON
   ``RequestOutput`` deltas: from a reservation whose KV has landed, or (both) from the prompt
 * ``POST /instance/abort``    drop a request wherever it is (idempotent)
+* ``POST /instance/push``     (prefill) send cached prefix blocks into another instance's
+  reservation; ``POST /instance/adopt`` there keeps them as cached blocks (hot-spot replication)
 
 At start the instance loads the model, calibrates its cost models (``cluster/calibration.py``),
 and registers with the Conductor; it registers again whenever the Conductor has not polled it
@@ -27,6 +29,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -41,13 +44,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cluster.calibration import InstanceProfile, profile
-from cluster.kv_stream import KVDestination, KVLayout, KVSender
+from cluster.kv_stream import KVDestination, KVLayout, KVSender, pack, settle
 from cluster.staging import StagingArea, StagingFull, StagingRange
 from cluster.transfer import TransferConfig, TransferEngine, TransferError
 from cluster.wire import auth_header, authorized, output_to_dict, params_from_dict, token_ids
 from engine.config import EngineConfig
 from engine.llm_engine import KVCapacityError, LLMEngine
 from engine.sequence import SequenceStatus
+from paged_kv.prefix_keys import chain_keys
 from server.async_engine import AsyncLLMEngine
 from server.engine_client import EngineError, EngineNotReady
 
@@ -135,8 +139,8 @@ class Instance:
                 self.send = StagingArea(self.transfer, staging)
                 sender = self.sender = KVSender(self.transfer, self.send, self.layout)
                 await self.client.call(lambda e: setattr(e, "kv_sink", sender))
-            if cfg.role in ("decode", "both"):
-                self.recv = StagingArea(self.transfer, staging)
+            # Every role receives: decode instances a prompt's KV, prefill ones pulled hot prefixes.
+            self.recv = StagingArea(self.transfer, staging)
             started = time.perf_counter()
             self.profile = await self.client.call(lambda e: profile(e, cfg.calibration_seed))
             log.info("calibrated in %.1f s: %s", time.perf_counter() - started, self.profile)
@@ -195,6 +199,7 @@ class Instance:
         )
         return JSONResponse({
             "instance_id": self.instance_id,
+            "pid": os.getpid(),
             "role": self.config.role,
             "url": self.config.url,
             "transfer_address": self.transfer.address,
@@ -238,7 +243,7 @@ class Instance:
         return rid, token_ids(body.get("prompt_token_ids")), params_from_dict(body.get("params")), body
 
     async def reserve(self, request: Request) -> Response:
-        if (denied := self._check(request, ("decode", "both"))) is not None:
+        if (denied := self._check(request)) is not None:
             return denied
         try:
             rid, ids, params, _ = await self._body(request)
@@ -295,15 +300,88 @@ class Instance:
 
     async def _expect(self, rid: str, dest: KVDestination) -> None:
         """Announce the stream, waiting (bounded) for send staging freed by earlier requests."""
+        await self._until_staged(lambda: self.sender.expect(rid, dest))
+
+    async def _until_staged(self, allocate):
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while True:
             try:
-                self.sender.expect(rid, dest)
-                return
+                return allocate()
             except StagingFull:
                 if time.monotonic() > deadline:
                     raise asyncio.TimeoutError("send staging stayed full") from None
                 await asyncio.sleep(0.005)
+
+    async def push(self, request: Request) -> Response:
+        """Send cached prefix blocks to another instance's reservation (hot-spot replication)."""
+        if (denied := self._check(request, ("prefill", "both"))) is not None:
+            return denied
+        try:
+            body = await request.json()
+            rid, ids = body.get("request_id"), token_ids(body.get("prompt_token_ids"))
+            dest = KVDestination.from_dict(body.get("dest"))
+        except (ValueError, json.JSONDecodeError, AttributeError) as e:
+            return _error(400, str(e))
+        layout, send = self.layout, self.send
+        if not dest.num_blocks:
+            return JSONResponse({"pushed": 0})
+        try:
+            staging = await self._until_staged(lambda: send.allocate(layout.nbytes(dest.num_blocks)))
+        except (ValueError, asyncio.TimeoutError) as e:
+            return _error(503, str(e) or "send staging stayed full")
+        batch = None
+        try:
+            def gather(e: LLMEngine) -> None:
+                # One engine-thread call: nothing can evict the blocks between lookup and copy.
+                blocks = e.block_manager.pool.lookup(chain_keys(ids, layout.block_size))
+                wanted = blocks[dest.skip_blocks : dest.skip_blocks + dest.num_blocks]
+                if len(wanted) != dest.num_blocks:
+                    raise ValueError(f"{rid}: only {len(blocks)} of the prefix blocks are cached here now")
+                pack(e.runner.kv_cache, wanted, None, send.view(staging, e.runner.kv_cache.dtype, layout.shape(dest.num_blocks)))
+
+            await self.client.call(gather)
+            batch = self.transfer.write(dest.address, [(send.handle, staging.offset, dest.region, dest.offset, staging.nbytes)])
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(batch)), self.config.transfer_timeout_s)
+        except ValueError as e:
+            return _error(409, str(e))
+        except (TransferError, asyncio.TimeoutError) as e:
+            return _error(502, f"push to {dest.address} failed: {e}")
+        finally:
+            if batch is not None:  # a timed-out write may still read the staging
+                await asyncio.get_running_loop().run_in_executor(None, settle, [batch], self.config.transfer_timeout_s)
+            send.release(staging)
+        return JSONResponse({"pushed": dest.num_blocks})
+
+    async def adopt(self, request: Request) -> Response:
+        """Keep a reservation's received blocks as cached prefix (``ok``) or drop it."""
+        if (denied := self._check(request)) is not None:
+            return denied
+        try:
+            body = await request.json()
+            rid = body["request_id"]
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            return _error(400, f"request_id needed: {e}")
+        res = self.reservations.pop(rid, None)
+        if res is None:
+            return _error(404, f"no KV reservation for {rid!r}")
+        recv, layout = self.recv, self.layout
+        try:
+            if body.get("ok") is not True:
+                await self.client.call(lambda e: e.abort(rid))
+                return JSONResponse({"adopted": 0})
+
+            def adopt(e: LLMEngine) -> int:
+                kv = None if res.staging is None else recv.view(res.staging, e.runner.kv_cache.dtype, layout.shape(res.num_blocks))
+                try:
+                    return e.adopt_prefix(rid, kv)
+                except BaseException:
+                    e.abort(rid)
+                    raise
+
+            return JSONResponse({"adopted": await self.client.call(adopt)})
+        finally:
+            if res.staging is not None:
+                recv.release(res.staging)
 
     async def generate(self, request: Request) -> Response:
         if (denied := self._check(request, ("decode", "both"))) is not None:
@@ -414,5 +492,7 @@ def build_instance_app(instance: Instance) -> Starlette:
         Route("/instance/prefill", instance.prefill, methods=["POST"]),
         Route("/instance/generate", instance.generate, methods=["POST"]),
         Route("/instance/abort", instance.abort, methods=["POST"]),
+        Route("/instance/push", instance.push, methods=["POST"]),
+        Route("/instance/adopt", instance.adopt, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

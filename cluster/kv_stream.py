@@ -141,12 +141,7 @@ class KVSender:
                     out.error = f"prefill holds {len(ids)} blocks after the skipped ones, decode expects {d.num_blocks}"
                     continue
                 buf = self.staging.view(out.staging, kv_cache.dtype, self.layout.shape(d.num_blocks))
-                part = buf[layer : layer + 1]
-                layers = range(layer, layer + 1)
-                if kv_cache.device == part.device:
-                    kernels.gather_kv(kv_cache, ids, layers, out=part)
-                else:  # KV on the GPU, staging in host memory
-                    part.copy_(kernels.gather_kv(kv_cache, torch.tensor(ids, device=kv_cache.device), layers))
+                pack(kv_cache, ids, range(layer, layer + 1), buf[layer : layer + 1])
                 nbytes = lb(d.num_blocks)
                 entry = (self.staging.handle, out.staging.offset + layer * nbytes, d.region,
                          d.offset + layer * nbytes, nbytes)
@@ -167,7 +162,7 @@ class KVSender:
         finally:
             if out.staging is not None:
                 # A write that timed out may still read the range: wait for the transport to let go.
-                await asyncio.get_running_loop().run_in_executor(None, _settle, out.batches, timeout_s)
+                await asyncio.get_running_loop().run_in_executor(None, settle, out.batches, timeout_s)
                 self.staging.release(out.staging)
         if out.error is not None:
             raise TransferError(out.error)
@@ -175,7 +170,17 @@ class KVSender:
             raise TransferError(f"only {len(out.batches)} of {self.layout.num_layers} layers were sent")
 
 
-def _settle(batches: list[Batch], timeout_s: float) -> None:
+def pack(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None, out: torch.Tensor) -> None:
+    """``kernels.gather_kv`` into ``out`` (host staging), through device memory when the KV is on a GPU."""
+    if kv_cache.device == out.device:
+        kernels.gather_kv(kv_cache, block_ids, layers, out=out)
+    else:
+        out.copy_(kernels.gather_kv(kv_cache, torch.tensor(block_ids, device=kv_cache.device), layers))
+
+
+def settle(batches: list[Batch], timeout_s: float) -> None:
+    """Block until each batch has completed or failed (at most ``timeout_s`` each): after that
+    no transport touches its memory, and the staging under it can be reused."""
     for batch in batches:
         try:
             batch.exception(timeout_s)

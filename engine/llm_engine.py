@@ -211,6 +211,29 @@ class LLMEngine:
         (None when every block was cached here). The first token was already streamed by the
         prefill instance; it is replayed into the detokenizer so later text continues from it.
         """
+        seq = self._receive(request_id, kv)
+        if sampler_state is not None:
+            if seq.sampling.generator is None:
+                raise ValueError("sampler_state given for a request without a seed")
+            seq.sampling.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
+        seq.append_token(first_token)
+        seq.detokenizer.add(first_token)
+        seq.num_cached_tokens = num_cached_tokens  # what the client's usage reports: the prefill's hit
+        self.scheduler.add_running(seq)
+
+    def adopt_prefix(self, request_id: str, kv: torch.Tensor | None) -> int:
+        """Keep a reserved prompt's received KV as cached prefix blocks and end the reservation
+        (hot-spot replication: the blocks were pulled from another prefill instance). Returns
+        the number of blocks now cached under the prompt's keys."""
+        seq = self._receive(request_id, kv)
+        cached = len(seq.block_table.keys)
+        self.scheduler.finish(seq, "adopted")  # the blocks stay cached under their keys
+        del self.seqs[request_id]
+        return cached
+
+    def _receive(self, request_id: str, kv: torch.Tensor | None) -> Sequence:
+        """Unpack received KV into a reservation's blocks after the ones it found cached, and
+        publish its full blocks in the prefix cache."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.RESERVED:
             raise ValueError(f"request {request_id!r} has no KV reservation here")
@@ -220,14 +243,7 @@ class LLMEngine:
             kernels.scatter_kv(kv, self.runner.kv_cache, table.block_ids[skip:])
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(table, seq.token_ids, seq.num_computed_tokens)
-        if sampler_state is not None:
-            if seq.sampling.generator is None:
-                raise ValueError("sampler_state given for a request without a seed")
-            seq.sampling.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
-        seq.append_token(first_token)
-        seq.detokenizer.add(first_token)
-        seq.num_cached_tokens = num_cached_tokens  # what the client's usage reports: the prefill's hit
-        self.scheduler.add_running(seq)
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""

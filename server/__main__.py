@@ -1,8 +1,17 @@
-"""``python -m server``: the OpenAI-compatible HTTP server over one local engine.
+"""``python -m server``: the OpenAI-compatible HTTP server, and the cluster's processes.
 
-With no arguments it serves the default model (SmolLM2-135M-Instruct) on 127.0.0.1:8000. The
-socket listens at once; the model loads in the background (``/health`` answers 503 until it
-is ready, then 200).
+Three ways to run it:
+
+* ``python -m server`` (``--mode disaggregated``, the default): the Conductor serves the OpenAI
+  API on 127.0.0.1:8000 and starts one prefill and one decode instance of the default model
+  (SmolLM2-135M-Instruct) on this machine, each with its share of the cores; KV moves between
+  them through shared memory. ``--prefill-instances`` / ``--decode-instances`` change the
+  counts (0 and 0: instances started elsewhere register with ``--conductor``).
+* ``python -m server --mode colocated``: one engine does prefill and decode (the baseline).
+* ``python -m server --role prefill|decode|both --conductor URL``: one instance process.
+
+The socket listens at once; models load in the background (``/health`` answers 503 until the
+server can serve, then 200).
 """
 
 from __future__ import annotations
@@ -77,38 +86,140 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest request body accepted; beyond it: HTTP 413")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    c = p.add_argument_group("cluster")
+    c.add_argument("--mode", choices=["disaggregated", "colocated"], default=_env("MOONCAKE_MODE", "disaggregated"),
+                   help="disaggregated: Conductor + prefill and decode instances; colocated: one engine (env MOONCAKE_MODE)")
+    c.add_argument("--role", choices=["prefill", "decode", "both"], default=None,
+                   help="run one instance process of this role instead of a front end")
+    c.add_argument("--conductor", default=_env("MOONCAKE_CONDUCTOR"),
+                   help="(instance) the Conductor's URL to register with (env MOONCAKE_CONDUCTOR)")
+    c.add_argument("--url", default=None,
+                   help="(instance) the URL the Conductor reaches this instance at; default http://HOST:PORT")
+    c.add_argument("--cluster-secret", default=_env("MOONCAKE_CLUSTER_SECRET"),
+                   help="shared secret (>= 16 characters) between the Conductor and instances; generated "
+                   "for instances this process starts (env MOONCAKE_CLUSTER_SECRET)")
+    c.add_argument("--instance", action="append", default=[],
+                   help="(Conductor) URL of an instance to poll from the start; repeatable")
+    c.add_argument("--prefill-instances", type=_non_negative_int, default=1,
+                   help="(Conductor) prefill instances to start on this machine")
+    c.add_argument("--decode-instances", type=_non_negative_int, default=1,
+                   help="(Conductor) decode instances to start on this machine")
+    c.add_argument("--instance-threads", type=_positive_int, default=None,
+                   help="(Conductor) torch threads of each started instance; default: cores / instances")
+    c.add_argument("--staging-gib", type=_positive_float, default=0.5,
+                   help="(instance) size of each KV staging area (send, receive)")
+    c.add_argument("--scheduler", choices=["random", "load", "local", "global"], default="global",
+                   help="(Conductor) prefill scheduling: global = Algorithm 1 with hot-prefix replication")
+    c.add_argument("--kvcache-balancing-threshold", type=float, default=2.0,
+                   help="(Conductor) pull a prefix from another prefill instance when it is this many times "
+                   "longer than the local one")
+    c.add_argument("--admission", choices=["none", "early", "predictive"], default="none",
+                   help="(Conductor) early rejection (HTTP 429) on predicted load; needs --slo-ttft-s and --slo-tbt-s")
+    c.add_argument("--slo-ttft-s", type=_positive_float, default=None, help="(Conductor) TTFT SLO in seconds")
+    c.add_argument("--slo-tbt-s", type=_positive_float, default=None, help="(Conductor) TBT SLO in seconds")
+    c.add_argument("--predicted-decode-s", type=_positive_float, default=5.0,
+                   help="(Conductor) decode duration assumed by --admission predictive")
     return p.parse_args(argv)
+
+
+def _engine_config(args: argparse.Namespace, role: str = "both"):
+    from engine.config import EngineConfig
+
+    kwargs = dict(
+        model=args.model, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, role=role,
+    )
+    if args.device:
+        kwargs["device"] = args.device
+    return EngineConfig(**kwargs)
+
+
+def _instance_args(args: argparse.Namespace) -> list[str]:
+    """Flags a started instance inherits from this command line."""
+    out = ["--log-level", args.log_level, "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--staging-gib", str(args.staging_gib)]
+    for flag, value in (("--model", args.model), ("--kv-cache-gib", args.kv_cache_gib),
+                        ("--max-model-len", args.max_model_len), ("--device", args.device)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger(__name__)
 
     import uvicorn
 
-    from engine.config import EngineConfig
     from server.app import ServerSettings, build_app
-    from server.async_engine import AsyncLLMEngine
 
-    config_kwargs = dict(
-        model=args.model, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-    )
-    if args.device:
-        config_kwargs["device"] = args.device
+    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    if args.role is not None:
+        from cluster.instance import Instance, InstanceConfig, build_instance_app
+
+        if not args.cluster_secret:
+            sys.exit("error: an instance needs --cluster-secret (or MOONCAKE_CLUSTER_SECRET)")
+        try:
+            config = InstanceConfig(
+                engine=_engine_config(args, args.role), url=args.url or f"http://{args.host}:{args.port}",
+                secret=args.cluster_secret.encode(), conductor=args.conductor, staging_gib=args.staging_gib,
+            )
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        log.info("%s instance on %s (conductor: %s)", args.role, config.url, args.conductor or "none")
+        uvicorn.run(build_instance_app(Instance(config)), host=args.host, port=args.port,
+                    log_level="warning", timeout_graceful_shutdown=5)
+        return
+
+    if args.mode == "colocated":
+        from server.async_engine import AsyncLLMEngine
+
+        try:
+            config = _engine_config(args)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        client = AsyncLLMEngine(config, served_model_name=args.served_model_name, max_waiting=args.max_waiting)
+        app = build_app(client, settings)
+        log.info("serving %r on http://%s:%d (colocated; /health is 503 until the model is loaded)",
+                 client.model_name, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        return
+
+    import secrets
+
+    import torch
+    from starlette.routing import Route
+
+    from cluster.conductor import Conductor, ConductorConfig
+    from cluster.launcher import launch_instances, stop_instances
+
+    torch.set_num_threads(1)  # the Conductor only tokenizes
+    secret = args.cluster_secret or secrets.token_hex(16)
+    roles = ["prefill"] * args.prefill_instances + ["decode"] * args.decode_instances
+    threads = args.instance_threads or max(1, (os.cpu_count() or 1) // max(1, len(roles)))
     try:
-        config = EngineConfig(**config_kwargs)
+        config = ConductorConfig(
+            secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
+            instances=tuple(args.instance), scheduler=args.scheduler,
+            kvcache_balancing_threshold=args.kvcache_balancing_threshold, admission=args.admission,
+            slo_ttft_s=args.slo_ttft_s, slo_tbt_s=args.slo_tbt_s, predicted_decode_s=args.predicted_decode_s,
+        )
     except ValueError as e:
         sys.exit(f"error: {e}")
-    client = AsyncLLMEngine(config, served_model_name=args.served_model_name, max_waiting=args.max_waiting)
-    app = build_app(client, ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes))
-    logging.getLogger(__name__).info(
-        "serving %r on http://%s:%d (model loads in the background; /health is 503 until ready)",
-        client.model_name, args.host, args.port,
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    conductor = Conductor(config)
+    app = build_app(conductor, settings,
+                    extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    launched = launch_instances(roles, f"http://{local}:{args.port}", secret, threads, _instance_args(args))
+    log.info("serving %r on http://%s:%d: Conductor over %d prefill + %d decode instances (%d threads each); "
+             "/health is 503 until they are up", conductor.model_name, args.host, args.port,
+             args.prefill_instances, args.decode_instances, threads)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        stop_instances(launched)
 
 
 if __name__ == "__main__":

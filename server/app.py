@@ -383,10 +383,11 @@ def build_app(
     client: EngineClient,
     settings: ServerSettings | None = None,
     manage_engine: bool = True,
+    extra_routes: list[Route] | None = None,
 ) -> Starlette:
     """The starlette app over ``client``. With ``manage_engine`` the app's lifespan starts the
     client (loading in the background) and shuts it down; without it the caller does (several
-    apps may share one client)."""
+    apps may share one client). ``extra_routes``: e.g. the Conductor's registration route."""
     settings = settings or ServerSettings()
     metrics = ServerMetrics(client, client.model_name)
     server = OpenAIServer(client, settings, metrics)
@@ -415,6 +416,7 @@ def build_app(
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
         Route("/stats", server.stats, methods=["GET"]),
+        *(extra_routes or []),
     ]
     app = Starlette(
         routes=routes,

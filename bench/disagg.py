@@ -1,0 +1,593 @@
+"""Colocated vs disaggregated serving on this machine: goodput under the same SLOs.
+
+Run with ``python -m bench.disagg`` (``--help`` for flags). For each deployment in
+``--deployments`` (the colocated baseline always first) the benchmark
+
+1. starts the OpenAI-compatible server as a subprocess on a free loopback port, in its own
+   session (the disaggregated server spawns prefill / decode instance processes; the whole
+   process group is stopped with SIGTERM, then SIGKILL, even on Ctrl-C or errors), its output
+   going to ``server-NAME.log`` beside ``--out``, and waits for ``GET /health`` to answer 200;
+2. measures **unloaded** latency: one warm-up request, then ``--unloaded-requests`` sequential
+   requests of ``--unloaded-prompt-len`` random tokens (a different prompt each, so no prefix
+   cache hit) and ``--unloaded-output-len`` output tokens; the medians of their TTFT and TBT
+   (``bench.serving.tbt``: mean of the longest 10% of a request's inter-token gaps);
+3. derives the **SLOs** once, from the colocated baseline (the paper's definition): TTFT SLO =
+   ``--ttft-slo-factor`` (10) x its unloaded TTFT, TBT SLO = ``--tbt-slo-factor`` (5) x its
+   unloaded TBT; ``--slo-ttft-ms`` / ``--slo-tbt-ms`` override them. The same SLOs judge
+   every deployment;
+4. replays each workload in ``--workloads`` with ``bench.serving.run_benchmark`` (the same
+   request list, built from ``--seed``, for every deployment):
+
+   * ``trace``: the first ``--num-requests`` lines of a Mooncake trace (``--trace``), prompts
+     synthesized by :mod:`bench.trace` with ``--length-scale`` (lengths and the 512-token
+     block) and ``--time-scale`` (inter-arrival gaps);
+   * ``poisson``: ``--num-requests`` requests at ``--rate`` req/s (Poisson, or gamma with
+     ``--burstiness``), each prompt one of ``--num-prefixes`` shared system prompts of
+     ``--prefix-len`` tokens followed by a random suffix of ``--suffix-len MIN MAX`` tokens,
+     outputs of ``--output-len MIN MAX`` tokens;
+
+5. reports, per deployment and workload, ``bench.serving.compute_metrics`` under the SLOs:
+   completed, rejected (HTTP 429), failed, goodput (requests meeting both SLOs per second of
+   benchmark duration; rejected and failed requests count as misses), SLO attainment, TTFT
+   p50 / p90, TBT p90 and throughput, as a markdown table plus one line per workload::
+
+       disaggregated/colocated goodput = X.XXx, TBT p90 ratio = Y.YYx
+
+   and writes everything (per-request records included) as JSON to ``--out``
+   (default ``out/disagg/disagg.json``; ``out/`` is not tracked).
+
+The server command lines live in :data:`DEPLOYMENTS`; ``--server-arg`` (repeatable, both
+deployments), ``--colocated-args`` and ``--disagg-args`` (shell-split strings) append flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+import numpy as np
+
+from bench.serving import (
+    RequestResult,
+    _length_range,
+    arrival_times,
+    compute_metrics,
+    result_records,
+    run_benchmark,
+    tbt,
+)
+from bench.trace import MIN_TOKEN_ID, BenchRequest, load_trace, synthesize_requests
+
+TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces"
+DEFAULT_TRACE = TRACE_DIR / "conversation_trace.jsonl"
+DEFAULT_OUT = Path("out") / "disagg" / "disagg.json"
+
+# The server flags of each deployment (after ``python -m server --host H --port P``).
+DEPLOYMENTS: dict[str, list[str]] = {
+    "colocated": ["--mode", "colocated", "--threads", "2"],
+    "disaggregated": ["--instance-threads", "1"],
+}
+BASELINE = "colocated"
+# Flags (each taking one value) dropped, with a warning, when ``python -m server --help`` does
+# not list them: lets the baseline run on a server that predates ``--mode``.
+OPTIONAL_FLAGS = ("--mode",)
+WORKLOADS = ("trace", "poisson")
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def make_prefixes(num_prefixes: int, prefix_len: int, vocab_size: int = 32000,
+                  seed: int = 0) -> list[list[int]]:
+    """``num_prefixes`` distinct random "system prompts" of ``prefix_len`` token ids."""
+    if vocab_size <= MIN_TOKEN_ID:
+        raise ValueError(f"vocab_size must exceed {MIN_TOKEN_ID}")
+    rng = np.random.default_rng([seed, 21])
+    return [rng.integers(MIN_TOKEN_ID, vocab_size, size=prefix_len).tolist()
+            for _ in range(num_prefixes)]
+
+
+def shared_prefix_requests(
+    num: int,
+    *,
+    num_prefixes: int = 4,
+    prefix_len: int = 256,
+    suffix_len: tuple[int, int] = (32, 96),
+    output_len: tuple[int, int] = (16, 64),
+    rate: float = 1.0,
+    burstiness: float = 1.0,
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Poisson (or gamma) arrivals; prompt = one of the shared prefixes + a random suffix."""
+    if num_prefixes < 1 or prefix_len < 0:
+        raise ValueError("need at least one prefix and prefix_len >= 0")
+    prefixes = make_prefixes(num_prefixes, prefix_len, vocab_size, seed)
+    arrivals = arrival_times(num, rate, burstiness, seed)
+    rng = np.random.default_rng([seed, 22])
+    reqs = []
+    for i in range(num):
+        k = int(rng.integers(num_prefixes))
+        sl = int(rng.integers(suffix_len[0], suffix_len[1] + 1))
+        ol = int(rng.integers(output_len[0], output_len[1] + 1))
+        suffix = rng.integers(MIN_TOKEN_ID, vocab_size, size=sl).tolist()
+        reqs.append(BenchRequest(prompt=prefixes[k] + suffix, output_len=ol, arrival_s=arrivals[i]))
+    return reqs
+
+
+def trace_requests(path: str | Path, num: int | None, *, length_scale: float,
+                   time_scale: float, vocab_size: int = 32000, seed: int = 0) -> list[BenchRequest]:
+    """The first ``num`` lines of a Mooncake trace, scaled (see :mod:`bench.trace`)."""
+    return synthesize_requests(load_trace(str(path), num), length_scale=length_scale,
+                               time_scale=time_scale, vocab_size=vocab_size, seed=seed)
+
+
+def unloaded_requests(n: int, prompt_len: int, output_len: int, *, vocab_size: int = 32000,
+                      seed: int = 0) -> list[BenchRequest]:
+    """``n`` requests (all at offset 0) with different random prompts of one length."""
+    rng = np.random.default_rng([seed, 23])
+    return [BenchRequest(prompt=rng.integers(MIN_TOKEN_ID, vocab_size, size=prompt_len).tolist(),
+                         output_len=output_len) for _ in range(n)]
+
+
+def build_workloads(args: argparse.Namespace) -> dict[str, list[BenchRequest]]:
+    out: dict[str, list[BenchRequest]] = {}
+    for w in args.workloads:
+        if w == "trace":
+            out[w] = trace_requests(args.trace, args.num_requests, length_scale=args.length_scale,
+                                    time_scale=args.time_scale, vocab_size=args.vocab_size,
+                                    seed=args.seed)
+        elif w == "poisson":
+            out[w] = shared_prefix_requests(
+                args.num_requests, num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+                suffix_len=_length_range(args.suffix_len), output_len=_length_range(args.output_len),
+                rate=args.rate, burstiness=args.burstiness, vocab_size=args.vocab_size,
+                seed=args.seed)
+        else:
+            raise ValueError(f"unknown workload {w!r}")
+    return out
+
+
+# --------------------------------------------------------------------------- SLOs
+
+
+def unloaded_values(results: list[RequestResult]) -> dict:
+    """Median TTFT and TBT (ms) over the completed requests of the unloaded run."""
+    ok = [r for r in results if r.success]
+    if not ok:
+        errors = [r.error for r in results if r.error][:3]
+        raise RuntimeError(f"no unloaded request completed: {errors}")
+    return {
+        "ttft_ms": float(np.median([r.ttft for r in ok])) * 1000.0,
+        "tbt_ms": float(np.median([tbt(r) for r in ok])) * 1000.0,
+        "n": len(ok),
+    }
+
+
+def derive_slos(baseline: dict | None, *, ttft_factor: float = 10.0, tbt_factor: float = 5.0,
+                slo_ttft_ms: float | None = None, slo_tbt_ms: float | None = None,
+                source: str = BASELINE) -> dict:
+    """SLOs = factor x the baseline's unloaded values, unless given explicitly."""
+    def one(given, key, factor):
+        if given is not None:
+            return float(given), "given"
+        if baseline is None:
+            raise ValueError(f"no unloaded {key} to derive its SLO from and none given")
+        return factor * baseline[key], f"{factor:g}x unloaded {source}"
+
+    ttft, ttft_from = one(slo_ttft_ms, "ttft_ms", ttft_factor)
+    tbt_, tbt_from = one(slo_tbt_ms, "tbt_ms", tbt_factor)
+    return {"ttft_ms": ttft, "tbt_ms": tbt_, "ttft_from": ttft_from, "tbt_from": tbt_from,
+            "baseline": baseline}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarize(m: dict) -> dict:
+    """The table's numbers from a ``compute_metrics`` dict."""
+    return {
+        "sent": m["num_requests"],
+        "completed": m["completed"],
+        "rejected": m["rejected"],
+        "failed": m["failed"],
+        "goodput": m["goodput"],
+        "slo_attainment": m["slo_attainment"],
+        "ttft_p50_ms": m["ttft_ms"]["p50"],
+        "ttft_p90_ms": m["ttft_ms"]["p90"],
+        "tbt_p90_ms": m["tbt_ms"]["p90"],
+        "throughput": m["request_throughput"],
+        "output_throughput": m["output_throughput"],
+        "duration_s": m["duration_s"],
+    }
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or not den or math.isnan(num) or math.isnan(den):
+        return None
+    return num / den
+
+
+def compare(summaries: dict[str, dict[str, dict]], workload: str,
+            a: str = "disaggregated", b: str = BASELINE) -> dict:
+    """Ratios a / b of goodput and TBT p90 for one workload (None where undefined)."""
+    sa, sb = summaries.get(a, {}).get(workload), summaries.get(b, {}).get(workload)
+    if sa is None or sb is None:
+        return {"goodput": None, "tbt_p90": None}
+    return {"goodput": ratio(sa["goodput"], sb["goodput"]),
+            "tbt_p90": ratio(sa["tbt_p90_ms"], sb["tbt_p90_ms"])}
+
+
+def _f(v, spec: str = ".2f") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def format_table(summaries: dict[str, dict[str, dict]], slos: dict | None = None,
+                 unloaded: dict[str, dict] | None = None) -> str:
+    """Markdown: SLOs, unloaded values, one row per (workload, deployment), ratio lines."""
+    lines: list[str] = []
+    if slos:
+        lines.append(f"SLOs: TTFT <= {_f(slos['ttft_ms'], '.1f')} ms "
+                     f"({slos['ttft_from']}), TBT <= {_f(slos['tbt_ms'], '.1f')} ms ({slos['tbt_from']})")
+        lines.append("")
+    if unloaded:
+        lines += ["| deployment | unloaded TTFT p50 (ms) | unloaded TBT p50 (ms) |", "|---|---|---|"]
+        for d, u in unloaded.items():
+            lines.append(f"| {d} | {_f(u.get('ttft_ms'), '.1f')} | {_f(u.get('tbt_ms'), '.1f')} |")
+        lines.append("")
+    header = ("| workload | deployment | sent | completed | rejected | failed | goodput (req/s) "
+              "| SLO attainment | TTFT p50 (ms) | TTFT p90 (ms) | TBT p90 (ms) | throughput (req/s) "
+              "| output (tok/s) |")
+    lines += [header, "|" + "---|" * (header.count("|") - 1)]
+    workloads: list[str] = []
+    for per in summaries.values():
+        workloads += [w for w in per if w not in workloads]
+    for w in workloads:
+        for d, per in summaries.items():
+            s = per.get(w)
+            if s is None:
+                continue
+            att = s["slo_attainment"]
+            lines.append(
+                f"| {w} | {d} | {s['sent']} | {s['completed']} | {s['rejected']} | {s['failed']} "
+                f"| {_f(s['goodput'], '.3f')} | {_f(None if att is None else 100 * att, '.1f')}% "
+                f"| {_f(s['ttft_p50_ms'], '.1f')} | {_f(s['ttft_p90_ms'], '.1f')} "
+                f"| {_f(s['tbt_p90_ms'], '.1f')} | {_f(s['throughput'], '.3f')} "
+                f"| {_f(s['output_throughput'], '.1f')} |")
+    lines.append("")
+    for w in workloads:
+        if "disaggregated" in summaries and BASELINE in summaries:
+            c = compare(summaries, w)
+            lines.append(f"{w}: disaggregated/colocated goodput = {_x(c['goodput'])}, "
+                         f"TBT p90 ratio = {_x(c['tbt_p90'])}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --------------------------------------------------------------------------- server processes
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_command(name: str, port: int, *, python: str = sys.executable, host: str = "127.0.0.1",
+                   extra: Sequence[str] = (), drop_flags: Sequence[str] = ()) -> list[str]:
+    """``python -m server --host H --port P`` + the deployment's flags + ``extra``."""
+    flags = list(DEPLOYMENTS[name])
+    for f in drop_flags:
+        while f in flags:
+            i = flags.index(f)
+            del flags[i:i + 2]
+    return [python, "-m", "server", "--host", host, "--port", str(port), *flags, *extra]
+
+
+def unsupported_flags(python: str = sys.executable) -> list[str]:
+    """The :data:`OPTIONAL_FLAGS` that ``python -m server --help`` does not list."""
+    try:
+        out = subprocess.run([python, "-m", "server", "--help"], capture_output=True, text=True,
+                             timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [f for f in OPTIONAL_FLAGS if not flag_listed(f, out)]
+
+
+def flag_listed(flag: str, help_text: str) -> bool:
+    """Whether ``flag`` appears as a whole option in ``help_text`` (``--mode`` is not ``--model``)."""
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    cmd: list[str]
+    proc: subprocess.Popen
+    log_path: Path
+    base_url: str
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def start_server(name: str, cmd: list[str], base_url: str, log_path: Path) -> ServerProcess:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+    return ServerProcess(name, cmd, proc, log_path, base_url)
+
+
+def wait_for_health(sp: ServerProcess, timeout_s: float) -> float:
+    """Poll ``/health`` until 200; raises if the process exits or time runs out."""
+    t0 = time.monotonic()
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            if sp.proc.poll() is not None:
+                raise RuntimeError(f"{sp.name} server exited with {sp.proc.returncode} before it was "
+                                   f"ready; log tail:\n{sp.log_tail()}")
+            try:
+                if client.get(f"{sp.base_url}/health").status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"{sp.name} server not healthy after {timeout_s:g} s; log tail:\n"
+                                   f"{sp.log_tail()}")
+            time.sleep(0.5)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def stop_server(sp: ServerProcess, timeout_s: float = 30.0) -> None:
+    """SIGTERM the server's process group; SIGKILL it if anything is left after ``timeout_s``."""
+    pgid = sp.proc.pid  # start_new_session: the leader's pid is the group id
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout_s
+    try:
+        sp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _group_alive(pgid) or sp.proc.poll() is None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            sp.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        end = time.monotonic() + 5.0  # killed children are reaped by init, not by us
+        while _group_alive(pgid) and time.monotonic() < end:
+            time.sleep(0.05)
+
+
+def fetch_stats(base_url: str) -> dict | None:
+    try:
+        r = httpx.get(f"{base_url}/stats", timeout=10.0)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench.disagg {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_deployment(name: str, cmd: list[str], port: int, args: argparse.Namespace,
+                   workloads: dict[str, list[BenchRequest]], slos: dict | None,
+                   log_path: Path) -> tuple[dict, dict | None]:
+    """Start, measure, replay, stop one deployment. Returns (its record, the SLOs in force)."""
+    base_url = f"http://127.0.0.1:{port}"
+    rec: dict = {"command": cmd, "log": str(log_path), "unloaded": None, "workloads": {},
+                 "error": None}
+    _progress(f"{name}: starting {shlex.join(cmd)}")
+    sp = start_server(name, cmd, base_url, log_path)
+    try:
+        rec["ready_s"] = wait_for_health(sp, args.health_timeout)
+        _progress(f"{name}: healthy after {rec['ready_s']:.1f} s; unloaded requests")
+        ureqs = unloaded_requests(args.unloaded_requests + 1, args.unloaded_prompt_len,
+                                  args.unloaded_output_len, vocab_size=args.vocab_size,
+                                  seed=args.seed)
+        ures, _, model = asyncio.run(run_benchmark(base_url, ureqs, max_concurrency=1,
+                                                   timeout_s=args.request_timeout, progress=False))
+        rec["model"] = model
+        rec["unloaded"] = unloaded_values(ures[1:])  # the first one is the warm-up
+        rec["unloaded_requests"] = result_records(ures)
+        _progress(f"{name}: unloaded TTFT {rec['unloaded']['ttft_ms']:.1f} ms, "
+                  f"TBT {rec['unloaded']['tbt_ms']:.1f} ms")
+        if slos is None:
+            if name != BASELINE and (args.slo_ttft_ms is None or args.slo_tbt_ms is None):
+                _progress(f"warning: no {BASELINE} baseline; SLOs derived from {name}")
+            slos = derive_slos(rec["unloaded"], ttft_factor=args.ttft_slo_factor,
+                               tbt_factor=args.tbt_slo_factor, slo_ttft_ms=args.slo_ttft_ms,
+                               slo_tbt_ms=args.slo_tbt_ms, source=name)
+            _progress(f"SLOs: TTFT {slos['ttft_ms']:.1f} ms, TBT {slos['tbt_ms']:.1f} ms")
+        for w, reqs in workloads.items():
+            _progress(f"{name}: workload {w} ({len(reqs)} requests over "
+                      f"{reqs[-1].arrival_s if reqs else 0:.1f} s of arrivals)")
+            results, duration, _ = asyncio.run(run_benchmark(
+                base_url, reqs, model=model, max_concurrency=args.max_concurrency,
+                timeout_s=args.request_timeout, progress=not args.no_progress))
+            m = compute_metrics(results, duration, slo_ttft_ms=slos["ttft_ms"],
+                                slo_tbt_ms=slos["tbt_ms"])
+            rec["workloads"][w] = {"metrics": m, "summary": summarize(m),
+                                   "requests": result_records(results)}
+            s = rec["workloads"][w]["summary"]
+            _progress(f"{name}: {w}: {s['completed']} completed, {s['rejected']} rejected, "
+                      f"{s['failed']} failed in {s['duration_s']:.1f} s; goodput "
+                      f"{s['goodput']:.3f} req/s")
+        rec["stats"] = fetch_stats(base_url)
+    except Exception as e:  # one deployment failing must not lose the other's results
+        rec["error"] = f"{type(e).__name__}: {e}"
+        _progress(f"{name}: FAILED: {rec['error']}")
+    finally:
+        _progress(f"{name}: stopping the server")
+        stop_server(sp, args.stop_timeout)
+        rec["returncode"] = sp.proc.returncode
+    return rec, slos
+
+
+def _csv(choices: Sequence[str]):
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
+        return list(dict.fromkeys(items))
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.disagg",
+        description="Colocated vs disaggregated OpenAI server: goodput, SLO attainment, TTFT "
+        "and TBT on a scaled Mooncake trace and a shared-prefix Poisson workload.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("deployments")
+    g.add_argument("--deployments", type=_csv(tuple(DEPLOYMENTS)),
+                   default=",".join(DEPLOYMENTS), help="comma-separated; colocated always runs first")
+    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra server flag for both deployments, repeatable "
+                   "(--server-arg=--max-waiting=64)")
+    g.add_argument("--colocated-args", default="", help="extra colocated server flags (shell-split)")
+    g.add_argument("--disagg-args", default="", help="extra disaggregated server flags (shell-split)")
+    g.add_argument("--python", default=sys.executable, help="interpreter that runs the servers")
+    g.add_argument("--health-timeout", type=float, default=300.0, help="s to wait for /health 200")
+    g.add_argument("--stop-timeout", type=float, default=30.0, help="s after SIGTERM before SIGKILL")
+
+    g = p.add_argument_group("workloads")
+    g.add_argument("--workloads", type=_csv(WORKLOADS), default=",".join(WORKLOADS),
+                   help="comma-separated")
+    g.add_argument("--num-requests", type=int, default=40, help="requests per workload")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--vocab-size", type=int, default=32000, help="token ids drawn from [100, V)")
+    g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake JSONL trace")
+    g.add_argument("--length-scale", type=float, default=0.03,
+                   help="trace: scale input/output lengths and the 512-token block")
+    g.add_argument("--time-scale", type=float, default=5.0, help="trace: multiply inter-arrival gaps")
+    g.add_argument("--rate", type=float, default=1.0, help="poisson: req/s")
+    g.add_argument("--burstiness", type=float, default=1.0, help="poisson: gamma shape (1 = Poisson)")
+    g.add_argument("--num-prefixes", type=int, default=4, help="poisson: shared system prompts")
+    g.add_argument("--prefix-len", type=int, default=256, help="poisson: tokens per shared prefix")
+    g.add_argument("--suffix-len", type=int, nargs="+", default=[32, 96], metavar="N",
+                   help="poisson: random suffix length, fixed or MIN MAX")
+    g.add_argument("--output-len", type=int, nargs="+", default=[16, 64], metavar="N",
+                   help="poisson: output length, fixed or MIN MAX")
+    g.add_argument("--max-concurrency", type=int, default=None, help="client-side cap")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="per-request timeout (s)")
+
+    g = p.add_argument_group("SLOs and unloaded measurement")
+    g.add_argument("--unloaded-requests", type=int, default=3, help="sequential, after one warm-up")
+    g.add_argument("--unloaded-prompt-len", type=int, default=128)
+    g.add_argument("--unloaded-output-len", type=int, default=32)
+    g.add_argument("--ttft-slo-factor", type=float, default=10.0)
+    g.add_argument("--tbt-slo-factor", type=float, default=5.0)
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="override the derived TTFT SLO")
+    g.add_argument("--slo-tbt-ms", type=float, default=None, help="override the derived TBT SLO")
+
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="JSON results; server logs go beside it")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _raise_on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.unloaded_requests < 1 or args.num_requests < 1:
+        sys.exit("error: --unloaded-requests and --num-requests must be >= 1")
+    deployments = sorted(args.deployments, key=lambda d: d != BASELINE)
+    workloads = build_workloads(args)
+    extra = {
+        "colocated": [*args.server_arg, *shlex.split(args.colocated_args)],
+        "disaggregated": [*args.server_arg, *shlex.split(args.disagg_args)],
+    }
+    drop: list[str] = []
+    if any(f in DEPLOYMENTS[d] for d in deployments for f in OPTIONAL_FLAGS):
+        drop = unsupported_flags(args.python)
+        if drop:
+            _progress(f"warning: the server does not take {', '.join(drop)} yet; dropped")
+
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    out: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                 "slos": None, "deployments": {}, "summary": {}, "ratios": {}}
+    slos: dict | None = None
+    interrupted = False
+    try:
+        for d in deployments:
+            cmd = server_command(d, free_port(), python=args.python, extra=extra[d],
+                                 drop_flags=drop)
+            port = int(cmd[cmd.index("--port") + 1])
+            rec, slos = run_deployment(d, cmd, port, args, workloads, slos,
+                                       args.out.with_name(f"server-{d}.log"))
+            out["deployments"][d] = rec
+    except KeyboardInterrupt:
+        interrupted = True
+        _progress("interrupted; servers stopped, writing what was measured")
+    out["slos"] = slos
+    summaries = {d: {w: v["summary"] for w, v in rec["workloads"].items()}
+                 for d, rec in out["deployments"].items()}
+    out["summary"] = summaries
+    out["ratios"] = {w: compare(summaries, w) for w in workloads}
+    unloaded = {d: rec["unloaded"] for d, rec in out["deployments"].items() if rec["unloaded"]}
+    table = format_table(summaries, slos, unloaded)
+    out["table"] = table
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    _progress(f"wrote {args.out}")
+    if interrupted:
+        return 130
+    ok = all(rec["error"] is None for rec in out["deployments"].values()) and all(
+        s["completed"] > 0 for per in summaries.values() for s in per.values())
+    return 0 if ok and out["deployments"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
