@@ -328,8 +328,10 @@ class Conductor(EngineClient):
         finally:
             if not finished and pending:
                 self.counters.failed += 1
+            # Once the prefill has answered, no KV write into the reservation is in flight.
+            settled = prefill not in pending
             for rec in pending:
-                self._spawn(self._abort_on(rec, rid))
+                self._spawn(self._abort_on(rec, rid, settled))
 
     async def _reserve(self, rid, ids, params, decodes, pending) -> tuple[InstanceRecord, dict]:
         body = {"request_id": rid, "prompt_token_ids": ids, "params": params_to_dict(params)}
@@ -463,9 +465,10 @@ class Conductor(EngineClient):
             log.info("migration from %s to %s failed: %s", source.url, target.url, e)
             self._spawn(self._abort_on(target, mid))
 
-    async def _abort_on(self, rec: InstanceRecord, rid: str) -> None:
+    async def _abort_on(self, rec: InstanceRecord, rid: str, writes_done: bool = False) -> None:
         try:
-            await self.registry.http.post(rec.url + "/instance/abort", json={"request_id": rid}, timeout=5.0)
+            await self.registry.http.post(rec.url + "/instance/abort", json={"request_id": rid, "writes_done": writes_done},
+                                          timeout=5.0)
         except httpx.HTTPError as e:
             self.registry.mark_down(rec, f"abort: {type(e).__name__}: {e}")
 

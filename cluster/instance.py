@@ -66,7 +66,7 @@ class InstanceConfig:
     url: str  # how the Conductor reaches this instance, e.g. http://127.0.0.1:8101
     secret: bytes  # the cluster secret: Messenger authentication and the control routes
     conductor: str | None = None  # the Conductor's URL to register with; None: it polls us
-    staging_gib: float = 0.5  # send staging (prefill) and receive staging (decode), each
+    staging_gib: float = 0.5  # send and receive staging, each (raised to one max-length prompt's KV)
     reservation_ttl_s: float = 120.0
     transfer_timeout_s: float = 30.0
     calibration_seed: int = 0
@@ -134,7 +134,10 @@ class Instance:
             host = cfg.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
             self.transfer = TransferEngine(TransferConfig(secret=cfg.secret, host=host))
             self.layout = await self.client.call(lambda e: KVLayout.of_cache(e.runner.kv_cache))
-            staging = int(cfg.staging_gib * _GIB)
+            max_len = await self.client.call(lambda e: e.max_model_len)
+            # At least one longest-possible prompt's KV fits, so a valid request never finds the
+            # staging too small for good, only busy for a moment.
+            staging = max(int(cfg.staging_gib * _GIB), self.layout.nbytes(-(-max_len // self.layout.block_size)))
             if cfg.role in ("prefill", "both"):
                 self.send = StagingArea(self.transfer, staging)
                 sender = self.sender = KVSender(self.transfer, self.send, self.layout)
@@ -437,16 +440,20 @@ class Instance:
         if not authorized(request.headers.get("authorization"), self.config.secret):
             return _error(401, "missing or wrong cluster secret")
         try:
-            rid = (await request.json()).get("request_id")
-        except json.JSONDecodeError as e:
+            body = await request.json()
+            rid = body.get("request_id")
+        except (json.JSONDecodeError, AttributeError) as e:
             return _error(400, str(e))
         if not isinstance(rid, str):
             return _error(400, "request_id must be a string")
         if self.client.is_ready:
-            await self._abort(rid)
+            await self._abort(rid, settled=body.get("writes_done") is True)
         return JSONResponse({"aborted": rid})
 
-    async def _abort(self, rid: str) -> None:
+    async def _abort(self, rid: str, settled: bool = False) -> None:
+        """Drop ``rid``. Its receive staging is reused at once only when ``settled`` (the sender
+        has finished writing); otherwise a prefill may still be writing into it, so it is held
+        back until any such write has completed or timed out."""
         await self.client.abort(rid)  # a live request (its stream ends with "abort")
         res = self.reservations.pop(rid, None)
         if res is not None:
@@ -457,7 +464,10 @@ class Instance:
 
             await self.client.call(drop)
             if res.staging is not None:
-                self.recv.release(res.staging)
+                if settled:
+                    self.recv.release(res.staging)
+                else:
+                    asyncio.get_running_loop().call_later(self.config.transfer_timeout_s, self.recv.release, res.staging)
 
 
 async def _ndjson(first, stream: AsyncIterator) -> AsyncIterator[bytes]:

@@ -1,0 +1,236 @@
+"""The disaggregated cluster end to end: `python -m server` with a Conductor and instance processes.
+
+One cluster (2 prefill + 2 decode instances of the default model, 1 thread each, loopback and
+shared memory) serves the whole module; the test that kills a decode instance runs last. After
+every scenario all instances must be back to no blocks in use, no reservation and no staging
+range held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from cluster.conductor import Conductor, ConductorConfig
+from cluster.launcher import free_port
+from engine import LLM, SamplingParams
+from server.app import build_app
+
+SECRET = "cluster test secret 0123456789"
+STARTUP_S = 300
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--prefill-instances", "2",
+               "--decode-instances", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
+               "--staging-gib", "0.1", "--cluster-secret", SECRET, "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert self.proc.poll() is None, "the cluster exited during start-up"
+            try:
+                stats = self.http.get("/stats").json()
+                if sum(i["up"] for i in stats.get("instances", [])) == 4:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            time.sleep(1)
+
+    def instances(self, role: str | None = None) -> list[dict]:
+        return [i for i in self.http.get("/stats").json()["instances"] if role is None or i["role"] == role]
+
+    def instance_stats(self, url: str) -> dict:
+        return httpx.get(url + "/stats", timeout=10).json()
+
+    def assert_clean(self) -> None:
+        """Every instance that is up holds no blocks, reservations or staging (within a few seconds:
+        aborts travel asynchronously)."""
+        deadline = time.monotonic() + 15
+        while True:
+            dirty = {}
+            for inst in self.instances():
+                if not inst["up"]:
+                    continue
+                s = self.instance_stats(inst["url"])
+                held = {k: s[k] for k in ("num_used_blocks", "num_reservations", "num_running", "num_waiting",
+                                          "staging_send_ranges", "staging_recv_ranges") if s.get(k)}
+                if held:
+                    dirty[inst["url"]] = held
+            if not dirty:
+                return
+            assert time.monotonic() < deadline, f"instances still hold resources: {dirty}"
+            time.sleep(0.2)
+
+    def complete(self, prompt, **params) -> dict:
+        r = self.http.post("/v1/completions", json={"prompt": prompt, **params})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def close(self) -> None:
+        self.http.close()
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    return LLM(threads=1, kv_cache_gib=0.25)
+
+
+SHARED = ("You are a helpful assistant for a cooking website. Answer briefly and kindly, and always "
+          "mention one seasonal ingredient that fits the question. ")
+PROMPTS = [
+    "The capital of France is",
+    SHARED + "How do I make pancakes?",
+    SHARED + "What goes well with pumpkin soup?",
+    "def fibonacci(n):",
+    SHARED + "How do I make pancakes?",  # the whole prompt again: a prefix-cache hit
+    "List three colors of the rainbow:",
+]
+
+
+async def _concurrently(url: str, bodies: list[dict]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        rs = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+    for r in rs:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in rs]
+
+
+def test_outputs_equal_the_colocated_engine(cluster, colocated):
+    greedy = dict(temperature=0, max_tokens=24)
+    seeded = dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=24)
+    # Sequential first, so the repeated prompt finds its blocks cached on the prefill side.
+    got = [cluster.complete(p, **greedy) for p in PROMPTS]
+    want = colocated.generate(PROMPTS, SamplingParams(**greedy))
+    assert [g["choices"][0]["text"] for g in got] == [w.text for w in want]
+    assert got[4]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert got[0]["choices"][0]["text"].startswith(" Paris")
+    # Concurrent and seeded: batching on either side, and the generator state crossing over.
+    got = asyncio.run(_concurrently(cluster.url, [{"prompt": p, **seeded} for p in PROMPTS]))
+    want = colocated.generate(PROMPTS, SamplingParams(**seeded))
+    assert [g["choices"][0]["text"] for g in got] == [w.text for w in want]
+    stats = cluster.http.get("/stats").json()
+    assert stats["requests_failed"] == 0 and stats["mode"] == "disaggregated"
+    cluster.assert_clean()
+
+
+def test_streaming_and_chat_through_the_cluster(cluster, colocated):
+    with cluster.http.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 12,
+            "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "data: [DONE]" and len(chunks) >= 3
+    # Done at its first token: the decode instance's reservation is released, nothing decodes.
+    out = cluster.complete("The capital of France is", temperature=0, max_tokens=1)
+    assert out["choices"][0]["text"] == " Paris" and out["choices"][0]["finish_reason"] == "length"
+    cluster.assert_clean()
+
+
+def test_hot_prefix_is_replicated_to_the_idle_prefill_instance(cluster, colocated):
+    prefix = SHARED * 6  # ~160 tokens: 9 full blocks the request can reuse
+    before = cluster.http.get("/stats").json()["migrations"]
+    cluster.complete(prefix + "Question one?", temperature=0, max_tokens=2)
+    # A long prompt behind the same prefix keeps the instance holding it busy for seconds...
+    long_prompt = prefix + " ".join(f"word{i}" for i in range(700))
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
+            busy = asyncio.create_task(http.post("/v1/completions", json={
+                "prompt": long_prompt, "max_tokens": 2, "temperature": 0}))
+            await asyncio.sleep(0.5)
+            # ...so Algorithm 1 sends this one to the other instance, which pulls the prefix.
+            r = await http.post("/v1/completions", json={"prompt": prefix + "Question two?", "max_tokens": 16,
+                                                         "temperature": 0})
+            assert (await busy).status_code == 200
+            return r
+
+    r = asyncio.run(scenario())
+    assert r.status_code == 200, r.text
+    stats = cluster.http.get("/stats").json()
+    assert stats["migrations"] == before + 1 and stats["migrated_blocks"] >= 8
+    body = r.json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 8 * 16  # served from the pulled copy
+    (want,) = colocated.generate([prefix + "Question two?"], SamplingParams(temperature=0, max_tokens=16))
+    assert body["choices"][0]["text"] == want.text
+    cluster.assert_clean()
+
+
+def test_early_rejection_answers_429_and_costs_no_prefill(cluster):
+    """A second Conductor over the same instances, with an SLO no request can meet."""
+    urls = tuple(i["url"] for i in cluster.instances())
+    prefills = [i["url"] for i in cluster.instances("prefill")]
+    computed = sum(cluster.instance_stats(u)["num_prompt_tokens_computed"] for u in prefills)
+    conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, admission="early",
+                                          slo_ttft_s=1e-4, slo_tbt_s=1e-4, poll_interval_s=0.1))
+    app = build_app(conductor, extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        for body in ({"prompt": "The capital of France is", "max_tokens": 8},
+                     {"prompt": "Hello", "max_tokens": 4, "stream": True}):
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 429, r.text
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        assert client.get("/stats").json()["requests_rejected"] == 2
+    assert sum(cluster.instance_stats(u)["num_prompt_tokens_computed"] for u in prefills) == computed
+    cluster.assert_clean()
+
+
+def test_killing_a_decode_instance_mid_stream(cluster):
+    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with cluster.http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(6)]  # the stream is under way on some decode instance
+        (victim,) = [i for i in cluster.instances("decode") if i["running"]]
+        os.kill(victim["pid"], signal.SIGKILL)
+        rest = list(lines)
+    events = [line for line in received + rest if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert any('"error"' in e for e in events), "the stream must end with an error event"
+    assert len(events) < 400
+    # The dead instance is out of scheduling; the survivors keep serving.
+    deadline = time.monotonic() + 10
+    while any(i["up"] for i in cluster.instances("decode") if i["url"] == victim["url"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    for _ in range(3):
+        out = cluster.complete("The capital of France is", temperature=0, max_tokens=6)
+        assert out["choices"][0]["text"].startswith(" Paris")
+    assert cluster.http.get("/health").status_code == 200
+    cluster.assert_clean()
