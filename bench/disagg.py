@@ -31,13 +31,16 @@ Run with ``python -m bench.disagg`` (``--help`` for flags). For each deployment 
    benchmark duration; rejected and failed requests count as misses), SLO attainment, TTFT
    p50 / p90, TBT p90 and throughput, as a markdown table plus one line per workload::
 
-       disaggregated/colocated goodput = X.XXx, TBT p90 ratio = Y.YYx
+       DEPLOYMENT/colocated goodput = X.XXx, TBT p90 ratio = Y.YYx
 
    and writes everything (per-request records included) as JSON to ``--out``
    (default ``out/disagg/disagg.json``; ``out/`` is not tracked).
 
-The server command lines live in :data:`DEPLOYMENTS`; ``--server-arg`` (repeatable, both
-deployments), ``--colocated-args`` and ``--disagg-args`` (shell-split strings) append flags.
+Deployments: ``colocated`` (one engine, 2 threads), ``disaggregated`` (Conductor + 1 prefill +
+1 decode instance, 1 thread each, no admission control) and ``disaggregated-early`` (the same
+with the Conductor's early rejection, given the benchmark's SLOs). The server command lines live
+in :data:`DEPLOYMENTS`; ``--server-arg`` (repeatable, all deployments), ``--colocated-args`` and
+``--disagg-args`` (shell-split strings, the disaggregated ones) append flags.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ DEFAULT_OUT = Path("out") / "disagg" / "disagg.json"
 DEPLOYMENTS: dict[str, list[str]] = {
     "colocated": ["--mode", "colocated", "--threads", "2"],
     "disaggregated": ["--instance-threads", "1"],
+    # The Conductor's early rejection, judging requests against the benchmark's own SLOs
+    # (given to it as --slo-ttft-s / --slo-tbt-s once the baseline has fixed them).
+    "disaggregated-early": ["--instance-threads", "1", "--admission", "early"],
 }
 BASELINE = "colocated"
 # Flags (each taking one value) dropped, with a warning, when ``python -m server --help`` does
@@ -276,10 +282,11 @@ def format_table(summaries: dict[str, dict[str, dict]], slos: dict | None = None
                 f"| {_f(s['output_throughput'], '.1f')} |")
     lines.append("")
     for w in workloads:
-        if "disaggregated" in summaries and BASELINE in summaries:
-            c = compare(summaries, w)
-            lines.append(f"{w}: disaggregated/colocated goodput = {_x(c['goodput'])}, "
-                         f"TBT p90 ratio = {_x(c['tbt_p90'])}")
+        for d in summaries:
+            if d != BASELINE and BASELINE in summaries:
+                c = compare(summaries, w, a=d)
+                lines.append(f"{w}: {d}/colocated goodput = {_x(c['goodput'])}, "
+                             f"TBT p90 ratio = {_x(c['tbt_p90'])}")
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -543,10 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit("error: --unloaded-requests and --num-requests must be >= 1")
     deployments = sorted(args.deployments, key=lambda d: d != BASELINE)
     workloads = build_workloads(args)
-    extra = {
-        "colocated": [*args.server_arg, *shlex.split(args.colocated_args)],
-        "disaggregated": [*args.server_arg, *shlex.split(args.disagg_args)],
-    }
+    extra = {d: [*args.server_arg, *shlex.split(args.colocated_args if d == BASELINE else args.disagg_args)]
+             for d in DEPLOYMENTS}
     drop: list[str] = []
     if any(f in DEPLOYMENTS[d] for d in deployments for f in OPTIONAL_FLAGS):
         drop = unsupported_flags(args.python)
@@ -560,6 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupted = False
     try:
         for d in deployments:
+            if "--admission" in DEPLOYMENTS[d] and slos is not None:
+                extra[d] += ["--slo-ttft-s", f"{slos['ttft_ms'] / 1000:.4f}",
+                             "--slo-tbt-s", f"{slos['tbt_ms'] / 1000:.4f}"]
             cmd = server_command(d, free_port(), python=args.python, extra=extra[d],
                                  drop_flags=drop)
             port = int(cmd[cmd.index("--port") + 1])
@@ -573,7 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = {d: {w: v["summary"] for w, v in rec["workloads"].items()}
                  for d, rec in out["deployments"].items()}
     out["summary"] = summaries
-    out["ratios"] = {w: compare(summaries, w) for w in workloads}
+    out["ratios"] = {d: {w: compare(summaries, w, a=d) for w in workloads}
+                     for d in summaries if d != BASELINE}
     unloaded = {d: rec["unloaded"] for d, rec in out["deployments"].items() if rec["unloaded"]}
     table = format_table(summaries, slos, unloaded)
     out["table"] = table

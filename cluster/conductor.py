@@ -164,10 +164,9 @@ class Conductor(EngineClient):
     def readiness(self) -> str:
         if self._tokenizer is None:
             return self._load_error or "loading the tokenizer"
-        roles = {r.role: 0 for r in self.registry.records}
-        return (f"waiting for instances: up prefill {len(self.registry.up('prefill'))}, "
-                f"decode {len(self.registry.up('decode'))}, both {len(self.registry.up('both'))} "
-                f"of {len(self.registry.records)} known{'' if roles else ' (none registered yet)'}")
+        up = {role: len(self.registry.up(role)) for role in ("prefill", "decode", "both")}
+        return (f"waiting for instances: up prefill {up['prefill']}, decode {up['decode']}, "
+                f"both {up['both']} of {len(self.registry.records)} known")
 
     # -- model facts -------------------------------------------------------------------------------
     @property
@@ -262,8 +261,10 @@ class Conductor(EngineClient):
         ids = self._validate(prompt, params)
         if self.registry.up("prefill") and self.registry.up("decode"):
             stream = self._disaggregated(request_id, ids, params)
-        else:
+        elif self.registry.up("both"):
             stream = self._colocated(request_id, ids, params)
+        else:  # instances went down since the check above
+            raise EngineNotReady(self.readiness())
         async for out in stream:
             yield out
 

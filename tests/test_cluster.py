@@ -210,6 +210,41 @@ def test_early_rejection_answers_429_and_costs_no_prefill(cluster):
     cluster.assert_clean()
 
 
+def _reserve_directly(url: str, rid: str, n_tokens: int) -> httpx.Response:
+    return httpx.post(url + "/instance/reserve", timeout=30, headers={"Authorization": f"Bearer {SECRET.encode().hex()}"},
+                      json={"request_id": rid, "prompt_token_ids": [(i * 7) % 5000 + 10 for i in range(n_tokens)],
+                            "params": {"max_tokens": 1}})
+
+
+def _release_directly(url: str, rid: str) -> None:
+    r = httpx.post(url + "/instance/abort", timeout=30, headers={"Authorization": f"Bearer {SECRET.encode().hex()}"},
+                   json={"request_id": rid, "writes_done": True})
+    assert r.status_code == 200
+
+
+def test_a_full_decode_instance_is_skipped_then_all_full_is_429(cluster):
+    decodes = cluster.instances("decode")
+    assert [d["role"] for d in decodes] == ["decode", "decode"]
+    # Not through the Conductor, so its bookkeeping still sees both decode instances idle and
+    # plans the first one: only that instance's 507 tells it the truth.
+    capacity = cluster.instance_stats(decodes[0]["url"])["num_blocks"] * 16
+    filler = capacity - 7 * 16
+    r = httpx.post(decodes[0]["url"] + "/instance/reserve", json={})
+    assert r.status_code == 401  # control routes need the cluster secret
+    assert _reserve_directly(decodes[0]["url"], "filler-0", filler).status_code == 200
+    prompt = " ".join(f"item{i}" for i in range(120))  # more than 7 blocks of KV
+    before = cluster.http.get("/stats").json()["decode_reservation_retries"]
+    out = cluster.complete(prompt, temperature=0, max_tokens=4)
+    assert out["usage"]["completion_tokens"] == 4
+    assert cluster.http.get("/stats").json()["decode_reservation_retries"] == before + 1
+    assert _reserve_directly(decodes[1]["url"], "filler-1", filler).status_code == 200
+    r = cluster.http.post("/v1/completions", json={"prompt": prompt + " more", "max_tokens": 4})
+    assert r.status_code == 429 and "room for the KV" in r.json()["error"]["message"]
+    _release_directly(decodes[0]["url"], "filler-0")
+    _release_directly(decodes[1]["url"], "filler-1")
+    cluster.assert_clean()
+
+
 def test_killing_a_decode_instance_mid_stream(cluster):
     body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -234,3 +269,40 @@ def test_killing_a_decode_instance_mid_stream(cluster):
         assert out["choices"][0]["text"].startswith(" Paris")
     assert cluster.http.get("/health").status_code == 200
     cluster.assert_clean()
+
+    # An instance started again at that address registers and is scheduled again.
+    port = victim["url"].rsplit(":", 1)[1]
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--role", "decode", "--port", port, "--threads", "1",
+                             "--kv-cache-gib", "0.25", "--conductor", cluster.url, "--log-level", "warning"],
+                            env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET))
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            (back,) = [i for i in cluster.instances("decode") if i["url"] == victim["url"]]
+            if back["up"]:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        assert back["instance_id"] != victim["instance_id"] and back["pid"] == proc.pid
+        served = set()
+        for i in range(6):  # least predicted TBT spreads concurrent requests over both
+            async def two():
+                async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+                    async def one(k):
+                        r = await http.post("/v1/completions", json={"prompt": f"Count to {k}:", "max_tokens": 24,
+                                                                     "ignore_eos": True})
+                        assert r.status_code == 200, r.text
+
+                    task = asyncio.gather(one(2 * i), one(2 * i + 1))
+                    await asyncio.sleep(1.0)
+                    served.update(d["url"] for d in cluster.instances("decode") if d["running"])
+                    await task
+
+            asyncio.run(two())
+            if victim["url"] in served:
+                break
+        assert victim["url"] in served
+        cluster.assert_clean()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,0 +1,99 @@
+"""The Conductor's pure parts: its configuration, the registry's snapshots for the policies, and
+the JSON forms that travel between the Conductor and the instances."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.calibration import InstanceProfile
+from cluster.conductor import ConductorConfig
+from cluster.cost_model import DecodeStepModel, PrefillCostModel
+from cluster.kv_stream import KVDestination, KVLayout
+from cluster.registry import InstanceRecord, RunningDecode
+from cluster.transfer import RegionHandle
+from cluster.wire import authorized, auth_header, output_from_dict, output_to_dict, params_from_dict, params_to_dict
+from engine.llm_engine import RequestOutput
+from engine.sampler import Logprobs
+from engine.sampling_params import SamplingParams
+
+SECRET = b"0123456789abcdef0123"
+
+
+@pytest.mark.parametrize("bad", [
+    {"secret": b"short"},
+    {"scheduler": "fastest"},
+    {"admission": "sometimes"},
+    {"admission": "early"},  # no SLOs
+    {"admission": "predictive", "slo_ttft_s": 1.0},
+    {"kvcache_balancing_threshold": 0.5},
+    {"poll_interval_s": 0},
+])
+def test_conductor_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        ConductorConfig(**{"secret": SECRET, **bad})
+
+
+def test_conductor_config_accepts_admission_with_slos():
+    cfg = ConductorConfig(secret=SECRET, admission="early", slo_ttft_s=2.0, slo_tbt_s=0.2)
+    assert cfg.scheduler == "global"
+
+
+def test_prefill_snapshot_drains_the_oldest_request_first():
+    rec = InstanceRecord("http://x")
+    assert rec.prefill_state(0, now=10.0).queue_s == 0.0
+    rec.prefilling = {"a": (9.0, 3.0), "b": (9.5, 2.0)}
+    # a started at 9.0 and has run 1 s of its predicted 3 s; b waits behind it.
+    assert rec.prefill_state(4, now=10.0).queue_s == pytest.approx(2.0 + 2.0)
+    assert rec.prefill_state(4, now=10.0).index == 4
+    # An overdue prediction never makes the queue negative.
+    assert rec.prefill_state(0, now=100.0).queue_s == pytest.approx(2.0)
+
+
+def test_decode_snapshot_counts_contexts_and_incoming_kv():
+    rec = InstanceRecord("http://x")
+    rec.running = {"a": RunningDecode(1.0, 100, generated=5), "b": RunningDecode(2.0, 50)}
+    rec.incoming = {"c": (3.5, 70)}
+    s = rec.decode_state(1)
+    assert s.batch_size == 2 and s.context_tokens == 105 + 51
+    assert list(s.incoming_ready_s) == [3.5] and list(s.incoming_prompt) == [70]
+
+
+def test_record_matches_the_leading_run_of_cached_keys():
+    rec = InstanceRecord("http://x")
+    rec.cached = frozenset({b"k0", b"k1", b"k3"})
+    assert rec.match_len([b"k0", b"k1", b"k2", b"k3"]) == 2
+    assert rec.match_len([b"k3"]) == 1 and rec.match_len([b"k9"]) == 0
+    assert hash(rec) != hash(InstanceRecord("http://x"))  # identity: usable as a dict key
+
+
+def test_wire_round_trips():
+    params = SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3, logprobs=2, max_tokens=9)
+    assert params_from_dict(params_to_dict(params)) == params
+    with pytest.raises(ValueError):
+        params_from_dict({"temperature": 0.5, "bogus": 1})
+    out = RequestOutput("r", [5], "hi", True, "handoff", 3, 1, 0,
+                        [Logprobs(5, -0.1, [(5, -0.1), (7, -2.5)])], sampler_state=b"\x00\x01\xff")
+    assert output_from_dict(output_to_dict(out)) == out
+    assert authorized(auth_header(SECRET)["Authorization"], SECRET)
+    assert not authorized("Bearer nope", SECRET) and not authorized(None, SECRET)
+
+
+def test_kv_layout_and_destination():
+    cache = torch.zeros(3, 2, 10, 2, 16, 8, dtype=torch.float16)
+    layout = KVLayout.of_cache(cache)
+    assert layout.page_bytes == 2 * 16 * 8 * 2
+    assert layout.nbytes(4) == 3 * 2 * 4 * layout.page_bytes
+    assert layout.shape(4) == (3, 2, 4, 2, 16, 8)
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+    dest = KVDestination("127.0.0.1:1", RegionHandle("e", "127.0.0.1:1", 2, 4096, True), 128, 1, 3)
+    assert KVDestination.from_dict(dest.to_dict()) == dest
+    with pytest.raises(ValueError):
+        KVDestination.from_dict({"address": "x"})
+
+
+def test_instance_profile_round_trip():
+    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), DecodeStepModel(0.05, 0.002, 1e-5, 4096))
+    assert InstanceProfile.from_dict(profile.to_dict()) == profile
+    prefill_only = InstanceProfile(profile.prefill, None)
+    assert InstanceProfile.from_dict(prefill_only.to_dict()) == prefill_only
