@@ -67,7 +67,7 @@ class InstanceConfig:
     secret: bytes  # the cluster secret: Messenger authentication and the control routes
     conductor: str | None = None  # the Conductor's URL to register with; None: it polls us
     staging_gib: float = 0.5  # send and receive staging, each (raised to one max-length prompt's KV)
-    reservation_ttl_s: float = 120.0
+    reservation_ttl_s: float = 600.0  # the Conductor gives up on a request after 600 s too
     transfer_timeout_s: float = 30.0
     calibration_seed: int = 0
 
