@@ -272,8 +272,10 @@ class LLMEngine:
             if done:
                 kv_cache = self.runner.kv_cache
 
-                def on_layer(layer: int) -> None:
+                def send_layer(layer: int) -> None:
                     sink.layer_done(layer, kv_cache, done)
+
+                on_layer = send_layer
 
         logits, sampling = self.runner.run(batch, on_layer)
         for s in batch:

@@ -186,12 +186,13 @@ def test_hot_prefix_is_replicated_to_the_idle_prefill_instance(cluster, colocate
     cluster.assert_clean()
 
 
-def test_early_rejection_answers_429_and_costs_no_prefill(cluster):
+@pytest.mark.parametrize("admission", ["early", "predictive"])
+def test_early_rejection_answers_429_and_costs_no_prefill(cluster, admission):
     """A second Conductor over the same instances, with an SLO no request can meet."""
     urls = tuple(i["url"] for i in cluster.instances())
     prefills = [i["url"] for i in cluster.instances("prefill")]
     computed = sum(cluster.instance_stats(u)["num_prompt_tokens_computed"] for u in prefills)
-    conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, admission="early",
+    conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, admission=admission,
                                           slo_ttft_s=1e-4, slo_tbt_s=1e-4, poll_interval_s=0.1))
     app = build_app(conductor, extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
     with TestClient(app) as client:
