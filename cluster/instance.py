@@ -74,6 +74,8 @@ class InstanceConfig:
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s must be positive, got {self.transfer_timeout_s}")
         if not self.staging_gib > 0:
             raise ValueError(f"staging_gib must be positive, got {self.staging_gib}")
         if not self.url.startswith(("http://", "https://")):
@@ -132,7 +134,7 @@ class Instance:
                 return
             cfg = self.config
             host = cfg.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
-            self.transfer = TransferEngine(TransferConfig(secret=cfg.secret, host=host))
+            self.transfer = TransferEngine(TransferConfig(secret=cfg.secret, host=host, timeout_s=cfg.transfer_timeout_s))
             self.layout = await self.client.call(lambda e: KVLayout.of_cache(e.runner.kv_cache))
             max_len = await self.client.call(lambda e: e.max_model_len)
             # At least one longest-possible prompt's KV fits, so a valid request never finds the

@@ -106,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="(Conductor) decode instances to start on this machine")
     c.add_argument("--instance-threads", type=_positive_int, default=None,
                    help="(Conductor) torch threads of each started instance; default: cores / instances")
+    c.add_argument("--transfer-timeout-s", type=_positive_float, default=30.0,
+                   help="(instance) how long a KV write may take before it fails; receive staging of an "
+                   "abandoned request is reused only after this long")
     c.add_argument("--staging-gib", type=_positive_float, default=0.5,
                    help="(instance) size of each KV staging area (send, receive)")
     c.add_argument("--scheduler", choices=["random", "load", "local", "global"], default="global",
@@ -138,7 +141,8 @@ def _engine_config(args: argparse.Namespace, role: str = "both"):
 def _instance_args(args: argparse.Namespace) -> list[str]:
     """Flags a started instance inherits from this command line."""
     out = ["--log-level", args.log_level, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--staging-gib", str(args.staging_gib)]
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--staging-gib", str(args.staging_gib),
+           "--transfer-timeout-s", str(args.transfer_timeout_s)]
     for flag, value in (("--model", args.model), ("--kv-cache-gib", args.kv_cache_gib),
                         ("--max-model-len", args.max_model_len), ("--device", args.device)):
         if value is not None:
@@ -165,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             config = InstanceConfig(
                 engine=_engine_config(args, args.role), url=args.url or f"http://{args.host}:{args.port}",
                 secret=args.cluster_secret.encode(), conductor=args.conductor, staging_gib=args.staging_gib,
+                transfer_timeout_s=args.transfer_timeout_s,
             )
         except ValueError as e:
             sys.exit(f"error: {e}")

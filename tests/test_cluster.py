@@ -35,7 +35,8 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--prefill-instances", "2",
                "--decode-instances", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
-               "--staging-gib", "0.1", "--cluster-secret", SECRET, "--log-level", "warning"]
+               "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--cluster-secret", SECRET,
+               "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=120)
         deadline = time.monotonic() + STARTUP_S
@@ -307,3 +308,31 @@ def test_killing_a_decode_instance_mid_stream(cluster):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_killing_a_prefill_instance_mid_prefill(cluster):
+    """The request it was computing fails; the decode reservation made for it is released once no
+    late write can land in it; the other prefill instance keeps serving."""
+    long_prompt = " ".join(f"token{i}" for i in range(900))
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+            task = asyncio.create_task(http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 4}))
+            deadline = time.monotonic() + 30
+            while True:
+                busy = [i for i in cluster.instances("prefill") if i["prefilling"]]
+                if busy:
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            os.kill(busy[0]["pid"], signal.SIGKILL)
+            return busy[0], await task
+
+    victim, r = asyncio.run(scenario())
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+    assert not [i for i in cluster.instances("prefill") if i["url"] == victim["url"]][0]["up"]
+    assert cluster.http.get("/stats").json()["requests_failed"] >= 1
+    for _ in range(2):
+        out = cluster.complete("The capital of France is", temperature=0, max_tokens=6)
+        assert out["choices"][0]["text"].startswith(" Paris")
+    cluster.assert_clean()
