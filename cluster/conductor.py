@@ -159,7 +159,10 @@ class Conductor(EngineClient):
 
     @property
     def load_error(self) -> str | None:
-        return self._load_error
+        if self._load_error or self.is_ready:
+            return self._load_error
+        broken = [f"{r.url} ({r.role or 'instance'}): {r.last_error}" for r in self.registry.records if r.failed_to_start]
+        return "; ".join(broken) or None
 
     def readiness(self) -> str:
         if self._tokenizer is None:

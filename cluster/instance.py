@@ -184,7 +184,9 @@ class Instance:
         if not authorized(request.headers.get("authorization"), self.config.secret):
             return _error(401, "missing or wrong cluster secret")
         if not self.ready:
-            return _error(503, self.error or "instance is starting")
+            # "fatal": the engine could not start and will not by itself (a bad model, say).
+            return JSONResponse({"error": self.error or "instance is starting", "fatal": self.error is not None},
+                                status_code=503)
         if roles is not None and self.config.role not in roles:
             return _error(400, f"a {self.config.role} instance does not do this")
         return None

@@ -45,6 +45,7 @@ class InstanceRecord:
     layout: KVLayout | None = None
     profile: InstanceProfile | None = None
     last_error: str | None = None
+    failed_to_start: bool = False  # its engine could not load: it will not come up by itself
     state: dict[str, Any] = field(default_factory=dict)
     cached: frozenset[bytes] = frozenset()
     cache_version: int | None = None
@@ -144,7 +145,12 @@ class Registry:
             if not rec.up:
                 r = await self.http.get(rec.url + "/instance/info", timeout=self._timeout_s)
                 if r.status_code != 200:
-                    rec.last_error = f"info: HTTP {r.status_code}"
+                    try:
+                        body = r.json()
+                    except ValueError:
+                        body = {}
+                    rec.last_error = body.get("error") or f"info: HTTP {r.status_code}"
+                    rec.failed_to_start = body.get("fatal") is True
                     return
                 info = r.json()
                 if info["instance_id"] != rec.instance_id:
@@ -168,7 +174,7 @@ class Registry:
             rec.cache_version = state["cache_version"]
             rec.state = state
             if not rec.up:
-                rec.up, rec.last_error = True, None
+                rec.up, rec.last_error, rec.failed_to_start = True, None, False
                 log.info("instance %s is up (%s)", rec.url, rec.role)
                 self.changed.set()
         except (httpx.HTTPError, ValueError, KeyError) as e:

@@ -17,6 +17,7 @@ server can serve, then 200).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -213,11 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as e:
         sys.exit(f"error: {e}")
-    conductor = Conductor(config)
-    app = build_app(conductor, settings,
-                    extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     launched = launch_instances(roles, f"http://{local}:{args.port}", secret, threads, _instance_args(args))
+    # Polled from the start, so an instance that cannot load shows up in /health at once.
+    conductor = Conductor(dataclasses.replace(config, instances=config.instances + tuple(i.url for i in launched)))
+    app = build_app(conductor, settings,
+                    extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
     log.info("serving %r on http://%s:%d: Conductor over %d prefill + %d decode instances (%d threads each); "
              "/health is 503 until they are up", conductor.model_name, args.host, args.port,
              args.prefill_instances, args.decode_instances, threads)

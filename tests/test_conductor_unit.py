@@ -97,3 +97,51 @@ def test_instance_profile_round_trip():
     assert InstanceProfile.from_dict(profile.to_dict()) == profile
     prefill_only = InstanceProfile(profile.prefill, None)
     assert InstanceProfile.from_dict(prefill_only.to_dict()) == prefill_only
+
+
+def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
+    import asyncio
+
+    import httpx
+
+    from cluster.registry import Registry
+
+    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
+    layout = KVLayout(2, 2, 16, 8, "float32")
+    answers = {"id": "one", "fatal": False, "keys": [b"k1".hex()], "version": 3}
+    seen_since = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/instance/info":
+            if answers["fatal"]:
+                return httpx.Response(503, json={"error": "model failed to load: boom", "fatal": True})
+            return httpx.Response(200, json={"instance_id": answers["id"], "role": "prefill", "layout": layout.to_dict(),
+                                             "profile": profile.to_dict(), "max_model_len": 64})
+        seen_since.append(request.url.params.get("since"))
+        keys = None if request.url.params.get("since") == str(answers["version"]) else answers["keys"]
+        return httpx.Response(200, json={"instance_id": answers["id"], "cache_version": answers["version"],
+                                         "cached_keys": keys, "num_running": 1})
+
+    async def scenario():
+        reg = Registry({})
+        reg.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        rec = reg.add("http://inst:1/")
+        assert reg.add("http://inst:1") is rec and rec.url == "http://inst:1"
+        answers["fatal"] = True
+        await reg.poll(rec)
+        assert not rec.up and rec.failed_to_start and "boom" in rec.last_error
+        answers["fatal"] = False
+        await reg.poll(rec)
+        assert rec.up and not rec.failed_to_start and rec.cached == {b"k1"} and rec.state["num_running"] == 1
+        assert reg.up("prefill") == [rec] and reg.up("decode") == []
+        await reg.poll(rec)  # unchanged key set: not sent again, the old one kept
+        assert seen_since == [None, "3"] and rec.cached == {b"k1"}
+        rec.running["r"] = RunningDecode(0.0, 5)
+        answers["id"] = "two"  # the process restarted behind the same URL
+        await reg.poll(rec)
+        assert not rec.up and rec.last_error == "restarted"
+        await reg.poll(rec)
+        assert rec.up and rec.instance_id == "two" and not rec.running
+        await reg.http.aclose()
+
+    asyncio.run(scenario())
