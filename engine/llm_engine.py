@@ -240,7 +240,9 @@ class LLMEngine:
         table = seq.block_table
         skip = seq.num_cached_tokens // self.config.block_size
         if kv is not None:
-            kernels.scatter_kv(kv, self.runner.kv_cache, table.block_ids[skip:])
+            cache = self.runner.kv_cache
+            # Received KV sits in host staging; a GPU cache takes it through one upload.
+            kernels.scatter_kv(kv.to(cache.device), cache, table.block_ids[skip:])
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.commit(table, seq.token_ids, seq.num_computed_tokens)
         return seq

@@ -152,6 +152,8 @@ def test_streaming_and_chat_through_the_cluster(cluster, colocated):
         assert r.status_code == 200
         chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert chunks[-1] == "data: [DONE]" and len(chunks) >= 3
+    metrics = cluster.http.get("/metrics")
+    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
     # Done at its first token: the decode instance's reservation is released, nothing decodes.
     out = cluster.complete("The capital of France is", temperature=0, max_tokens=1)
     assert out["choices"][0]["text"] == " Paris" and out["choices"][0]["finish_reason"] == "length"
