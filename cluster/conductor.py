@@ -300,44 +300,41 @@ class Conductor(EngineClient):
         prefill = prefills[plan.instance]
         # Decode instances in order of preference: the planned one, then by predicted TBT.
         order = sorted(range(len(decodes)), key=lambda i: (i != dplan.instance, admission.tbt_with(info, decode_states[i])))
-        pending: dict[InstanceRecord, str] = {}  # instances holding part of this request
-        finished = False
+        holding: set[InstanceRecord] = set()  # instances holding part of this request
         try:
-            decode, dest = await self._reserve(rid, ids, params, [decodes[i] for i in order], pending)
+            decode, dest = await self._reserve(rid, ids, params, [decodes[i] for i in order], holding)
             self.counters.accepted += 1
             if plan.source is not None and prefills[plan.source] is not prefill:
                 await self._migrate(rid, ids, plan, prefills[plan.source], prefill)
             decode.incoming[rid] = (now + plan.ttft_s, len(ids))
             prefill.prefilling[rid] = (time.monotonic(), plan.prefill_s)
-            pending[prefill] = rid
+            holding.add(prefill)
             try:
                 first = await self._prefill(prefill, rid, ids, params, dest)
             finally:
                 prefill.prefilling.pop(rid, None)
                 decode.incoming.pop(rid, None)
-            del pending[prefill]
+            holding.discard(prefill)
             handoff = first.finish_reason == "handoff"
             if handoff:
                 first.finished, first.finish_reason = False, None
-            else:
-                finished = True  # done at its first token: the reservation is released below
+            # else: done at its first token; the decode reservation is released below
             sampler_state, first.sampler_state = first.sampler_state, None
             yield first
             if not handoff:
                 return
-            async for out in self._decode(decode, rid, ids, params, first, sampler_state, pending):
-                if out.finished:
-                    finished = True
+            async for out in self._decode(decode, rid, ids, params, first, sampler_state, holding):
                 yield out
+        except EngineError:
+            self.counters.failed += 1
+            raise
         finally:
-            if not finished and pending:
-                self.counters.failed += 1
             # Once the prefill has answered, no KV write into the reservation is in flight.
-            settled = prefill not in pending
-            for rec in pending:
+            settled = prefill not in holding
+            for rec in holding:
                 self._spawn(self._abort_on(rec, rid, settled))
 
-    async def _reserve(self, rid, ids, params, decodes, pending) -> tuple[InstanceRecord, dict]:
+    async def _reserve(self, rid, ids, params, decodes, holding) -> tuple[InstanceRecord, dict]:
         body = {"request_id": rid, "prompt_token_ids": ids, "params": params_to_dict(params)}
         full = []
         for rec in decodes:
@@ -347,7 +344,7 @@ class Conductor(EngineClient):
                 self.registry.mark_down(rec, f"reserve: {type(e).__name__}: {e}")
                 continue
             if r.status_code == 200:
-                pending[rec] = rid
+                holding.add(rec)
                 return rec, r.json()["dest"]
             if r.status_code == 507:
                 full.append(rec.url)
@@ -374,7 +371,7 @@ class Conductor(EngineClient):
             raise EngineError(f"prefill instance {rec.url} failed: HTTP {r.status_code} {r.text[:300]}")
         return output_from_dict(r.json()["output"])
 
-    async def _decode(self, rec, rid, ids, params, first, sampler_state, pending) -> AsyncIterator[RequestOutput]:
+    async def _decode(self, rec, rid, ids, params, first, sampler_state, holding) -> AsyncIterator[RequestOutput]:
         body = {
             "request_id": rid, "prompt_token_ids": ids, "params": params_to_dict(params),
             "prefilled": {
@@ -388,7 +385,7 @@ class Conductor(EngineClient):
         try:
             async for out in self._relay(rec, body, entry):
                 yield out
-            pending.pop(rec, None)  # finished there: nothing to abort
+            holding.discard(rec)  # finished there: nothing to abort
         finally:
             rec.running.pop(rid, None)
 
@@ -434,6 +431,9 @@ class Conductor(EngineClient):
                 rec.prefilling.pop(rid, None)
                 finished = out.finished
                 yield out
+        except EngineError:
+            self.counters.failed += 1
+            raise
         finally:
             rec.prefilling.pop(rid, None)
             if not finished:
