@@ -55,6 +55,7 @@ from cluster.wire import auth_header, authorized, output_from_dict, params_to_di
 from engine.config import ModelConfig
 from engine.default_model import resolve_model
 from engine.llm_engine import RequestOutput
+from engine.prompt import check_fits, prompt_token_ids
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from paged_kv.prefix_keys import chain_keys
@@ -235,24 +236,8 @@ class Conductor(EngineClient):
         return PredictiveEarlyRejection(slo, step, self.config.predicted_decode_s)
 
     def _validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        tok = self.tokenizer
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            ids = tok.encode(prompt)
-        else:
-            ids = list(prompt)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size:
-                    raise ValueError(f"prompt token id {t!r} is not an integer in [0, {self._vocab_size})")
-        if not ids:
-            raise ValueError("prompt is empty")
-        limit = self.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(ids) + params.max_tokens} exceeds the model's context of {limit} tokens"
-            )
+        ids = prompt_token_ids(prompt, self.tokenizer, self._vocab_size)
+        check_fits(len(ids), params.max_tokens, self.max_model_len, "the model's context")
         return ids
 
     # -- requests ----------------------------------------------------------------------------------

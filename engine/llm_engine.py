@@ -20,6 +20,7 @@ from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
+from engine.prompt import check_fits, prompt_token_ids
 from engine.sampler import Logprobs, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -121,21 +122,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Validate a prompt (text or token ids) and return its token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(
         self,
@@ -159,18 +146,9 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the model's context of {self.max_model_len} tokens"
-            )
-        capacity = self.block_manager.num_blocks * self.config.block_size
-        if total > capacity:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the KV cache capacity of {capacity} tokens"
-            )
+        check_fits(len(ids), params.max_tokens, self.max_model_len, "the model's context")
+        check_fits(len(ids), params.max_tokens, self.block_manager.num_blocks * self.config.block_size,
+                   "the KV cache capacity")
         detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens)
         return Sequence(request_id, ids, params, detok, self.config.device)
 
