@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import torch
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -283,7 +284,7 @@ class Instance:
         if dest.skip_blocks + dest.num_blocks != -(-len(ids) // self.layout.block_size):
             return _error(400, "destination block count does not match the prompt")
         try:
-            await self._expect(rid, dest)
+            await self._until_staged(lambda: self.sender.expect(rid, dest))
         except (ValueError, asyncio.TimeoutError) as e:
             return _error(503 if isinstance(e, asyncio.TimeoutError) else 400, str(e) or "send staging stayed full")
         output = None
@@ -305,11 +306,9 @@ class Instance:
             return failure
         return JSONResponse({"output": output_to_dict(output)})
 
-    async def _expect(self, rid: str, dest: KVDestination) -> None:
-        """Announce the stream, waiting (bounded) for send staging freed by earlier requests."""
-        await self._until_staged(lambda: self.sender.expect(rid, dest))
-
     async def _until_staged(self, allocate):
+        """``allocate()``, retried while the send staging is full (for at most the transfer timeout:
+        earlier requests free theirs as their writes complete)."""
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while True:
             try:
@@ -371,21 +370,14 @@ class Instance:
         res = self.reservations.pop(rid, None)
         if res is None:
             return _error(404, f"no KV reservation for {rid!r}")
-        recv, layout = self.recv, self.layout
+        recv = self.recv
         try:
             if body.get("ok") is not True:
                 await self.client.call(lambda e: e.abort(rid))
                 return JSONResponse({"adopted": 0})
 
-            def adopt(e: LLMEngine) -> int:
-                kv = None if res.staging is None else recv.view(res.staging, e.runner.kv_cache.dtype, layout.shape(res.num_blocks))
-                try:
-                    return e.adopt_prefix(rid, kv)
-                except BaseException:
-                    e.abort(rid)
-                    raise
-
-            return JSONResponse({"adopted": await self.client.call(adopt)})
+            adopted = await self.client.call(lambda e: self._take_over(e, rid, res, lambda kv: e.adopt_prefix(rid, kv)))
+            return JSONResponse({"adopted": adopted})
         finally:
             if res.staging is not None:
                 recv.release(res.staging)
@@ -421,24 +413,32 @@ class Instance:
         first = prefilled.get("first_token")
         state = prefilled.get("sampler_state")
         cached = prefilled.get("num_cached_tokens", 0)
-        layout, recv = self.layout, self.recv
+
+        def admit(engine: LLMEngine, kv: torch.Tensor | None) -> None:
+            if type(first) is not int or type(cached) is not int:
+                raise ValueError("prefilled needs first_token and num_cached_tokens integers")
+            engine.admit_prefilled(rid, kv, first, None if state is None else base64.b64decode(state), cached)
 
         def start(engine: LLMEngine) -> None:
             try:
-                if type(first) is not int or type(cached) is not int:
-                    raise ValueError("prefilled needs first_token and num_cached_tokens integers")
-                kv = None
-                if res.staging is not None:
-                    kv = recv.view(res.staging, engine.runner.kv_cache.dtype, layout.shape(res.num_blocks))
-                engine.admit_prefilled(rid, kv, first, None if state is None else base64.b64decode(state), cached)
-            except BaseException:
-                engine.abort(rid)  # the reservation's blocks go back
-                raise
+                self._take_over(engine, rid, res, lambda kv: admit(engine, kv))
             finally:
                 if res.staging is not None:
-                    recv.release(res.staging)
+                    self.recv.release(res.staging)
 
         return start
+
+    def _take_over(self, engine: LLMEngine, rid: str, res: _Reservation, use):
+        """On the engine thread: give ``use`` the reservation's received KV (a view of its staging;
+        None when every block was cached here). If that fails, the reservation's blocks go back."""
+        try:
+            kv = None
+            if res.staging is not None:
+                kv = self.recv.view(res.staging, engine.runner.kv_cache.dtype, self.layout.shape(res.num_blocks))
+            return use(kv)
+        except BaseException:
+            engine.abort(rid)
+            raise
 
     async def abort(self, request: Request) -> Response:
         if not authorized(request.headers.get("authorization"), self.config.secret):
