@@ -367,20 +367,20 @@ class Instance:
             rid = body["request_id"]
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             return _error(400, f"request_id needed: {e}")
-        res = self.reservations.pop(rid, None)
-        if res is None:
+        if rid not in self.reservations:
             return _error(404, f"no KV reservation for {rid!r}")
-        recv = self.recv
+        if body.get("ok") is not True:
+            # The push failed, perhaps by timing out: a late write could still land in the
+            # staging, so it is held back like any abandoned reservation's.
+            await self._abort(rid)
+            return JSONResponse({"adopted": 0})
+        res = self.reservations.pop(rid)
         try:
-            if body.get("ok") is not True:
-                await self.client.call(lambda e: e.abort(rid))
-                return JSONResponse({"adopted": 0})
-
             adopted = await self.client.call(lambda e: self._take_over(e, rid, res, lambda kv: e.adopt_prefix(rid, kv)))
             return JSONResponse({"adopted": adopted})
         finally:
             if res.staging is not None:
-                recv.release(res.staging)
+                self.recv.release(res.staging)
 
     async def generate(self, request: Request) -> Response:
         if (denied := self._check(request, ("decode", "both"))) is not None:
