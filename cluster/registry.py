@@ -104,7 +104,6 @@ class Registry:
         self.http = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s, read=None))
         self._timeout_s = timeout_s
         self._task: asyncio.Task | None = None
-        self.changed = asyncio.Event()  # set when an instance comes up or goes down
 
     def add(self, url: str) -> InstanceRecord:
         url = url.rstrip("/")
@@ -131,7 +130,6 @@ class Registry:
     def mark_down(self, rec: InstanceRecord, reason: str) -> None:
         if rec.up:
             log.warning("instance %s (%s) is down: %s", rec.url, rec.role, reason)
-            self.changed.set()
         rec.up = False
         rec.last_error = reason
 
@@ -176,6 +174,5 @@ class Registry:
             if not rec.up:
                 rec.up, rec.last_error, rec.failed_to_start = True, None, False
                 log.info("instance %s is up (%s)", rec.url, rec.role)
-                self.changed.set()
         except (httpx.HTTPError, ValueError, KeyError) as e:
             self.mark_down(rec, f"{type(e).__name__}: {e}")
