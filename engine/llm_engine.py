@@ -153,14 +153,14 @@ class LLMEngine:
         return Sequence(request_id, ids, params, detok, self.config.device)
 
     # -- disaggregation: a decode instance receiving a prompt's KV ---------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation:
+    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Reservation:
         """Hold blocks for the KV of a prompt that a prefill instance computes.
 
         Full prompt blocks already in this instance's prefix cache are reused (they need not be
         sent). Raises ``KVCapacityError`` when the blocks are not free now, ``ValueError`` for a
         request that could never be served. Released by ``abort`` or taken over by ``admit_prefilled``.
         """
-        seq = self._new_sequence(prompt_token_ids, params, request_id)
+        seq = self._new_sequence(token_ids, params, request_id)
         bm = self.block_manager
         cached = bm.match_prefix(seq.block_table, seq.token_ids)
         if not bm.can_grow(seq.block_table, seq.num_prompt_tokens):
