@@ -59,8 +59,8 @@ from engine.prompt import check_fits, prompt_token_ids
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from paged_kv.prefix_keys import chain_keys
-from server.async_engine import default_model_name
-from server.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded
+from engine.async_engine import default_model_name
+from engine.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded
 
 log = logging.getLogger(__name__)
 

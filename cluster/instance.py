@@ -53,8 +53,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import KVCapacityError, LLMEngine
 from engine.sequence import SequenceStatus
 from paged_kv.prefix_keys import chain_keys
-from server.async_engine import AsyncLLMEngine
-from server.engine_client import EngineError, EngineNotReady
+from engine.async_engine import AsyncLLMEngine
+from engine.engine_client import EngineError, EngineNotReady
 
 log = logging.getLogger(__name__)
 

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     if args.mode == "colocated":
-        from server.async_engine import AsyncLLMEngine
+        from engine.async_engine import AsyncLLMEngine
 
         try:
             config = _engine_config(args)

@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.llm_engine import RequestOutput
-from server.engine_client import EngineClient, EngineNotReady, EngineOverloaded
+from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
 from server.metrics import RequestTracker, ServerMetrics
 from server.protocol import (
     Choice,

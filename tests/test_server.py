@@ -22,7 +22,7 @@ import uvicorn
 
 from engine.config import EngineConfig
 from server.app import ServerSettings, build_app
-from server.async_engine import AsyncLLMEngine
+from engine.async_engine import AsyncLLMEngine
 from prompts import PROMPTS
 
 API_KEY = "test-key-123"

@@ -1,8 +1,8 @@
 """The interface the HTTP front end talks to: an asynchronous engine client.
 
 The OpenAI server (``server/app.py``) only ever sees this interface. ``AsyncLLMEngine``
-(``server/async_engine.py``) implements it over one local ``LLMEngine``; the cluster conductor
-will implement it over prefill and decode pools. Nothing here knows about HTTP: errors are
+(``engine/async_engine.py``) implements it over one local ``LLMEngine``; ``cluster/conductor.py``
+implements it over prefill and decode instances. Nothing here knows about HTTP: errors are
 plain exceptions that the front end maps to status codes.
 
 Invariants every implementation keeps:

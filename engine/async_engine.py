@@ -36,7 +36,7 @@ from engine.default_model import DEFAULT_MODEL_NAME
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from server.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded
+from engine.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded
 
 log = logging.getLogger(__name__)
 
