@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            hf_note = "transformers is not installed: HF baseline skipped"
+            hf_note = "transformers is not installed (pip install -e '.[bench]'): HF baseline skipped"
     if hf_note is None:
         hf, hf_out = run_hf(args, folder, prompts, out_lens)
         print(f"hf: {hf['generated']} useful tokens ({hf['generated_incl_padding']} computed) "

@@ -395,7 +395,10 @@ def format_report(m: dict) -> str:
 
 def plot_cdfs(results: list[RequestResult], path: str, m: dict | None = None) -> None:
     """Write TTFT and TBT CDFs (completed requests) to ``path``."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:  # an optional package: the server never plots
+        raise ImportError("--plot needs matplotlib: pip install -e '.[bench]'", name=exc.name) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -160,7 +160,7 @@ def mooncake_available() -> str | None:
     try:
         importlib.import_module("mooncake.engine")  # importing is the check
     except ImportError as exc:  # the wheel also needs Debian's libibverbs1 at import time
-        return f"mooncake-transfer-engine-non-cuda unavailable ({exc})"
+        return f"mooncake-transfer-engine-non-cuda unavailable ({exc}; pip install -e '.[mooncake]')"
     return None
 
 

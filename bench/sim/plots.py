@@ -11,7 +11,10 @@ from bench.sim.simulator import COMPLETED, SimResult
 
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:  # an optional package: the server never plots
+        raise ImportError("the figures need matplotlib: pip install -e '.[bench]'", name=exc.name) from exc
 
     matplotlib.use("Agg")  # no display on benchmark machines
     import matplotlib.pyplot as plt
