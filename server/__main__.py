@@ -12,6 +12,10 @@ Three ways to run it:
 
 The socket listens at once; models load in the background (``/health`` answers 503 until the
 server can serve, then 200).
+
+The cluster secret (which the Conductor and its instances derive their keys from) comes from
+``MOONCAKE_CLUSTER_SECRET`` or ``--cluster-secret-file``; ``--cluster-secret`` still works but
+puts it where every user of the machine can read it (``ps``).
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ import argparse
 import dataclasses
 import logging
 import os
+import stat
 import sys
 
 from server.app import DEFAULT_MAX_BODY_BYTES
+
+SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
+MIN_SECRET_CHARS = 16
 
 
 def _env(name: str, default=None):
@@ -71,7 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV cache size in GiB; default: 1 on CPU, 90%% of free memory on CUDA "
                    "(env MOONCAKE_KV_CACHE_GIB)")
     p.add_argument("--api-key", default=_env("MOONCAKE_API_KEY"),
-                   help="if set, /v1 requests need 'Authorization: Bearer KEY' (env MOONCAKE_API_KEY)")
+                   help="if set, /v1, /metrics and /stats requests need 'Authorization: Bearer KEY' "
+                   "(env MOONCAKE_API_KEY); /health stays open")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, serve /metrics and /stats without it (e.g. to a scraper)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch intra-op threads; default: all cores")
     p.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
@@ -96,9 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="(instance) the Conductor's URL to register with (env MOONCAKE_CONDUCTOR)")
     c.add_argument("--url", default=None,
                    help="(instance) the URL the Conductor reaches this instance at; default http://HOST:PORT")
-    c.add_argument("--cluster-secret", default=_env("MOONCAKE_CLUSTER_SECRET"),
-                   help="shared secret (>= 16 characters) between the Conductor and instances; generated "
-                   "for instances this process starts (env MOONCAKE_CLUSTER_SECRET)")
+    given = c.add_mutually_exclusive_group()
+    given.add_argument("--cluster-secret-file", metavar="PATH", default=None,
+                       help=f"file holding the shared secret (>= {MIN_SECRET_CHARS} characters) between the "
+                       f"Conductor and instances; default: env {SECRET_ENV}, else generated for the "
+                       "instances this process starts")
+    given.add_argument("--cluster-secret", default=None,
+                       help=f"the shared secret itself; discouraged: other users see command lines (ps), "
+                       f"use env {SECRET_ENV} or --cluster-secret-file")
     c.add_argument("--instance", action="append", default=[],
                    help="(Conductor) URL of an instance to poll from the start; repeatable")
     c.add_argument("--prefill-instances", type=_non_negative_int, default=1,
@@ -124,6 +140,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--predicted-decode-s", type=_positive_float, default=5.0,
                    help="(Conductor) decode duration assumed by --admission predictive")
     return p.parse_args(argv)
+
+
+def read_cluster_secret(args: argparse.Namespace) -> str | None:
+    """The cluster secret from ``--cluster-secret-file``, ``--cluster-secret`` or the environment,
+    without surrounding whitespace; None when none is given. Raises ``ValueError`` when it cannot be
+    read or is too short to resist guessing."""
+    log = logging.getLogger(__name__)
+    if args.cluster_secret_file is not None:
+        source = f"--cluster-secret-file {args.cluster_secret_file}"
+        try:
+            with open(args.cluster_secret_file, encoding="utf-8") as f:
+                secret = f.read()
+            mode = os.stat(args.cluster_secret_file).st_mode
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the cluster secret from {source}: {e}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("%s can be read by other users; restrict it with chmod 600", args.cluster_secret_file)
+    elif args.cluster_secret is not None:
+        source, secret = "--cluster-secret", args.cluster_secret
+        log.warning("--cluster-secret on the command line is visible to other users of this machine (ps, "
+                    "/proc/PID/cmdline); set %s or use --cluster-secret-file instead", SECRET_ENV)
+    elif (secret := os.environ.get(SECRET_ENV)) is not None:
+        source = SECRET_ENV
+    else:
+        return None
+    secret = secret.strip()
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"the cluster secret from {source} must be at least {MIN_SECRET_CHARS} characters "
+                         f"(got {len(secret)})")
+    return secret
 
 
 def _engine_config(args: argparse.Namespace, role: str = "both"):
@@ -160,16 +206,21 @@ def main(argv: list[str] | None = None) -> None:
 
     from server.app import ServerSettings, build_app
 
-    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    try:
+        cluster_secret = read_cluster_secret(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                              public_metrics=args.public_metrics)
     if args.role is not None:
         from cluster.instance import Instance, InstanceConfig, build_instance_app
 
-        if not args.cluster_secret:
-            sys.exit("error: an instance needs --cluster-secret (or MOONCAKE_CLUSTER_SECRET)")
+        if cluster_secret is None:
+            sys.exit(f"error: an instance needs the cluster secret: set {SECRET_ENV} or pass --cluster-secret-file")
         try:
             config = InstanceConfig(
                 engine=_engine_config(args, args.role), url=args.url or f"http://{args.host}:{args.port}",
-                secret=args.cluster_secret.encode(), conductor=args.conductor, staging_gib=args.staging_gib,
+                secret=cluster_secret.encode(), conductor=args.conductor, staging_gib=args.staging_gib,
                 transfer_timeout_s=args.transfer_timeout_s,
             )
         except ValueError as e:
@@ -202,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     from cluster.launcher import launch_instances, stop_instances
 
     torch.set_num_threads(1)  # the Conductor only tokenizes
-    secret = args.cluster_secret or secrets.token_hex(16)
+    secret = cluster_secret or secrets.token_hex(16)
     roles = ["prefill"] * args.prefill_instances + ["decode"] * args.decode_instances
     threads = args.instance_threads or max(1, (os.cpu_count() or 1) // max(1, len(roles)))
     try:

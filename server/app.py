@@ -1,8 +1,15 @@
 """The OpenAI-compatible HTTP front end (starlette), over any ``EngineClient``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (these need
-``Authorization: Bearer KEY`` when an API key is set), ``GET /health``, ``GET /metrics``
-(Prometheus) and ``GET /stats`` (engine statistics as JSON, for tests and operators).
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus) and ``GET /stats`` (engine statistics as JSON, for tests and
+operators). When an API key is set, all but ``/health`` need ``Authorization: Bearer KEY``
+(``/metrics`` and ``/stats`` name instance URLs and load; ``public_metrics`` opens them);
+``/health`` stays open for load balancers but shows why loading failed only to those who may
+read ``/stats``.
+
+Errors that are the client's (4xx) explain themselves. Failures that are not (5xx) never echo the
+engine's message, which can name instance URLs or quote an instance's reply: the client gets a
+short error id, and the server log has the id with the full message.
 
 How one generation request flows:
 
@@ -26,6 +33,7 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -63,6 +71,8 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Serve /metrics and /stats without the API key, e.g. to a Prometheus scraper that cannot send it.
+    public_metrics: bool = False
 
 
 def _error(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
@@ -74,8 +84,24 @@ def _protocol_error(e: ProtocolError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def _engine_error(e: BaseException) -> JSONResponse:
-    """Map an exception raised by ``EngineClient.generate`` to an HTTP error."""
+class _ServerFault(Exception):
+    """A failure that is not the client's: all the client learns is ``error_id``, which leads to
+    the full message in the server log."""
+
+    def __init__(self, error_id: str):
+        super().__init__(error_id)
+        self.error_id = error_id
+
+
+def _fault(what: str, detail: BaseException | str, exc_info: BaseException | None = None) -> _ServerFault:
+    """Log ``detail`` under a fresh error id, and return the fault that carries only the id."""
+    error_id = secrets.token_hex(4)
+    log.error("%s (error id %s): %s", what, error_id, detail, exc_info=exc_info)
+    return _ServerFault(error_id)
+
+
+def _engine_error(e: ValueError | EngineOverloaded | EngineNotReady | _ServerFault) -> JSONResponse:
+    """Map a failure of ``EngineClient.generate`` (as a pump queued it) to an HTTP error."""
     if isinstance(e, ValueError):
         return _error(400, str(e), "invalid_request_error")
     if isinstance(e, EngineOverloaded):
@@ -84,7 +110,8 @@ def _engine_error(e: BaseException) -> JSONResponse:
                       headers={"Retry-After": retry})
     if isinstance(e, EngineNotReady):
         return _error(503, str(e), "service_unavailable", headers={"Retry-After": "5"})
-    return _error(500, f"internal error: {e}", "internal_server_error")
+    return _error(500, "internal error: the engine failed while serving the request "
+                  f"(see the server log, error id {e.error_id})", "internal_server_error")
 
 
 class _Disconnected:
@@ -151,8 +178,7 @@ class _Generation:
             self.queue.put_nowait((index, e))
         except Exception as e:  # noqa: BLE001 -- EngineError or anything unexpected
             tracker.failed()
-            log.warning("request %s-%d failed: %s", self.id, index, e)
-            self.queue.put_nowait((index, e))
+            self.queue.put_nowait((index, _fault(f"request {self.id}-{index} failed", e)))
         finally:
             await gen.aclose()  # no-op when finished; aborts the engine request otherwise
 
@@ -209,6 +235,18 @@ class OpenAIServer:
                       "invalid_request_error", code="invalid_api_key",
                       headers={"WWW-Authenticate": "Bearer"})
 
+    def _stats_denied(self, request: Request) -> Response | None:
+        return None if self.settings.public_metrics else self._unauthorized(request)
+
+    def _not_ready(self) -> Response:
+        load_error = self.client.load_error
+        if not load_error:
+            return _engine_error(EngineNotReady("the model is still loading"))
+        # The load error names model paths or instance URLs: it goes to the log, not the client.
+        fault = _fault("refused a request: the server failed to load", load_error)
+        return _error(503, f"the server failed to load (see the server log, error id {fault.error_id})",
+                      "service_unavailable", headers={"Retry-After": "5"})
+
     def _limits(self) -> ModelLimits:
         c = self.client
         stats = c.stats()
@@ -220,16 +258,23 @@ class OpenAIServer:
     async def health(self, request: Request) -> Response:
         if self.client.is_ready:
             return JSONResponse({"status": "ok"})
-        if self.client.load_error:
-            return JSONResponse({"status": "error", "error": self.client.load_error}, status_code=503)
+        if load_error := self.client.load_error:
+            # Open to anyone (load balancers), so the detail only for those who may read /stats.
+            if self._stats_denied(request) is not None:
+                load_error = "the server failed to load (see the server log)"
+            return JSONResponse({"status": "error", "error": load_error}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        if (denied := self._stats_denied(request)) is not None:
+            return denied
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type.split(";")[0],
                         headers={"Content-Type": content_type})
 
     async def stats(self, request: Request) -> Response:
+        if (denied := self._stats_denied(request)) is not None:
+            return denied
         return JSONResponse(self.client.stats())
 
     async def models(self, request: Request) -> Response:
@@ -253,7 +298,7 @@ class OpenAIServer:
         try:
             body = await _read_json(request, self.settings.max_body_bytes)
             if not self.client.is_ready:
-                return _engine_error(EngineNotReady(self.client.load_error or "the model is still loading"))
+                return self._not_ready()
             parsed = parse(body, self._limits())
         except ProtocolError as e:
             return _protocol_error(e)
@@ -406,8 +451,9 @@ def build_app(
         return _error(exc.status_code, exc.detail, "invalid_request_error", headers=exc.headers)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return _error(500, "internal server error", "internal_server_error")
+        fault = _fault(f"unhandled error on {request.method} {request.url.path}", exc, exc_info=exc)
+        return _error(500, f"internal server error (see the server log, error id {fault.error_id})",
+                      "internal_server_error")
 
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),

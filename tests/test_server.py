@@ -3,6 +3,7 @@
 One uvicorn thread serves three apps on loopback ports, all in one event loop:
 * ``main``: the normal server (its lifespan starts the engine);
 * ``keyed``: the same engine behind an API key and a small body limit;
+* ``public``: the same engine behind an API key, with ``/metrics`` and ``/stats`` left open;
 * ``loading``: an engine that is never started, to see the 503s of a server still loading.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -21,6 +24,7 @@ import pytest
 import uvicorn
 
 from engine.config import EngineConfig
+from server.__main__ import parse_args, read_cluster_secret
 from server.app import ServerSettings, build_app
 from engine.async_engine import AsyncLLMEngine
 from prompts import PROMPTS
@@ -49,6 +53,8 @@ class Servers:
             "main": build_app(self.client),
             "keyed": build_app(self.client, ServerSettings(api_key=API_KEY, max_body_bytes=4096),
                                manage_engine=False),
+            "public": build_app(self.client, ServerSettings(api_key=API_KEY, public_metrics=True),
+                                manage_engine=False),
             "loading": build_app(self.idle, manage_engine=False),
         }
         self.sockets = {name: _socket() for name in apps}
@@ -140,6 +146,13 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+def error_id(message: str) -> str:
+    """The id a 5xx message refers the client to (the server log has the detail under it)."""
+    found = re.search(r"error id ([0-9a-f]{8})\b", message)
+    assert found, message
+    return found.group(1)
 
 
 def sse_events(text: str) -> list:
@@ -364,12 +377,27 @@ def test_api_key(servers):
     assert_error(post(keyed, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
     assert_error(httpx.get(keyed + "/v1/models"), 401)
     assert httpx.get(keyed + "/health").status_code == 200
-    assert httpx.get(keyed + "/metrics").status_code == 200
     good = openai.OpenAI(base_url=keyed + "/v1", api_key=API_KEY, max_retries=0)
     assert good.completions.create(model="SmolLM2-135M-Instruct", **body).choices[0].text
     bad = openai.OpenAI(base_url=keyed + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_stats_and_metrics_need_the_api_key_unless_public(servers):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    keyed, public = servers.urls["keyed"], servers.urls["public"]
+    for path in ("/stats", "/metrics"):
+        err = assert_error(httpx.get(keyed + path), 401)
+        assert err["code"] == "invalid_api_key"
+        assert_error(httpx.get(keyed + path, headers={"Authorization": "Bearer wrong"}), 401)
+        assert httpx.get(keyed + path, headers=auth).status_code == 200
+        assert httpx.get(public + path).status_code == 200
+    assert "num_blocks" in httpx.get(keyed + "/stats", headers=auth).json()
+    assert "vllm:num_requests_running" in httpx.get(public + "/metrics").text
+    # Opening the metrics opens nothing else.
+    assert_error(httpx.get(public + "/v1/models"), 401)
+    assert httpx.get(public + "/health").status_code == 200
 
 
 def test_overload_429(servers, url):
@@ -384,7 +412,10 @@ def test_overload_429(servers, url):
         client.max_waiting = old
 
 
-def test_engine_failure_fails_requests(servers, url):
+PLANTED = "http://10.1.2.3:7001"
+
+
+def test_engine_failure_fails_requests(servers, url, caplog):
     engine = servers.client._engine
     real_step = engine.step
     calls = {"n": 0}
@@ -392,20 +423,71 @@ def test_engine_failure_fails_requests(servers, url):
     def flaky_step():
         calls["n"] += 1
         if calls["n"] == 3:
-            raise RuntimeError("injected step failure")
+            raise RuntimeError(f"injected step failure: {PLANTED} replied 'boom'")
         return real_step()
+
+    def logged(id_: str) -> str:
+        lines = [r.getMessage() for r in caplog.records if id_ in r.getMessage()]
+        assert lines, f"error id {id_} is not in the log"
+        return lines[0]
 
     engine.step = flaky_step
     try:
-        r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "stream": True})
-        assert r.status_code == 200
-        events = sse_events(r.text)
-        assert "error" in events[-1] and "injected" in events[-1]["error"]["message"]
-        engine.step = lambda: (_ for _ in ()).throw(RuntimeError("injected again"))
-        assert_error(post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}), 500)
+        with caplog.at_level(logging.WARNING, logger="server.app"):
+            # After streaming started: the SSE error event.
+            r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "stream": True})
+            assert r.status_code == 200
+            events = sse_events(r.text)
+            assert len(events) >= 2 and "choices" in events[0]  # the failure came mid-stream
+            err = events[-1]["error"]
+            assert err["type"] == "internal_server_error"
+            assert PLANTED not in err["message"] and "boom" not in err["message"]
+            assert "injected" not in err["message"]
+            assert PLANTED in logged(error_id(err["message"]))
+
+            # Before any output: a 500.
+            engine.step = lambda: (_ for _ in ()).throw(RuntimeError(f"injected again at {PLANTED}"))
+            r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+            err = assert_error(r, 500)
+            assert PLANTED not in r.text and "injected" not in r.text
+            assert "injected again" in logged(error_id(err["message"]))
     finally:
         engine.step = real_step
     assert post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+class _FailedToLoad(AsyncLLMEngine):
+    """An engine whose loading failed with a message that names an internal address."""
+
+    @property
+    def load_error(self) -> str:
+        return f"instance {PLANTED} (prefill): model failed to load"
+
+
+def test_load_error_stays_in_the_log():
+    engine = _FailedToLoad(EngineConfig(threads=1))  # never started
+
+    async def calls(settings: ServerSettings, headers: dict[str, str]) -> tuple[httpx.Response, httpx.Response]:
+        app = build_app(engine, settings, manage_engine=False)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
+                                     headers=headers) as client:
+            return (await client.get("/health"),
+                    await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for settings, headers, health_detail in [
+        (ServerSettings(api_key=API_KEY), {}, False),   # anyone: no detail
+        (ServerSettings(api_key=API_KEY), auth, True),  # an operator with the key
+        (ServerSettings(), {}, True),                   # no key: /stats is open anyway
+    ]:
+        health, completion = asyncio.run(calls(settings, headers))
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert (PLANTED in health.json()["error"]) is health_detail
+        if settings.api_key and not headers:
+            assert_error(completion, 401)
+            continue
+        err = assert_error(completion, 503)
+        assert PLANTED not in completion.text and error_id(err["message"])
 
 
 # -- disconnects and concurrency ---------------------------------------------------------------------
@@ -489,5 +571,56 @@ def test_cli_help():
                          timeout=120, check=True).stdout
     for flag in ("--host", "--port", "--model", "--kv-cache-gib", "--api-key", "--threads",
                  "--max-num-seqs", "--max-num-batched-tokens", "--max-waiting", "--max-body-bytes",
-                 "--served-model-name", "MOONCAKE_API_KEY"):
+                 "--served-model-name", "MOONCAKE_API_KEY", "--public-metrics", "--cluster-secret-file",
+                 "MOONCAKE_CLUSTER_SECRET"):
         assert flag in out, flag
+
+
+# -- the cluster secret ------------------------------------------------------------------------------
+GOOD_SECRET = "s3cret-of-twenty-chars"
+
+
+def test_cluster_secret_from_env_or_file(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("MOONCAKE_CLUSTER_SECRET", raising=False)
+    assert read_cluster_secret(parse_args([])) is None
+
+    monkeypatch.setenv("MOONCAKE_CLUSTER_SECRET", f"  {GOOD_SECRET}\n")
+    with caplog.at_level(logging.WARNING):
+        assert read_cluster_secret(parse_args([])) == GOOD_SECRET
+    assert not caplog.records  # the environment is the recommended way: no warning
+
+    path = tmp_path / "secret"
+    path.write_text(f"other-{GOOD_SECRET}\n")
+    path.chmod(0o600)
+    with caplog.at_level(logging.WARNING):
+        # The file wins over the environment: it was asked for explicitly.
+        assert read_cluster_secret(parse_args(["--cluster-secret-file", str(path)])) == f"other-{GOOD_SECRET}"
+    assert not caplog.records
+
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        read_cluster_secret(parse_args(["--cluster-secret-file", str(path)]))
+    assert any("chmod 600" in r.getMessage() for r in caplog.records)
+
+
+def test_cluster_secret_errors_and_command_line_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("MOONCAKE_CLUSTER_SECRET", raising=False)
+    with pytest.raises(ValueError, match="cannot read the cluster secret"):
+        read_cluster_secret(parse_args(["--cluster-secret-file", str(tmp_path / "missing")]))
+    short = tmp_path / "short"
+    short.write_text("  too-short  \n")
+    short.chmod(0o600)
+    with pytest.raises(ValueError, match="at least 16 characters .got 9."):
+        read_cluster_secret(parse_args(["--cluster-secret-file", str(short)]))
+    monkeypatch.setenv("MOONCAKE_CLUSTER_SECRET", "x" * 15)
+    with pytest.raises(ValueError, match="MOONCAKE_CLUSTER_SECRET must be at least 16"):
+        read_cluster_secret(parse_args([]))
+    with pytest.raises(SystemExit):  # one source or the other, not both
+        parse_args(["--cluster-secret", GOOD_SECRET, "--cluster-secret-file", str(short)])
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert read_cluster_secret(parse_args(["--cluster-secret", GOOD_SECRET])) == GOOD_SECRET
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "visible to other users" in warning.getMessage() and "MOONCAKE_CLUSTER_SECRET" in warning.getMessage()
+    assert GOOD_SECRET not in warning.getMessage()
