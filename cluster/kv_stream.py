@@ -5,11 +5,8 @@ prefill instance's engine calls ``KVSender.layer_done`` after each layer of the 
 finishes a prompt: the layer's pages are packed by ``kernels.gather_kv`` into the send staging
 and handed to the Messenger (``TransferEngine.write``), which copies them into the decode
 instance's range while the next layer computes. The decode instance then unpacks the whole
-buffer into its pages with ``kernels.scatter_kv`` (``LLMEngine.admit_prefilled``).
-
-Wire layout of a request's KV in staging (``KVLayout.shape``): ``[layers, 2, blocks, Hkv,
-block_size, D]``, the ``gather_kv`` layout, so layer ``l`` is the byte range
-``[l * layer_bytes, (l + 1) * layer_bytes)`` on both sides.
+buffer into its pages with ``kernels.scatter_kv`` (``engine.disaggregation.KVHandoff.admit``).
+The wire layout of a request's KV in staging is ``engine.kv_layout.KVLayout``.
 """
 
 from __future__ import annotations
@@ -21,48 +18,10 @@ from typing import Any
 
 import torch
 
-import kernels
 from cluster.staging import StagingArea, StagingRange
 from cluster.transfer import Batch, RegionHandle, TransferEngine, TransferError
-from engine.config import parse_dtype
+from engine.kv_layout import KVLayout, pack
 from engine.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Page geometry both sides must share for KV to move between them."""
-
-    num_layers: int
-    num_kv_heads: int
-    block_size: int
-    head_dim: int
-    dtype: str
-
-    @property
-    def page_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=parse_dtype(self.dtype)).element_size()
-        return self.num_kv_heads * self.block_size * self.head_dim * itemsize
-
-    def layer_bytes(self, num_blocks: int) -> int:
-        return 2 * num_blocks * self.page_bytes
-
-    def nbytes(self, num_blocks: int) -> int:
-        return self.num_layers * self.layer_bytes(num_blocks)
-
-    def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-
-    @classmethod
-    def of_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
-        layers, _, _, heads, block_size, head_dim = kv_cache.shape
-        return cls(layers, heads, block_size, head_dim, str(kv_cache.dtype).removeprefix("torch."))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        return cls(**{k: data[k] for k in ("num_layers", "num_kv_heads", "block_size", "head_dim", "dtype")})
 
 
 @dataclass(frozen=True)
@@ -168,14 +127,6 @@ class KVSender:
             raise TransferError(out.error)
         if out.staging is not None and len(out.batches) != self.layout.num_layers:
             raise TransferError(f"only {len(out.batches)} of {self.layout.num_layers} layers were sent")
-
-
-def pack(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None, out: torch.Tensor) -> None:
-    """``kernels.gather_kv`` into ``out`` (host staging), through device memory when the KV is on a GPU."""
-    if kv_cache.device == out.device:
-        kernels.gather_kv(kv_cache, block_ids, layers, out=out)
-    else:
-        out.copy_(kernels.gather_kv(kv_cache, torch.tensor(block_ids, device=kv_cache.device), layers))
 
 
 def settle(batches: list[Batch], timeout_s: float) -> None:

@@ -314,32 +314,3 @@ class Supervisor:
                 m.process.wait()
             with self._lock:
                 m.last_exit, m.process, m.restart_at = describe_exit(m.process.returncode), None, None
-
-
-@dataclass(frozen=True)
-class LaunchedInstance:
-    """Transitional: what ``launch_instances`` hands server/__main__.py until it holds the Supervisor."""
-
-    role: str
-    url: str
-    supervisor: Supervisor
-
-
-def launch_instances(
-    roles: list[str],
-    conductor_url: str,
-    secret: str,
-    threads: int,
-    extra_args: list[str],
-    host: str = "127.0.0.1",
-) -> list[LaunchedInstance]:
-    """Starts a :class:`Supervisor` over ``roles`` (kept until server/__main__.py uses it directly)."""
-    supervisor = Supervisor(roles, conductor_url, secret, threads, extra_args, host=host)
-    supervisor.start()
-    return [LaunchedInstance(m["role"], m["url"], supervisor) for m in supervisor.status()]
-
-
-def stop_instances(launched: list[LaunchedInstance], timeout_s: float = 10.0) -> None:
-    """Stops the supervisors behind ``launched`` (kept until server/__main__.py uses Supervisor.stop)."""
-    for supervisor in {id(i.supervisor): i.supervisor for i in launched}.values():
-        supervisor.stop(timeout_s)

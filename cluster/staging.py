@@ -12,13 +12,18 @@ on release. Invariant (``check``): the free ranges and the allocated ones tile t
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from cluster.transfer import RegionHandle, TransferEngine
+
+T = TypeVar("T")
 
 # Ranges start on cache-line multiples so copies into them stay aligned.
 _ALIGN = 64
@@ -110,3 +115,17 @@ class StagingArea:
             pos += length
         if pos != self.nbytes:
             raise AssertionError(f"staging ranges cover {pos} of {self.nbytes} bytes")
+
+
+async def when_free(allocate: Callable[[], T], timeout_s: float) -> T:
+    """``allocate()``, retried while it raises ``StagingFull``, for at most ``timeout_s``:
+    earlier requests free their ranges as their writes complete. Raises ``TimeoutError``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return allocate()
+        except StagingFull:
+            if loop.time() > deadline:
+                raise TimeoutError("staging stayed full") from None
+            await asyncio.sleep(0.005)

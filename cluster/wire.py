@@ -2,14 +2,13 @@
 
 Requests travel as token ids plus sampling parameters (the Conductor tokenizes once); outputs
 travel as ``RequestOutput`` deltas, one JSON object per line on a streaming response. Prefix keys
-travel as hex. Instance control routes carry ``Authorization: Bearer <cluster secret>``.
+travel as hex. Control calls are signed (``cluster/control_auth.py``).
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import hmac
 from typing import Any
 
 from engine.llm_engine import RequestOutput
@@ -47,10 +46,6 @@ def token_ids(value: Any, name: str = "prompt_token_ids") -> list[int]:
     return value
 
 
-def auth_header(secret: bytes) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret.hex()}"}
-
-
-def authorized(header: str | None, secret: bytes) -> bool:
-    scheme, _, token = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), secret.hex().encode())
+# Every control call carries the Conductor's epoch: its start time in nanoseconds, so a Conductor
+# started later (a restart) is newer, and instances release what an older one reserved.
+EPOCH_HEADER = "X-Conductor-Epoch"

@@ -96,6 +96,7 @@ class AsyncLLMEngine(EngineClient):
         self._max_batch_seen = 0
         self._num_steps = 0
         self._num_step_errors = 0
+        self._observers: list[Callable[[LLMEngine], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,7 +183,7 @@ class AsyncLLMEngine(EngineClient):
         self, request_id: str, start: Callable[[LLMEngine], Any]
     ) -> AsyncIterator[RequestOutput]:
         """Like ``generate``, for a request that enters the engine through ``start(engine)``
-        (run on the engine thread): ``add_request``, or ``admit_prefilled`` on a decode instance."""
+        (run on the engine thread): ``add_request``, or ``KVHandoff.admit`` on a decode instance."""
         if not self.is_ready:
             if self._done.is_set() and self._ready.is_set():
                 raise EngineError("the engine has stopped")
@@ -219,6 +220,12 @@ class AsyncLLMEngine(EngineClient):
 
     async def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
+
+    def add_step_observer(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run ``fn(engine)`` on the engine thread after every step (and after commands are
+        handled): the way to publish a snapshot that readers use without waiting for the engine
+        thread. ``fn`` must be quick and must not raise (an exception is logged and dropped)."""
+        self._observers.append(fn)
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self._stats)
@@ -370,3 +377,8 @@ class AsyncLLMEngine(EngineClient):
             "max_num_running_seen": self._max_running_seen,
             "max_batch_size_seen": self._max_batch_seen,
         }
+        for fn in self._observers:
+            try:
+                fn(engine)
+            except Exception:  # noqa: BLE001 -- an observer must not stop the engine
+                log.exception("step observer failed")

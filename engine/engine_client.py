@@ -34,7 +34,13 @@ class EngineError(RuntimeError):
 
 
 class EngineNotReady(RuntimeError):
-    """The model is still loading (or failed to load); no request can be served yet."""
+    """The model is still loading (or failed to load), or a part the engine needs is down; no
+    request can be served now. ``retry_after``: seconds after which a retry may succeed (None:
+    no estimate)."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineOverloaded(RuntimeError):
@@ -66,6 +72,10 @@ class EngineClient(ABC):
     @abstractmethod
     def load_error(self) -> str | None:
         """Why loading failed, or None (still loading, or loaded)."""
+
+    def not_ready(self) -> EngineNotReady:
+        """The error for a request that arrives while ``is_ready`` is False, saying why."""
+        return EngineNotReady("the model is still loading", retry_after=5.0)
 
     # -- model facts (valid once ready; model_name always) ----------------------------------------
     @property

@@ -14,7 +14,6 @@ from typing import Protocol
 
 import torch
 
-import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
@@ -47,19 +46,6 @@ class RequestOutput:
     # Set when a prefill instance hands the request off (finish_reason "handoff"): the state of
     # its seeded generator after the first token, so the decode instance samples as we would.
     sampler_state: bytes | None = None
-
-
-class KVCapacityError(RuntimeError):
-    """Not enough free KV blocks to take a request's KV now (a decode instance is full)."""
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Blocks a decode instance holds for a request's prompt KV. The first ``cached_blocks`` were
-    already in its prefix cache; the prefill instance sends the rest into ``block_ids[cached_blocks:]``."""
-
-    block_ids: list[int]
-    cached_blocks: int
 
 
 class KVSink(Protocol):
@@ -131,14 +117,16 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError (and changes nothing) when it cannot be served."""
-        seq = self._new_sequence(prompt, params, request_id)
+        seq = self.new_sequence(prompt, params, request_id)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
 
-    def _new_sequence(
+    def new_sequence(
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None
     ) -> Sequence:
+        """A validated sequence for a request, not yet queued (``add_request`` queues it;
+        ``engine.disaggregation`` reserves blocks for it). Raises ValueError."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -151,79 +139,6 @@ class LLMEngine:
                    "the KV cache capacity")
         detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens)
         return Sequence(request_id, ids, params, detok, self.config.device)
-
-    # -- disaggregation: a decode instance receiving a prompt's KV ---------------------------------
-    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Reservation:
-        """Hold blocks for the KV of a prompt that a prefill instance computes.
-
-        Full prompt blocks already in this instance's prefix cache are reused (they need not be
-        sent). Raises ``KVCapacityError`` when the blocks are not free now, ``ValueError`` for a
-        request that could never be served. Released by ``abort`` or taken over by ``admit_prefilled``.
-        """
-        seq = self._new_sequence(token_ids, params, request_id)
-        bm = self.block_manager
-        cached = bm.match_prefix(seq.block_table, seq.token_ids)
-        if not bm.can_grow(seq.block_table, seq.num_prompt_tokens):
-            bm.free(seq.block_table)
-            raise KVCapacityError(
-                f"{bm.blocks_needed(seq.block_table, seq.num_prompt_tokens)} KV blocks needed, "
-                f"{bm.pool.num_free} free"
-            )
-        bm.grow(seq.block_table, seq.num_prompt_tokens)
-        seq.status = SequenceStatus.RESERVED
-        seq.num_cached_tokens = cached
-        self.seqs[request_id] = seq
-        return Reservation(list(seq.block_table.block_ids), cached // self.config.block_size)
-
-    def admit_prefilled(
-        self,
-        request_id: str,
-        kv: torch.Tensor | None,
-        first_token: int,
-        sampler_state: bytes | None,
-        num_cached_tokens: int,
-    ) -> None:
-        """Start decoding a reserved request from its received prompt KV and first token.
-
-        ``kv`` is a ``kernels.gather_kv`` buffer of every layer for ``block_ids[cached_blocks:]``
-        (None when every block was cached here). The first token was already streamed by the
-        prefill instance; it is replayed into the detokenizer so later text continues from it.
-        """
-        seq = self._receive(request_id, kv)
-        if sampler_state is not None:
-            if seq.sampling.generator is None:
-                raise ValueError("sampler_state given for a request without a seed")
-            seq.sampling.generator.set_state(torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
-        seq.append_token(first_token)
-        seq.detokenizer.add(first_token)
-        seq.num_cached_tokens = num_cached_tokens  # what the client's usage reports: the prefill's hit
-        self.scheduler.add_running(seq)
-
-    def adopt_prefix(self, request_id: str, kv: torch.Tensor | None) -> int:
-        """Keep a reserved prompt's received KV as cached prefix blocks and end the reservation
-        (hot-spot replication: the blocks were pulled from another prefill instance). Returns
-        the number of blocks now cached under the prompt's keys."""
-        seq = self._receive(request_id, kv)
-        cached = len(seq.block_table.keys)
-        self.scheduler.finish(seq, "adopted")  # the blocks stay cached under their keys
-        del self.seqs[request_id]
-        return cached
-
-    def _receive(self, request_id: str, kv: torch.Tensor | None) -> Sequence:
-        """Unpack received KV into a reservation's blocks after the ones it found cached, and
-        publish its full blocks in the prefix cache."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.status is not SequenceStatus.RESERVED:
-            raise ValueError(f"request {request_id!r} has no KV reservation here")
-        table = seq.block_table
-        skip = seq.num_cached_tokens // self.config.block_size
-        if kv is not None:
-            cache = self.runner.kv_cache
-            # Received KV sits in host staging; a GPU cache takes it through one upload.
-            kernels.scatter_kv(kv.to(cache.device), cache, table.block_ids[skip:])
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.commit(table, seq.token_ids, seq.num_computed_tokens)
-        return seq
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""

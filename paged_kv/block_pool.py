@@ -23,6 +23,9 @@ class OutOfBlocks(RuntimeError):
     """Raised when an allocation asks for more blocks than are free or evictable."""
 
 
+_JOURNAL_LEN = 1 << 16
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -36,6 +39,10 @@ class BlockPool:
         self.num_evictions = 0
         # Bumped whenever the set of cached keys changes, so a reporter can skip unchanged sets.
         self.version = 0
+        # (version after the change, key, added?) for the latest changes: a reporter that saw
+        # version v sends only what changed since, not the whole set (``changes_since``).
+        self._journal: deque[tuple[int, PrefixKey, bool]] = deque(maxlen=_JOURNAL_LEN)
+        self._journal_floor = 0  # changes before this version are not in the journal
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -69,6 +76,26 @@ class BlockPool:
         """Every prefix key whose KV this pool holds (for reporting cache contents upstream)."""
         return list(self._index)
 
+    def changes_since(self, version: int) -> tuple[list[PrefixKey], list[PrefixKey]] | None:
+        """Keys added to and removed from the cache after ``version``, in that order of
+        application (removed after added), or None when the journal no longer reaches back that
+        far (or ``version`` is not one of ours): the caller then takes ``cached_keys``."""
+        if version == self.version:
+            return [], []
+        if not self._journal_floor <= version < self.version:
+            return None
+        if self._journal and self._journal[0][0] > version + 1:
+            return None  # the oldest changes after ``version`` fell off the journal
+        net: dict[PrefixKey, bool] = {}
+        for v, key, added in self._journal:
+            if v > version:
+                net[key] = added  # the last change of a key wins
+        return [k for k, a in net.items() if a], [k for k, a in net.items() if not a]
+
+    def _changed(self, key: PrefixKey, added: bool) -> None:
+        self.version += 1
+        self._journal.append((self.version, key, added))
+
     # -- state changes --------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks with ``ref_count == 1``, evicting LRU cached blocks only if needed."""
@@ -85,7 +112,7 @@ class BlockPool:
                 # The index may point at another block with the same key; only drop our entry.
                 if self._index.get(key) == block:
                     del self._index[key]
-                    self.version += 1
+                    self._changed(key, added=False)
                 self.num_evictions += 1
             self.ref_counts[block] = 1
             out.append(block)
@@ -125,7 +152,7 @@ class BlockPool:
         # A duplicate of an existing key keeps the older entry; this block still carries the key
         # so it stays a valid (if unreachable) cached copy until evicted.
         if self._index.setdefault(key, block) == block:
-            self.version += 1
+            self._changed(key, added=True)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (unused cached blocks become free)."""
@@ -137,6 +164,8 @@ class BlockPool:
             self.keys[block] = None
         self._index.clear()
         self.version += 1
+        self._journal.clear()
+        self._journal_floor = self.version  # a reporter older than this takes the whole (empty) set
 
     # -- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -21,7 +21,6 @@ puts it where every user of the machine can read it (``ps``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import stat
@@ -93,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length; default: the model's")
     p.add_argument("--max-waiting", type=_non_negative_int, default=256,
-                   help="requests allowed to wait for their first token; beyond it: HTTP 429")
+                   help="requests allowed to wait for their first token (in the colocated engine, or in each "
+                   "instance); beyond it: HTTP 429")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted; beyond it: HTTP 413")
     p.add_argument("--log-level", default="info",
@@ -139,6 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--slo-tbt-s", type=_positive_float, default=None, help="(Conductor) TBT SLO in seconds")
     c.add_argument("--predicted-decode-s", type=_positive_float, default=5.0,
                    help="(Conductor) decode duration assumed by --admission predictive")
+    c.add_argument("--max-queued-prefills", type=_positive_int, default=32,
+                   help="(Conductor) requests allowed to wait on one prefill instance; beyond it: HTTP 429")
+    c.add_argument("--reservation-lease-s", type=_positive_float, default=10.0,
+                   help="(instance) a KV reservation the Conductor stops renewing is released after this long")
     return p.parse_args(argv)
 
 
@@ -189,7 +193,8 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
     """Flags a started instance inherits from this command line."""
     out = ["--log-level", args.log_level, "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--staging-gib", str(args.staging_gib),
-           "--transfer-timeout-s", str(args.transfer_timeout_s)]
+           "--transfer-timeout-s", str(args.transfer_timeout_s),
+           "--reservation-lease-s", str(args.reservation_lease_s), "--max-waiting", str(args.max_waiting)]
     for flag, value in (("--model", args.model), ("--kv-cache-gib", args.kv_cache_gib),
                         ("--max-model-len", args.max_model_len), ("--device", args.device)):
         if value is not None:
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               public_metrics=args.public_metrics)
     if args.role is not None:
-        from cluster.instance import Instance, InstanceConfig, build_instance_app
+        from cluster.instance import InstanceConfig, InstanceService, build_instance_app
 
         if cluster_secret is None:
             sys.exit(f"error: an instance needs the cluster secret: set {SECRET_ENV} or pass --cluster-secret-file")
@@ -221,12 +226,13 @@ def main(argv: list[str] | None = None) -> None:
             config = InstanceConfig(
                 engine=_engine_config(args, args.role), url=args.url or f"http://{args.host}:{args.port}",
                 secret=cluster_secret.encode(), conductor=args.conductor, staging_gib=args.staging_gib,
-                transfer_timeout_s=args.transfer_timeout_s,
+                transfer_timeout_s=args.transfer_timeout_s, reservation_lease_s=args.reservation_lease_s,
+                max_waiting=args.max_waiting,
             )
         except ValueError as e:
             sys.exit(f"error: {e}")
         log.info("%s instance on %s (conductor: %s)", args.role, config.url, args.conductor or "none")
-        uvicorn.run(build_instance_app(Instance(config)), host=args.host, port=args.port,
+        uvicorn.run(build_instance_app(InstanceService(config)), host=args.host, port=args.port,
                     log_level="warning", timeout_graceful_shutdown=5)
         return
 
@@ -249,36 +255,39 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from starlette.routing import Route
 
-    from cluster.conductor import Conductor, ConductorConfig
-    from cluster.launcher import launch_instances, stop_instances
+    from cluster.conductor import Conductor, ConductorConfig, PlacementConfig
+    from cluster.launcher import Supervisor
 
     torch.set_num_threads(1)  # the Conductor only tokenizes
     secret = cluster_secret or secrets.token_hex(16)
     roles = ["prefill"] * args.prefill_instances + ["decode"] * args.decode_instances
     threads = args.instance_threads or max(1, (os.cpu_count() or 1) // max(1, len(roles)))
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     try:
+        placement = PlacementConfig(
+            scheduler=args.scheduler, kvcache_balancing_threshold=args.kvcache_balancing_threshold,
+            admission=args.admission, slo_ttft_s=args.slo_ttft_s, slo_tbt_s=args.slo_tbt_s,
+            predicted_decode_s=args.predicted_decode_s, max_queued_prefills=args.max_queued_prefills,
+        )
+        supervisor = Supervisor(roles, f"http://{local}:{args.port}", secret, threads, _instance_args(args))
+        # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
-            instances=tuple(args.instance), scheduler=args.scheduler,
-            kvcache_balancing_threshold=args.kvcache_balancing_threshold, admission=args.admission,
-            slo_ttft_s=args.slo_ttft_s, slo_tbt_s=args.slo_tbt_s, predicted_decode_s=args.predicted_decode_s,
+            instances=tuple(args.instance) + tuple(supervisor.instances), placement=placement,
         )
     except ValueError as e:
         sys.exit(f"error: {e}")
-    local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    launched = launch_instances(roles, f"http://{local}:{args.port}", secret, threads, _instance_args(args))
-    # Polled from the start, so an instance that cannot load shows up in /health at once.
-    conductor = Conductor(dataclasses.replace(config, instances=config.instances + tuple(i.url for i in launched)))
+    conductor = Conductor(config, supervisor=supervisor)
     app = build_app(conductor, settings,
                     extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
     log.info("serving %r on http://%s:%d: Conductor over %d prefill + %d decode instances (%d threads each); "
              "/health is 503 until they are up", conductor.model_name, args.host, args.port,
              args.prefill_instances, args.decode_instances, threads)
+    supervisor.start()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
-        stop_instances(launched)
-
+        supervisor.stop()
 
 if __name__ == "__main__":
     main()

@@ -109,7 +109,8 @@ def _engine_error(e: ValueError | EngineOverloaded | EngineNotReady | _ServerFau
         return _error(429, str(e), "rate_limit_error", code="too_many_requests",
                       headers={"Retry-After": retry})
     if isinstance(e, EngineNotReady):
-        return _error(503, str(e), "service_unavailable", headers={"Retry-After": "5"})
+        retry = str(max(1, round(e.retry_after if e.retry_after is not None else 5)))
+        return _error(503, str(e), "service_unavailable", headers={"Retry-After": retry})
     return _error(500, "internal error: the engine failed while serving the request "
                   f"(see the server log, error id {e.error_id})", "internal_server_error")
 
@@ -241,7 +242,7 @@ class OpenAIServer:
     def _not_ready(self) -> Response:
         load_error = self.client.load_error
         if not load_error:
-            return _engine_error(EngineNotReady("the model is still loading"))
+            return _engine_error(self.client.not_ready())
         # The load error names model paths or instance URLs: it goes to the log, not the client.
         fault = _fault("refused a request: the server failed to load", load_error)
         return _error(503, f"the server failed to load (see the server log, error id {fault.error_id})",

@@ -20,12 +20,14 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from cluster.conductor import Conductor, ConductorConfig
+from cluster.conductor import Conductor, ConductorConfig, PlacementConfig
+from cluster.control_auth import CONTROL, ControlAuth, derive_key
 from cluster.launcher import free_port
 from engine import LLM, SamplingParams
 from server.app import build_app
 
 SECRET = "cluster test secret 0123456789"
+CONTROL_AUTH = ControlAuth(derive_key(SECRET.encode(), CONTROL))  # signs control calls as the Conductor does
 STARTUP_S = 300
 
 
@@ -35,9 +37,9 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--prefill-instances", "2",
                "--decode-instances", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
-               "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--cluster-secret", SECRET,
+               "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--reservation-lease-s", "30",
                "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET))
         self.http = httpx.Client(base_url=self.url, timeout=120)
         deadline = time.monotonic() + STARTUP_S
         while True:
@@ -195,8 +197,9 @@ def test_early_rejection_answers_429_and_costs_no_prefill(cluster, admission):
     urls = tuple(i["url"] for i in cluster.instances())
     prefills = [i["url"] for i in cluster.instances("prefill")]
     computed = sum(cluster.instance_stats(u)["num_prompt_tokens_computed"] for u in prefills)
-    conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, admission=admission,
-                                          slo_ttft_s=1e-4, slo_tbt_s=1e-4, poll_interval_s=0.1))
+    placement = PlacementConfig(admission=admission, slo_ttft_s=1e-4, slo_tbt_s=1e-4)
+    conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, placement=placement,
+                                          poll_interval_s=0.1, epoch=cluster.http.get("/stats").json()["epoch"]))
     app = build_app(conductor, extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
     with TestClient(app) as client:
         deadline = time.monotonic() + 60
@@ -214,14 +217,17 @@ def test_early_rejection_answers_429_and_costs_no_prefill(cluster, admission):
     cluster.assert_clean()
 
 
-def _reserve_directly(url: str, rid: str, n_tokens: int) -> httpx.Response:
-    return httpx.post(url + "/instance/reserve", timeout=30, headers={"Authorization": f"Bearer {SECRET.encode().hex()}"},
+def _reserve_directly(cluster: Cluster, url: str, rid: str, n_tokens: int) -> httpx.Response:
+    """A reservation made as the Conductor would (its epoch), which the Conductor does not know of."""
+    epoch = str(cluster.http.get("/stats").json()["epoch"])
+    return httpx.post(url + "/instance/reserve", timeout=30,
+                      auth=CONTROL_AUTH, headers={"X-Conductor-Epoch": epoch},
                       json={"request_id": rid, "prompt_token_ids": [(i * 7) % 5000 + 10 for i in range(n_tokens)],
                             "params": {"max_tokens": 1}})
 
 
 def _release_directly(url: str, rid: str) -> None:
-    r = httpx.post(url + "/instance/abort", timeout=30, headers={"Authorization": f"Bearer {SECRET.encode().hex()}"},
+    r = httpx.post(url + "/instance/abort", timeout=30, auth=CONTROL_AUTH,
                    json={"request_id": rid, "writes_done": True})
     assert r.status_code == 200
 
@@ -235,13 +241,13 @@ def test_a_full_decode_instance_is_skipped_then_all_full_is_429(cluster):
     filler = capacity - 7 * 16
     r = httpx.post(decodes[0]["url"] + "/instance/reserve", json={})
     assert r.status_code == 401  # control routes need the cluster secret
-    assert _reserve_directly(decodes[0]["url"], "filler-0", filler).status_code == 200
+    assert _reserve_directly(cluster, decodes[0]["url"], "filler-0", filler).status_code == 200
     prompt = " ".join(f"item{i}" for i in range(120))  # more than 7 blocks of KV
     before = cluster.http.get("/stats").json()["decode_reservation_retries"]
     out = cluster.complete(prompt, temperature=0, max_tokens=4)
     assert out["usage"]["completion_tokens"] == 4
     assert cluster.http.get("/stats").json()["decode_reservation_retries"] == before + 1
-    assert _reserve_directly(decodes[1]["url"], "filler-1", filler).status_code == 200
+    assert _reserve_directly(cluster, decodes[1]["url"], "filler-1", filler).status_code == 200
     r = cluster.http.post("/v1/completions", json={"prompt": prompt + " more", "max_tokens": 4})
     assert r.status_code == 429 and "room for the KV" in r.json()["error"]["message"]
     _release_directly(decodes[0]["url"], "filler-0")
@@ -274,42 +280,36 @@ def test_killing_a_decode_instance_mid_stream(cluster):
     assert cluster.http.get("/health").status_code == 200
     cluster.assert_clean()
 
-    # An instance started again at that address registers and is scheduled again.
-    port = victim["url"].rsplit(":", 1)[1]
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--role", "decode", "--port", port, "--threads", "1",
-                             "--kv-cache-gib", "0.25", "--conductor", cluster.url, "--log-level", "warning"],
-                            env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET))
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            (back,) = [i for i in cluster.instances("decode") if i["url"] == victim["url"]]
-            if back["up"]:
-                break
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
-        assert back["instance_id"] != victim["instance_id"] and back["pid"] == proc.pid
-        served = set()
-        for i in range(6):  # least predicted TBT spreads concurrent requests over both
-            async def two():
-                async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
-                    async def one(k):
-                        r = await http.post("/v1/completions", json={"prompt": f"Count to {k}:", "max_tokens": 24,
-                                                                     "ignore_eos": True})
-                        assert r.status_code == 200, r.text
+    # The Conductor's supervisor starts it again at the same address; it rejoins and is scheduled.
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        (back,) = [i for i in cluster.instances("decode") if i["url"] == victim["url"]]
+        if back["up"]:
+            break
+        assert time.monotonic() < deadline, "the killed decode instance was not brought back"
+        time.sleep(0.5)
+    assert back["instance_id"] != victim["instance_id"] and back["pid"] != victim["pid"]
+    (supervised,) = [m for m in cluster.http.get("/stats").json()["supervised"] if m["url"] == victim["url"]]
+    assert supervised["restarts"] >= 1 and supervised["last_exit"] == "signal SIGKILL"
+    served = set()
+    for i in range(6):  # least predicted TBT spreads concurrent requests over both
+        async def two():
+            async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+                async def one(k):
+                    r = await http.post("/v1/completions", json={"prompt": f"Count to {k}:", "max_tokens": 24,
+                                                                 "ignore_eos": True})
+                    assert r.status_code == 200, r.text
 
-                    task = asyncio.gather(one(2 * i), one(2 * i + 1))
-                    await asyncio.sleep(1.0)
-                    served.update(d["url"] for d in cluster.instances("decode") if d["running"])
-                    await task
+                task = asyncio.gather(one(2 * i), one(2 * i + 1))
+                await asyncio.sleep(1.0)
+                served.update(d["url"] for d in cluster.instances("decode") if d["running"])
+                await task
 
-            asyncio.run(two())
-            if victim["url"] in served:
-                break
-        assert victim["url"] in served
-        cluster.assert_clean()
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        asyncio.run(two())
+        if victim["url"] in served:
+            break
+    assert victim["url"] in served
+    cluster.assert_clean()
 
 
 def test_killing_a_prefill_instance_mid_prefill(cluster):

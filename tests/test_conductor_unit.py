@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from cluster.calibration import InstanceProfile
-from cluster.conductor import ConductorConfig
+from cluster.conductor import ConductorConfig, PlacementConfig
+from cluster.conductor.client import InstanceClient
+from cluster.conductor.ledger import InstanceLoad, Ledger, RunningDecode
+from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.cost_model import DecodeStepModel, PrefillCostModel
-from cluster.kv_stream import KVDestination, KVLayout
-from cluster.registry import InstanceRecord, RunningDecode
+from cluster.kv_stream import KVDestination
 from cluster.transfer import RegionHandle
-from cluster.wire import authorized, auth_header, output_from_dict, output_to_dict, params_from_dict, params_to_dict
+from cluster.wire import output_from_dict, output_to_dict, params_from_dict, params_to_dict
+from engine.kv_layout import KVLayout
 from engine.llm_engine import RequestOutput
 from engine.sampler import Logprobs
 from engine.sampling_params import SamplingParams
@@ -22,46 +25,55 @@ SECRET = b"0123456789abcdef0123"
 
 @pytest.mark.parametrize("bad", [
     {"secret": b"short"},
-    {"scheduler": "fastest"},
-    {"admission": "sometimes"},
-    {"admission": "early"},  # no SLOs
-    {"admission": "predictive", "slo_ttft_s": 1.0},
-    {"kvcache_balancing_threshold": 0.5},
     {"poll_interval_s": 0},
+    {"control_timeout_s": -1},
 ])
 def test_conductor_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         ConductorConfig(**{"secret": SECRET, **bad})
 
 
-def test_conductor_config_accepts_admission_with_slos():
-    cfg = ConductorConfig(secret=SECRET, admission="early", slo_ttft_s=2.0, slo_tbt_s=0.2)
+@pytest.mark.parametrize("bad", [
+    {"scheduler": "fastest"},
+    {"admission": "sometimes"},
+    {"admission": "early"},  # no SLOs
+    {"admission": "predictive", "slo_ttft_s": 1.0},
+    {"kvcache_balancing_threshold": 0.5},
+    {"max_queued_prefills": 0},
+])
+def test_placement_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        PlacementConfig(**bad)
+
+
+def test_placement_config_accepts_admission_with_slos():
+    cfg = PlacementConfig(admission="early", slo_ttft_s=2.0, slo_tbt_s=0.2)
     assert cfg.scheduler == "global"
 
 
 def test_prefill_snapshot_drains_the_oldest_request_first():
-    rec = InstanceRecord("http://x")
-    assert rec.prefill_state(0, now=10.0).queue_s == 0.0
-    rec.prefilling = {"a": (9.0, 3.0), "b": (9.5, 2.0)}
+    rec, load = InstanceRecord("http://x"), InstanceLoad()
+    assert load.prefill_state(0, 10.0, rec).queue_s == 0.0
+    load.prefilling = {"a": (9.0, 3.0), "b": (9.5, 2.0)}
     # a started at 9.0 and has run 1 s of its predicted 3 s; b waits behind it.
-    assert rec.prefill_state(4, now=10.0).queue_s == pytest.approx(2.0 + 2.0)
-    assert rec.prefill_state(4, now=10.0).index == 4
+    assert load.prefill_state(4, 10.0, rec).queue_s == pytest.approx(2.0 + 2.0)
+    assert load.prefill_state(4, 10.0, rec).index == 4
     # An overdue prediction never makes the queue negative.
-    assert rec.prefill_state(0, now=100.0).queue_s == pytest.approx(2.0)
+    assert load.prefill_state(0, 100.0, rec).queue_s == pytest.approx(2.0)
 
 
 def test_decode_snapshot_counts_contexts_and_incoming_kv():
-    rec = InstanceRecord("http://x")
-    rec.running = {"a": RunningDecode(1.0, 100, generated=5), "b": RunningDecode(2.0, 50)}
-    rec.incoming = {"c": (3.5, 70)}
-    s = rec.decode_state(1)
+    load = InstanceLoad()
+    load.running = {"a": RunningDecode(1.0, 100, generated=5), "b": RunningDecode(2.0, 50)}
+    load.incoming = {"c": (3.5, 70)}
+    s = load.decode_state(1)
     assert s.batch_size == 2 and s.context_tokens == 105 + 51
     assert list(s.incoming_ready_s) == [3.5] and list(s.incoming_prompt) == [70]
 
 
 def test_record_matches_the_leading_run_of_cached_keys():
     rec = InstanceRecord("http://x")
-    rec.cached = frozenset({b"k0", b"k1", b"k3"})
+    rec.cached = {b"k0", b"k1", b"k3"}
     assert rec.match_len([b"k0", b"k1", b"k2", b"k3"]) == 2
     assert rec.match_len([b"k3"]) == 1 and rec.match_len([b"k9"]) == 0
     assert hash(rec) != hash(InstanceRecord("http://x"))  # identity: usable as a dict key
@@ -75,8 +87,6 @@ def test_wire_round_trips():
     out = RequestOutput("r", [5], "hi", True, "handoff", 3, 1, 0,
                         [Logprobs(5, -0.1, [(5, -0.1), (7, -2.5)])], sampler_state=b"\x00\x01\xff")
     assert output_from_dict(output_to_dict(out)) == out
-    assert authorized(auth_header(SECRET)["Authorization"], SECRET)
-    assert not authorized("Bearer nope", SECRET) and not authorized(None, SECRET)
 
 
 def test_kv_layout_and_destination():
@@ -104,8 +114,6 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
 
     import httpx
 
-    from cluster.registry import Registry
-
     profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
     layout = KVLayout(2, 2, 16, 8, "float32")
     answers = {"id": "one", "fatal": False, "keys": [b"k1".hex()], "version": 3}
@@ -118,13 +126,15 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
             return httpx.Response(200, json={"instance_id": answers["id"], "role": "prefill", "layout": layout.to_dict(),
                                              "profile": profile.to_dict(), "max_model_len": 64})
         seen_since.append(request.url.params.get("since"))
-        keys = None if request.url.params.get("since") == str(answers["version"]) else answers["keys"]
+        unchanged = request.url.params.get("since") == str(answers["version"])
+        keys = {"cached_added": [], "cached_removed": []} if unchanged else {"cached_keys": answers["keys"]}
         return httpx.Response(200, json={"instance_id": answers["id"], "cache_version": answers["version"],
-                                         "cached_keys": keys, "num_running": 1})
+                                         **keys, "num_running": 1})
 
     async def scenario():
-        reg = Registry({})
-        reg.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        ledger = Ledger()
+        client = InstanceClient(SECRET, 1, transport=httpx.MockTransport(handler))
+        reg = Registry(client, on_new_incarnation=ledger.forget)
         rec = reg.add("http://inst:1/")
         assert reg.add("http://inst:1") is rec and rec.url == "http://inst:1"
         answers["fatal"] = True
@@ -136,12 +146,12 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
         assert reg.up("prefill") == [rec] and reg.up("decode") == []
         await reg.poll(rec)  # unchanged key set: not sent again, the old one kept
         assert seen_since == [None, "3"] and rec.cached == {b"k1"}
-        rec.running["r"] = RunningDecode(0.0, 5)
+        ledger.load(rec).running["r"] = RunningDecode(0.0, 5)
         answers["id"] = "two"  # the process restarted behind the same URL
         await reg.poll(rec)
-        assert not rec.up and rec.last_error == "restarted"
+        assert not rec.up and rec.last_error == "restarted" and rec.lost.is_set()
         await reg.poll(rec)
-        assert rec.up and rec.instance_id == "two" and not rec.running
-        await reg.http.aclose()
+        assert rec.up and rec.instance_id == "two" and not ledger.load(rec).running and not rec.lost.is_set()
+        await client.close()
 
     asyncio.run(scenario())

@@ -18,7 +18,8 @@ from cluster.kv_stream import KVDestination, KVLayout, KVSender
 from cluster.staging import StagingArea, StagingFull
 from cluster.transfer import TransferConfig, TransferEngine
 from engine.config import EngineConfig
-from engine.llm_engine import KVCapacityError, LLMEngine
+from engine.disaggregation import KVCapacityError, KVHandoff
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model
 
@@ -57,7 +58,7 @@ def pair(request, model):
 def _handoff(prefill, decode, sender, recv, td, layout, rid, prompt, params):
     """Reserve on decode, prefill with streaming, admit on decode; returns the prefill output and
     the prefill's block ids (still cached there) and the decode's."""
-    res = decode.reserve(rid, prompt, params)
+    res = KVHandoff(decode).reserve(rid, prompt, params)
     n = len(res.block_ids) - res.cached_blocks
     staging = recv.allocate(layout.nbytes(n)) if n else None
     dest = KVDestination(td.address, recv.handle, staging.offset if staging else 0, res.cached_blocks, n)
@@ -80,7 +81,7 @@ def _handoff(prefill, decode, sender, recv, td, layout, rid, prompt, params):
     (out,) = outs
     assert out.finished and out.finish_reason == "handoff" and len(out.new_token_ids) == 1
     kv = recv.view(staging, decode.runner.kv_cache.dtype, layout.shape(n)) if staging else None
-    decode.admit_prefilled(rid, kv, out.new_token_ids[0], out.sampler_state, out.num_cached_tokens)
+    KVHandoff(decode).admit(rid, kv, out.new_token_ids[0], out.sampler_state, out.num_cached_tokens)
     if staging:
         recv.release(staging)
     return out, prefill_blocks, res
@@ -138,9 +139,9 @@ def test_reserve_without_room_raises_and_leaks_nothing(pair, model):
     total = decode.block_manager.num_blocks
     assert total == 20
     half = [(7 * i) % 200 for i in range(16 * (total // 2 + 1))]  # more than half of the blocks
-    held = decode.reserve("held", half, SamplingParams(max_tokens=1))
+    held = KVHandoff(decode).reserve("held", half, SamplingParams(max_tokens=1))
     with pytest.raises(KVCapacityError):
-        decode.reserve("big", half[::-1], SamplingParams(max_tokens=1))
+        KVHandoff(decode).reserve("big", half[::-1], SamplingParams(max_tokens=1))
     assert "big" not in decode.seqs
     assert decode.block_manager.pool.num_in_use == len(held.block_ids)
     assert decode.abort("held")

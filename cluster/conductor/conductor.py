@@ -1,0 +1,312 @@
+"""The Conductor (FAST'25 §4): the cluster's front door, an ``EngineClient`` over instances.
+
+The OpenAI server (``server/app.py``) hands it each request. For one request it:
+
+1. validates and tokenizes the prompt once (``engine/prompt.py``) and names its full blocks with
+   the engines' chained prefix keys (``paged_kv.prefix_keys``), the keys instances report cached;
+2. asks ``Placer`` (``placement.py``: Algorithm 1, decode balancing, admission, the per-instance
+   queue bound) for a placement on the ledger's snapshots and books it in the ledger in the same
+   synchronous step, so a burst of arrivals sees each other's load; a refusal is
+   ``EngineOverloaded`` (HTTP 429 with Retry-After) before any instance has done work;
+3. runs the request through the instances (``flow.py``) and relays its outputs.
+
+Around requests it keeps the registry polling, renews the leases of the reservations its
+requests hold on instances, and carries an epoch (its start time) on every call, so instances
+release what an older Conductor reserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from cluster.conductor.client import InstanceClient, InstanceUnavailable
+from cluster.conductor.flow import Counters, RequestFlow
+from cluster.conductor.ledger import Ledger
+from cluster.conductor.placement import Placement, PlacementConfig, Placer
+from cluster.conductor.registry import InstanceRecord, Registry
+from cluster.instance_state import RequestInfo
+from cluster.control_auth import CONTROL, ControlVerifier, derive_key, verify_request
+from engine.async_engine import default_model_name
+from engine.config import ModelConfig
+from engine.default_model import resolve_model
+from engine.engine_client import EngineClient, EngineNotReady
+from engine.llm_engine import RequestOutput
+from engine.prompt import check_fits, prompt_token_ids
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from paged_kv.prefix_keys import chain_keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    secret: bytes
+    model: str | None = None
+    served_model_name: str | None = None
+    instances: tuple[str, ...] = ()  # URLs to poll from the start; others register themselves
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    poll_interval_s: float = 0.2
+    control_timeout_s: float = 10.0  # every control call to an instance
+    request_timeout_s: float = 600.0  # a prefill or a decode stream, at most
+    renew_interval_s: float = 2.0  # reservation leases (instances: 10 s) are renewed this often
+    # None: this Conductor's start time. Instances release what older epochs reserved, so
+    # Conductors that front the same instances at the same time must share one epoch.
+    epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < 16:
+            raise ValueError("the cluster secret must be at least 16 bytes")
+        for name in ("poll_interval_s", "control_timeout_s", "request_timeout_s", "renew_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+
+class Conductor(EngineClient):
+    def __init__(self, config: ConductorConfig, supervisor: Any = None) -> None:
+        """``supervisor``: the ``cluster.launcher.Supervisor`` of the instances this process
+        started, if any; it explains a missing role while they restart."""
+        self.config = config
+        self.epoch = config.epoch or time.time_ns()  # a Conductor started later is newer
+        self.client = InstanceClient(config.secret, self.epoch, config.control_timeout_s, config.request_timeout_s)
+        self._verifier = ControlVerifier(derive_key(config.secret, CONTROL))  # instances registering
+        self.ledger = Ledger()
+        self.registry = Registry(self.client, config.poll_interval_s, on_new_incarnation=self.ledger.forget)
+        for url in config.instances:
+            self.registry.add(url)
+        self.counters = Counters()
+        self.flow = RequestFlow(self.client, self.registry, self.counters, self._spawn)
+        self._supervisor = supervisor
+        self._model_name = config.served_model_name or default_model_name(config.model)
+        self._tokenizer: Tokenizer | None = None
+        self._vocab_size = 0
+        self._load_error: str | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._ids = itertools.count()
+        self._background: set[asyncio.Task] = set()
+        self._max_running_seen = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._load_tokenizer()), asyncio.create_task(self._renew_forever())]
+            self.registry.start()
+
+    async def _load_tokenizer(self) -> None:
+        def load() -> tuple[Tokenizer, int]:
+            path = resolve_model(self.config.model)  # converts the default GGUF once if needed
+            cfg = ModelConfig.from_folder(path)
+            return Tokenizer(path, cfg.eos_token_ids), cfg.vocab_size
+
+        try:
+            self._tokenizer, self._vocab_size = await asyncio.get_running_loop().run_in_executor(None, load)
+        except Exception as e:  # noqa: BLE001 -- reported through /health
+            self._load_error = f"tokenizer failed to load: {type(e).__name__}: {e}"
+            log.exception("tokenizer failed to load")
+
+    async def shutdown(self) -> None:
+        for task in self._tasks + list(self._background):
+            task.cancel()
+        await self.registry.close()
+        await self.client.close()
+
+    async def _renew_forever(self) -> None:
+        """Keep the leases of the reservations requests hold on instances (they expire by
+        themselves when this Conductor dies or forgets them)."""
+        while True:
+            await asyncio.sleep(self.config.renew_interval_s)
+            held = [(rec, rids) for rec, rids in self.ledger.reservations().items() if rec.up]
+            results = await asyncio.gather(*(self.client.renew(rec.url, rids) for rec, rids in held),
+                                           return_exceptions=True)
+            for (rec, _), result in zip(held, results):
+                if isinstance(result, InstanceUnavailable):
+                    self.registry.mark_down(rec, f"renew: {result}")
+                elif isinstance(result, BaseException):
+                    log.warning("renewing leases on %s failed: %s", rec.url, result)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- readiness ---------------------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._tokenizer is not None and self._serving_mode() is not None
+
+    def _serving_mode(self) -> str | None:
+        if self.registry.up("prefill") and self.registry.up("decode"):
+            return "disaggregated"
+        if self.registry.up("both"):
+            return "colocated"
+        return None
+
+    @property
+    def load_error(self) -> str | None:
+        if self._load_error or self.is_ready:
+            return self._load_error
+        broken = [f"{r.url} ({r.role or 'instance'}): {r.last_error}" for r in self.registry.records if r.failed_to_start]
+        return "; ".join(broken) or None
+
+    def readiness(self) -> str:
+        """Why no request can be served now, naming the missing role."""
+        if self._tokenizer is None:
+            return self._load_error or "loading the tokenizer"
+        up = {role: len(self.registry.up(role)) for role in ("prefill", "decode", "both")}
+        if up["both"] or (up["prefill"] and up["decode"]):
+            return "ready"
+        missing = [role for role in ("prefill", "decode") if not up[role]]
+        why = ""
+        if self._supervisor is not None:
+            restarting = [f"{s['role']} {s['last_exit']}" for s in self._supervisor.status()
+                          if s["role"] in missing and s["last_exit"]]
+            why = f" (restarting after: {', '.join(restarting)})" if restarting else ""
+        return f"no {' and no '.join(missing)} instance is up{why}; retry shortly"
+
+    def not_ready(self) -> EngineNotReady:
+        return EngineNotReady(self.readiness(), retry_after=2.0)
+
+    # -- model facts -------------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise self.not_ready()
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        lens = [r.info["max_model_len"] for r in self.registry.records if r.up]
+        if not lens:
+            raise self.not_ready()
+        return min(lens)
+
+    # -- registration (route on the Conductor's app) -----------------------------------------------
+    async def register_route(self, request: Request) -> Response:
+        if (denied := await verify_request(self._verifier, request)) is not None:
+            return JSONResponse({"error": denied}, status_code=401)
+        body = await request.json()
+        url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            return JSONResponse({"error": "url must be http(s)://host:port"}, status_code=400)
+        rec = self.registry.add(url)
+        if rec.instance_id != body.get("instance_id"):
+            self.registry.mark_down(rec, "re-registered")  # re-read its info on the next poll
+        await self.registry.poll(rec)
+        return JSONResponse({"registered": url, "up": rec.up})
+
+    # -- requests ----------------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_ready:
+            raise self.not_ready()
+        ids = prompt_token_ids(prompt, self.tokenizer, self._vocab_size)
+        check_fits(len(ids), params.max_tokens, self.max_model_len, "the model's context")
+        # From here to the booking nothing awaits: the decision and its record are one step.
+        mode = self._serving_mode()
+        if mode is None:  # instances went down since the check above
+            raise self.not_ready()
+        disaggregated = mode == "disaggregated"
+        prefills = self.registry.up("prefill" if disaggregated else "both")
+        decodes = self.registry.up("decode") if disaggregated else []
+        placement = self._place(ids, prefills, decodes)
+        booking = self.ledger.book()
+        prefill = prefills[placement.plan.instance]
+        now = time.monotonic()
+        booking.add(prefill, "prefilling", request_id, (now, placement.plan.prefill_s))
+        if disaggregated:
+            order = [decodes[i] for i in placement.decode_order]
+            booking.add(order[0], "incoming", request_id, (now + placement.plan.ttft_s, len(ids)))
+            source = prefills[placement.plan.source] if placement.plan.source is not None else None
+            stream = self.flow.disaggregated(request_id, ids, params, booking, prefill, source,
+                                             placement.plan.prefix_tokens, order)
+        else:
+            stream = self.flow.colocated(request_id, ids, params, booking, prefill)
+        self._max_running_seen = max(self._max_running_seen, self.ledger.total_running() + 1)
+        async with _closing(stream):
+            async for out in stream:
+                yield out
+
+    def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord]) -> Placement:
+        ref = prefills[0]
+        layout = ref.layout
+        placer = Placer(self.config.placement, ref.profile.prefill, decodes[0].profile.decode if decodes else None,
+                        layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids))
+        # As the engines' prefix cache: at most len-1 tokens can hit (the last is always computed).
+        keys = chain_keys(ids[: (len(ids) - 1) // layout.block_size * layout.block_size], layout.block_size)
+        info = RequestInfo(next(self._ids), len(ids), keys)
+        now = time.monotonic()
+        loads = [self.ledger.load(r) for r in prefills]
+        result = placer.place(
+            now, info, [load.prefill_state(i, now, r) for i, (r, load) in enumerate(zip(prefills, loads))],
+            [len(load.prefilling) for load in loads],
+            [self.ledger.load(r).decode_state(i) for i, r in enumerate(decodes)])
+        if not isinstance(result, Placement):
+            raise self.counters.reject(result.reason, result.retry_after_s)
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        for rec in self.registry.records:
+            load = self.ledger.load(rec)
+            if request_id in load.prefilling or request_id in load.running or request_id in load.reserved:
+                await self.flow.abort_on(rec, request_id)
+
+    # -- statistics --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        up = [r for r in self.registry.records if r.up and r.state]
+        totals: dict[str, Any] = {}
+        for rec in up:
+            for k, v in rec.state.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "cache_version":
+                    totals[k] = totals.get(k, 0) + v
+        if up:
+            # What one request can use is one instance's cache, not the sum.
+            totals["num_blocks"] = min(r.state.get("num_blocks", 0) for r in up)
+            totals["block_size"] = up[0].state.get("block_size", 0)
+            totals["kv_cache_usage"] = sum(r.state.get("kv_cache_usage", 0.0) for r in up) / len(up)
+        c = self.counters
+        totals.update({
+            "ready": self.is_ready,
+            "mode": self._serving_mode() or "none",
+            "epoch": self.epoch,
+            "requests_accepted": c.accepted, "requests_rejected": c.rejected,
+            "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
+            "decode_reservation_retries": c.decode_retries,
+            "migrations": c.migrations, "migrated_blocks": c.migrated_blocks,
+            "max_num_running_seen": max(self._max_running_seen, totals.get("max_num_running_seen", 0)),
+            "instances": [{**r.describe(), **self.ledger.load(r).describe()} for r in self.registry.records],
+        })
+        if self._supervisor is not None:
+            totals["supervised"] = self._supervisor.status()
+        return totals
+
+
+class _closing:
+    """``async with`` that closes an async generator on every exit (so its ``finally`` runs
+    now, not when the garbage collector finds it)."""
+
+    def __init__(self, gen: AsyncIterator[RequestOutput]) -> None:
+        self._gen = gen
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._gen.aclose()

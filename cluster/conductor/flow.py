@@ -1,0 +1,219 @@
+"""One request through the cluster, with a compensation on every exit path.
+
+``disaggregated``: reserve the KV on a decode instance (in the planned order; one that is full
+is skipped for the next), pull a hot prefix to the prefill instance if the placement says so,
+have the prefill instance compute the prompt and stream its KV into the reservation, yield the
+first token, then relay the decode instance's stream. ``colocated``: relay one ``both``
+instance's stream.
+
+The placement was booked in the ledger before this runs (``Booking``). Before each call that
+makes an instance hold something (a reservation, a prefill, a decode), the booking notes it, so
+whatever way the request ends (finished, failed, refused, or the client gone: cancellation),
+``Booking.close`` in the ``finally`` tells which instances to abort it on. The aborts run as
+tasks of their own, so the cancellation that ended the request cannot cancel them; an abort is
+idempotent on the instance.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.conductor.client import InstanceBusy, InstanceClient, InstanceFull, InstanceRefused, InstanceUnavailable
+from cluster.conductor.ledger import Booking, RunningDecode
+from cluster.conductor.registry import InstanceRecord, Registry
+from cluster.wire import params_to_dict
+from engine.engine_client import EngineError, EngineOverloaded
+from engine.llm_engine import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    accepted: int = 0
+    rejected: int = 0
+    failed: int = 0
+    migrations: int = 0
+    migrated_blocks: int = 0
+    decode_retries: int = 0  # a decode instance was full (507) and the next one was tried
+    per_reason: dict[str, int] = field(default_factory=dict)
+
+    def reject(self, reason: str, retry_after_s: float) -> EngineOverloaded:
+        self.rejected += 1
+        self.per_reason[reason.split(":")[0]] = self.per_reason.get(reason.split(":")[0], 0) + 1
+        return EngineOverloaded(reason, retry_after=max(1.0, retry_after_s))
+
+
+class RequestFlow:
+    def __init__(self, client: InstanceClient, registry: Registry, counters: Counters,
+                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+        self._client = client
+        self._registry = registry
+        self._counters = counters
+        self._spawn = spawn
+
+    # -- the disaggregated path ----------------------------------------------------------------------
+    async def disaggregated(self, rid: str, ids: list[int], params: SamplingParams, booking: Booking,
+                            prefill: InstanceRecord, source: InstanceRecord | None, prefix_tokens: int,
+                            decodes: list[InstanceRecord]) -> AsyncIterator[RequestOutput]:
+        """``decodes``: in order of preference; ``source``: the holder of a prefix to pull first."""
+        try:
+            decode, dest = await self._reserve(rid, ids, params, decodes, booking)
+            self._counters.accepted += 1
+            if source is not None and source is not prefill:
+                await self._migrate(rid, ids, prefix_tokens, source, prefill, booking)
+            booking.add(decode, "reserved", rid, False)  # from now on KV may be in flight
+            first = await self._call(prefill, "prefill", self._client.prefill(
+                prefill.url, rid, ids, params, dest, prefill.lost))
+            booking.remove(prefill, "prefilling", rid)
+            booking.remove(decode, "incoming", rid)
+            booking.add(decode, "reserved", rid, True)  # the prefill answered: no write in flight
+            handoff = first.finish_reason == "handoff"
+            if handoff:
+                first.finished, first.finish_reason = False, None
+            # else: done at its first token; closing the booking releases the reservation
+            sampler_state, first.sampler_state = first.sampler_state, None
+            yield first
+            if not handoff:
+                return
+            body = {
+                "request_id": rid, "prompt_token_ids": ids, "params": params_to_dict(params),
+                "prefilled": {
+                    "first_token": first.new_token_ids[0],
+                    "sampler_state": None if sampler_state is None else base64.b64encode(sampler_state).decode(),
+                    "num_cached_tokens": first.num_cached_tokens,
+                },
+            }
+            entry = booking.add(decode, "running", rid, RunningDecode(time.monotonic(), len(ids)))
+            async for out in self._relay(decode, body, entry):
+                yield out
+            booking.remove(decode, "running", rid)  # finished there: nothing to abort
+            booking.remove(decode, "reserved", rid)
+        except EngineError:
+            self._counters.failed += 1
+            raise
+        finally:
+            self._release(rid, booking)
+
+    async def _reserve(self, rid: str, ids: list[int], params: SamplingParams, decodes: list[InstanceRecord],
+                       booking: Booking) -> tuple[InstanceRecord, dict[str, Any]]:
+        full = []
+        for rec in decodes:
+            # Noted before the call: if it times out, the instance may still have granted it.
+            booking.add(rec, "reserved", rid, True)
+            try:
+                dest = await self._client.reserve(rec.url, rid, ids, params)
+            except InstanceFull:
+                booking.remove(rec, "reserved", rid)
+                full.append(rec)
+                self._counters.decode_retries += 1
+                continue
+            except InstanceUnavailable as e:
+                self._registry.mark_down(rec, f"reserve: {e}")
+                continue
+            except (InstanceRefused, InstanceBusy) as e:
+                log.info("reserve on %s refused: %s", rec.url, e)
+                continue
+            # The KV is headed here, not to the planned instance, if that one was full.
+            if rec is not decodes[0]:
+                booking.remove(decodes[0], "incoming", rid)
+                booking.add(rec, "incoming", rid, (time.monotonic(), len(ids)))
+            return rec, dest
+        if full:
+            raise self._counters.reject(f"no decode instance has room for the KV ({len(full)} full)", 1.0)
+        raise EngineError("no decode instance answered")
+
+    async def _migrate(self, rid: str, ids: list[int], prefix_tokens: int, source: InstanceRecord,
+                       target: InstanceRecord, booking: Booking) -> None:
+        """Hot-spot replication: copy the prefix blocks the placement pulls from ``source`` into
+        ``target``'s cache over the Messenger before the prefill there. A failure only costs
+        recomputing that prefix."""
+        block_size = target.layout.block_size
+        prefix = ids[: prefix_tokens // block_size * block_size]
+        if not prefix:
+            return
+        mid = f"{rid}:migrate"
+        booking.add(target, "reserved", mid, True)
+        try:
+            dest = await self._client.reserve(target.url, mid, prefix, SamplingParams(max_tokens=1))
+            booking.add(target, "reserved", mid, False)  # the push may write into it
+            ok = True
+            try:
+                await self._client.push(source.url, mid, prefix, dest)
+            except (InstanceRefused, InstanceBusy, InstanceUnavailable) as e:
+                log.info("migration from %s to %s failed: %s", source.url, target.url, e)
+                ok = False
+            adopted = await self._client.adopt(target.url, mid, ok)
+            booking.remove(target, "reserved", mid)  # adopted or dropped there
+            if ok:
+                self._counters.migrations += 1
+                self._counters.migrated_blocks += adopted and dest["num_blocks"]
+        except (InstanceFull, InstanceRefused, InstanceBusy, InstanceUnavailable, ValueError) as e:
+            log.info("migration to %s skipped: %s", target.url, e)
+
+    # -- the colocated path ---------------------------------------------------------------------------
+    async def colocated(self, rid: str, ids: list[int], params: SamplingParams, booking: Booking,
+                        rec: InstanceRecord) -> AsyncIterator[RequestOutput]:
+        self._counters.accepted += 1
+        body = {"request_id": rid, "prompt_token_ids": ids, "params": params_to_dict(params)}
+        entry = booking.add(rec, "running", rid, RunningDecode(time.monotonic(), len(ids), generated=0))
+        try:
+            async for out in self._relay(rec, body, entry):
+                booking.remove(rec, "prefilling", rid)
+                yield out
+            booking.remove(rec, "running", rid)
+        except EngineError:
+            self._counters.failed += 1
+            raise
+        finally:
+            self._release(rid, booking)
+
+    # -- shared ---------------------------------------------------------------------------------------
+    async def _relay(self, rec: InstanceRecord, body: dict[str, Any], entry: RunningDecode) -> AsyncIterator[RequestOutput]:
+        stream = self._client.generate(rec.url, body, rec.lost)
+        try:
+            while True:
+                try:
+                    out = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except (InstanceUnavailable, InstanceRefused, InstanceBusy) as e:
+                    raise self._failed(rec, "decode", e) from None
+                entry.generated += len(out.new_token_ids)
+                yield out
+        finally:
+            await stream.aclose()
+
+    async def _call(self, rec: InstanceRecord, what: str, call: Coroutine[Any, Any, Any]) -> Any:
+        try:
+            return await call
+        except (InstanceUnavailable, InstanceRefused, InstanceBusy, InstanceFull) as e:
+            raise self._failed(rec, what, e) from None
+
+    def _failed(self, rec: InstanceRecord, what: str, e: Exception) -> Exception:
+        if isinstance(e, InstanceBusy):
+            return self._counters.reject(f"overloaded: the {rec.role} instance has too much waiting", e.retry_after)
+        if isinstance(e, InstanceUnavailable):
+            self._registry.mark_down(rec, f"{what}: {e}")
+        log.warning("%s on %s failed: %s", what, rec.url, e)
+        return EngineError(f"the {rec.role} instance failed while serving the request ({what})")
+
+    def _release(self, rid: str, booking: Booking) -> None:
+        for (rec, key), writes_done in booking.close().items():
+            self._spawn(self.abort_on(rec, key, writes_done))
+
+    async def abort_on(self, rec: InstanceRecord, key: str, writes_done: bool = True) -> None:
+        try:
+            await self._client.abort(rec.url, key, writes_done)
+        except (InstanceUnavailable, InstanceRefused, InstanceBusy) as e:
+            # Unanswered: the instance's lease on the reservation runs out by itself.
+            log.info("abort of %s on %s failed: %s", key, rec.url, e)
+        except ValueError as e:
+            log.warning("abort of %s on %s refused: %s", key, rec.url, e)
+

@@ -1,0 +1,125 @@
+"""Placement: the policies in, a placement or a refusal out. Pure code, no I/O.
+
+From the ledger's snapshots of the instances that are up, the Conductor's prefill scheduler
+(``cluster/scheduling.py``: Algorithm 1 for ``global``) picks the prefill instance and maybe a
+holder to pull a hot prefix from, ``DecodeLoadBalancer`` orders the decode instances by
+predicted TBT, and the admission policy (``cluster/admission.py``) accepts or refuses: the same
+functions the simulator calls. On top of them one bound the paper leaves implicit: at most
+``max_queued_prefills`` requests wait on one prefill instance; beyond it a request is refused
+(it would only hold decode KV idle while it waits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from cluster.admission import SLO, AcceptAll, AdmissionPolicy, EarlyRejection, PredictiveEarlyRejection
+from cluster.cost_model import DecodeStepModel, PrefillCostModel, TransferModel
+from cluster.instance_state import DecodeInstanceState, PrefillInstanceState, RequestInfo
+from cluster.scheduling import (
+    DecodeLoadBalancer,
+    GlobalCacheAwareScheduler,
+    LoadBalancingScheduler,
+    LocalCacheAwareScheduler,
+    PrefillEstimator,
+    PrefillPlan,
+    PrefillScheduler,
+    RandomScheduler,
+)
+
+SCHEDULERS = ("random", "load", "local", "global")
+ADMISSIONS = ("none", "early", "predictive")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    scheduler: str = "global"
+    kvcache_balancing_threshold: float = 2.0
+    admission: str = "none"
+    slo_ttft_s: float | None = None
+    slo_tbt_s: float | None = None
+    predicted_decode_s: float = 5.0  # t_d of prediction-based early rejection
+    transfer_bytes_per_s: float = 4e9  # what the TTFT estimate assumes for pulled prefixes
+    max_queued_prefills: int = 32  # per prefill instance; beyond it: refused (429)
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.admission != "none" and (self.slo_ttft_s is None or self.slo_tbt_s is None):
+            raise ValueError(f"admission {self.admission!r} needs both SLOs (TTFT and TBT seconds)")
+        if self.kvcache_balancing_threshold < 1:
+            raise ValueError("kvcache_balancing_threshold must be >= 1")
+        for name in ("predicted_decode_s", "transfer_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_queued_prefills < 1:
+            raise ValueError("max_queued_prefills must be >= 1")
+
+
+@dataclass(frozen=True)
+class Placement:
+    plan: PrefillPlan  # the prefill instance, the prefix it reuses (maybe pulled), predicted times
+    decode_order: list[int]  # decode instances, most preferred first (empty for colocated)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+    retry_after_s: float
+
+
+class Placer:
+    """The Conductor's policies, built from the instances' calibrated models."""
+
+    def __init__(self, config: PlacementConfig, prefill_cost: PrefillCostModel, decode_step: DecodeStepModel | None,
+                 block_size: int, kv_bytes_per_token: int, seed: int = 0) -> None:
+        self.config = config
+        estimator = PrefillEstimator(prefill_cost, TransferModel(config.transfer_bytes_per_s, kv_bytes_per_token),
+                                     block_size=block_size)
+        self.scheduler = _scheduler(config, estimator, seed)
+        self.admission: AdmissionPolicy | None = None
+        if decode_step is not None:
+            self.admission = _admission(config, decode_step)
+
+    def place(self, now: float, request: RequestInfo, prefills: Sequence[PrefillInstanceState],
+              queued: Sequence[int], decodes: Sequence[DecodeInstanceState] = ()) -> Placement | Refusal:
+        """Choose for ``request``. ``queued[i]``: requests waiting on prefill instance ``i``;
+        ``decodes`` empty: colocated instances (the prefill choice serves the whole request)."""
+        open_ = [s for s, n in zip(prefills, queued) if n < self.config.max_queued_prefills]
+        if not open_:
+            return Refusal(f"overloaded: every prefill instance has {self.config.max_queued_prefills} "
+                           f"requests waiting", min(s.queue_s for s in prefills))
+        plan = self.scheduler.select(request, open_)
+        if not decodes:
+            return Placement(plan, [])
+        admission = self.admission
+        balanced = DecodeLoadBalancer(admission.step).select(request, decodes)
+        decision = admission.on_arrival(now, request, plan, balanced, decodes)
+        if not decision.accept:
+            return Refusal(f"overloaded: predicted prefill load {decision.prefill_load:.2f}, decode load "
+                           f"{decision.decode_load:.2f} (1.0 = at the SLO)", plan.queue_s)
+        order = sorted(range(len(decodes)),
+                       key=lambda i: (decodes[i].index != balanced.instance, admission.tbt_with(request, decodes[i])))
+        return Placement(plan, [decodes[i].index for i in order])
+
+
+def _scheduler(config: PlacementConfig, estimator: PrefillEstimator, seed: int) -> PrefillScheduler:
+    if config.scheduler == "random":
+        return RandomScheduler(estimator, seed=seed)
+    if config.scheduler == "load":
+        return LoadBalancingScheduler(estimator)
+    if config.scheduler == "local":
+        return LocalCacheAwareScheduler(estimator)
+    return GlobalCacheAwareScheduler(estimator, config.kvcache_balancing_threshold)
+
+
+def _admission(config: PlacementConfig, step: DecodeStepModel) -> AdmissionPolicy:
+    if config.admission == "none":
+        return AcceptAll(SLO(1.0, 1.0), step)
+    slo = SLO(config.slo_ttft_s, config.slo_tbt_s)
+    if config.admission == "early":
+        return EarlyRejection(slo, step)
+    return PredictiveEarlyRejection(slo, step, config.predicted_decode_s)

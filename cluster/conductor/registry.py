@@ -1,0 +1,145 @@
+"""The Conductor's view of its instances: who is up and what each caches.
+
+Polling (``/instance/info`` once per incarnation, ``/instance/state`` every ``poll_interval_s``)
+brings health, free blocks and the cached prefix keys, as changes since the version the registry
+last saw. Load is not polled: every request passes through the Conductor, which keeps its own
+exact record (``ledger.py``).
+
+An instance that fails a poll or a request is marked down and left out of scheduling; its
+``lost`` event fires, which ends the calls in flight to it. Polling continues, and the first
+successful ``/instance/info`` brings it back; a restarted process is a new incarnation, and
+``on_new_incarnation`` lets the ledger forget what the old one was doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from cluster.calibration import InstanceProfile
+from cluster.conductor.client import InstanceClient, InstanceStarting
+from engine.kv_layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)  # identity: records are dict keys while requests are in flight
+class InstanceRecord:
+    url: str
+    up: bool = False
+    instance_id: str | None = None
+    role: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    layout: KVLayout | None = None
+    profile: InstanceProfile | None = None
+    last_error: str | None = None
+    failed_to_start: bool = False  # its engine could not load: it will not come up by itself
+    state: dict[str, Any] = field(default_factory=dict)
+    cached: set[bytes] = field(default_factory=set)
+    cache_version: int | None = None
+    # Set while the instance is down: calls in flight to it give up (``InstanceClient``).
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.lost.set()  # not up yet
+
+    # -- PrefixView ------------------------------------------------------------------------------
+    def match_len(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.cached:
+                break
+            n += 1
+        return n
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url, "up": self.up, "role": self.role, "instance_id": self.instance_id,
+            "pid": self.info.get("pid"), "last_error": self.last_error, "cached_blocks": len(self.cached),
+            **{k: self.state.get(k) for k in ("num_running", "num_waiting", "num_free_blocks", "num_used_blocks",
+                                              "num_blocks", "num_reservations")},
+        }
+
+
+class Registry:
+    def __init__(self, client: InstanceClient, poll_interval_s: float = 0.2,
+                 on_new_incarnation: Callable[[InstanceRecord], None] = lambda rec: None) -> None:
+        self.records: list[InstanceRecord] = []
+        self.client = client
+        self.poll_interval_s = poll_interval_s
+        self._on_new_incarnation = on_new_incarnation
+        self._task: asyncio.Task | None = None
+
+    def add(self, url: str) -> InstanceRecord:
+        url = url.rstrip("/")
+        for rec in self.records:
+            if rec.url == url:
+                return rec
+        rec = InstanceRecord(url)
+        self.records.append(rec)
+        log.info("instance %s added", url)
+        return rec
+
+    def up(self, *roles: str) -> list[InstanceRecord]:
+        return [r for r in self.records if r.up and r.role in roles]
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def mark_down(self, rec: InstanceRecord, reason: str) -> None:
+        if rec.up:
+            log.warning("instance %s (%s) is down: %s", rec.url, rec.role, reason)
+        rec.up = False
+        rec.last_error = reason
+        rec.lost.set()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(r) for r in list(self.records)))
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def poll(self, rec: InstanceRecord) -> None:
+        try:
+            if not rec.up:
+                try:
+                    info = await self.client.info(rec.url)
+                except InstanceStarting as e:
+                    rec.last_error, rec.failed_to_start = str(e), e.fatal
+                    return
+                if info["instance_id"] != rec.instance_id:
+                    # A new incarnation: whatever we thought it was doing or caching is gone.
+                    self._on_new_incarnation(rec)
+                    rec.cached, rec.cache_version = set(), None
+                rec.info, rec.instance_id, rec.role = info, info["instance_id"], info["role"]
+                rec.layout = KVLayout.from_dict(info["layout"])
+                rec.profile = InstanceProfile.from_dict(info["profile"])
+            state = await self.client.state(rec.url, rec.cache_version)
+            if state["instance_id"] != rec.instance_id:
+                self.mark_down(rec, "restarted")
+                return
+            self._apply_cache(rec, state)
+            rec.state = state
+            if not rec.up:
+                rec.up, rec.last_error, rec.failed_to_start = True, None, False
+                rec.lost = asyncio.Event()
+                log.info("instance %s is up (%s)", rec.url, rec.role)
+        except Exception as e:  # noqa: BLE001 -- any failure to poll means down
+            self.mark_down(rec, f"{type(e).__name__}: {e}")
+
+    @staticmethod
+    def _apply_cache(rec: InstanceRecord, state: dict[str, Any]) -> None:
+        keys = state.pop("cached_keys", None)
+        if keys is not None:
+            rec.cached = {bytes.fromhex(k) for k in keys}
+        else:
+            rec.cached.update(bytes.fromhex(k) for k in state.pop("cached_added"))
+            rec.cached.difference_update(bytes.fromhex(k) for k in state.pop("cached_removed"))
+        rec.cache_version = state["cache_version"]

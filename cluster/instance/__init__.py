@@ -1,0 +1,16 @@
+"""A prefill, decode or colocated ("both") instance: one engine process the Conductor drives.
+
+``python -m server --role prefill|decode|both --conductor URL`` runs this. One job per file:
+
+* ``service.py``: bring-up (engine, Messenger, staging, calibration), registration, and the
+  snapshots polls are answered from (``cache_mirror.py``: the prefix keys as changes);
+* ``receiver.py``: reservations (leases the Conductor renews, epochs, staging held back);
+* ``serving.py``: prefill-and-stream, decode from received KV, whole requests;
+* ``replication.py``: hot-prefix push and adopt;
+* ``routes.py``: the ``/instance/*`` control routes over all of these.
+"""
+
+from cluster.instance.routes import build_instance_app
+from cluster.instance.service import InstanceConfig, InstanceService
+
+__all__ = ["InstanceConfig", "InstanceService", "build_instance_app"]

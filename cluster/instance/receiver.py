@@ -1,0 +1,187 @@
+"""Reservations: the blocks and receive staging an instance holds for KV another instance sends.
+
+A decode instance reserves for a prompt's KV before its prefill starts (a prefill instance, for
+a hot prefix pulled from another one). A reservation is a **lease**: the Conductor that made it
+renews it while the request is in flight (``renew``); one that is neither taken over nor renewed
+within ``lease_s`` is released, so a Conductor that died or lost track cannot leak blocks. Each
+reservation carries the epoch of the Conductor that made it; when a newer Conductor shows up
+(``observe_epoch``), the older one's reservations are released at once.
+
+The record of a reservation is kept until its take-over has run on the engine thread
+(``take_over``): a failure before that (the stream never started, the engine refused) leaves it
+to ``release`` or expiry, never leaked. Receive staging that a sender may still be writing into
+(anything not known to be ``settled``) is reused only after the transfer timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from cluster.kv_stream import KVDestination
+from cluster.staging import StagingArea, StagingFull, StagingRange
+from engine.async_engine import AsyncLLMEngine
+from engine.disaggregation import KVCapacityError, KVHandoff
+from engine.kv_layout import KVLayout
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class StaleEpoch(RuntimeError):
+    """A call from a Conductor older than one this instance has already seen."""
+
+
+@dataclass
+class _Lease:
+    staging: StagingRange | None
+    num_blocks: int  # blocks the sender writes
+    epoch: int
+    expires: float
+
+
+class Receiver:
+    def __init__(self, client: AsyncLLMEngine, handoff: KVHandoff, staging: StagingArea, address: str,
+                 lease_s: float, transfer_timeout_s: float) -> None:
+        self._client = client
+        self._handoff = handoff
+        self.staging = staging
+        self._address = address
+        self._layout: KVLayout = handoff.layout
+        self.lease_s = lease_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self.epoch = 0
+        # Touched from the event loop and (take-over) the engine thread.
+        self._lock = threading.Lock()
+        self._leases: dict[str, _Lease] = {}
+        # Ids released recently: an abort can overtake the reserve it answers (the Conductor
+        # gave up waiting for it), and that late reserve must not be granted to nobody.
+        self._released: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._leases
+
+    # -- making and keeping -------------------------------------------------------------------------
+    async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams, epoch: int) -> KVDestination:
+        """Hold blocks and a staging range; raises ``KVCapacityError`` (no room now),
+        ``ValueError`` (never servable, or the id is taken) or ``StaleEpoch``."""
+        await self.observe_epoch(epoch)
+        if epoch < self.epoch:
+            raise StaleEpoch(f"epoch {epoch} is older than {self.epoch}")
+        if request_id in self._leases:
+            raise ValueError(f"request {request_id!r} already holds a reservation")
+        if request_id in self._released:
+            raise LookupError(f"request {request_id!r} was aborted")
+        res = await self._client.call(lambda e: self._handoff.reserve(request_id, token_ids, params))
+        n = res.num_sent_blocks
+        staging = None
+        if n:
+            try:
+                staging = self.staging.allocate(self._layout.nbytes(n))
+            except (StagingFull, ValueError) as e:
+                await self._client.call(lambda _: self._handoff.drop(request_id))
+                raise KVCapacityError(f"receive staging: {e}") from None
+        with self._lock:
+            aborted = request_id in self._released  # while the engine thread was reserving
+            if not aborted:
+                self._leases[request_id] = _Lease(staging, n, epoch, time.monotonic() + self.lease_s)
+        if aborted:
+            await self._client.call(lambda _: self._handoff.drop(request_id))
+            if staging is not None:
+                self.staging.release(staging)  # nothing was told where it is: nobody writes there
+            raise LookupError(f"request {request_id!r} was aborted")
+        return KVDestination(self._address, self.staging.handle, staging.offset if staging else 0,
+                             res.cached_blocks, n)
+
+    def renew(self, request_ids: list[str], epoch: int) -> list[str]:
+        """Extend the leases of ``request_ids``; returns those this instance does not hold."""
+        until = time.monotonic() + self.lease_s
+        gone = []
+        with self._lock:
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is None or lease.epoch != epoch:
+                    gone.append(rid)
+                else:
+                    lease.expires = until
+        return gone
+
+    async def observe_epoch(self, epoch: int) -> None:
+        """A newer Conductor took over: the older one's reservations will never be taken over."""
+        if epoch <= self.epoch:
+            return
+        old, self.epoch = self.epoch, epoch
+        with self._lock:
+            stale = [rid for rid, lease in self._leases.items() if lease.epoch < epoch]
+        if stale:
+            log.warning("conductor epoch %d replaced %d: releasing its %d reservation(s)", epoch, old, len(stale))
+        for rid in stale:
+            await self.release(rid, settled=False)
+
+    # -- ending -------------------------------------------------------------------------------------
+    def take_over(self, engine_side: Callable[[KVHandoff, torch.Tensor | None], T], request_id: str) -> Callable[[object], T]:
+        """A function to run on the engine thread (``AsyncLLMEngine.call`` or ``stream``): it
+        claims the reservation and gives ``engine_side`` the handoff and the received KV (a view
+        of the staging; None when every block was cached here). The staging is freed afterwards;
+        the handoff releases the blocks itself if ``engine_side`` fails."""
+
+        def run(_engine: object) -> T:
+            with self._lock:
+                lease = self._leases.pop(request_id, None)
+            if lease is None:
+                raise LookupError(f"no KV reservation for {request_id!r} (released or expired)")
+            try:
+                kv = None
+                if lease.staging is not None:
+                    kv = self.staging.view(lease.staging, self._layout.torch_dtype, self._layout.shape(lease.num_blocks))
+                return engine_side(self._handoff, kv)
+            finally:
+                if lease.staging is not None:
+                    self.staging.release(lease.staging)
+
+        return run
+
+    async def release(self, request_id: str, settled: bool) -> bool:
+        """Release a reservation not taken over (idempotent; False if there was none). Its
+        staging is reused at once only when ``settled`` (the sender is done writing)."""
+        now = time.monotonic()
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            self._released[request_id] = now
+            for rid in [r for r, t in self._released.items() if now - t > self.lease_s]:
+                del self._released[rid]
+        if lease is None:
+            return False
+        await self._client.call(lambda _: self._handoff.drop(request_id))
+        if lease.staging is not None:
+            if settled:
+                self.staging.release(lease.staging)
+            else:
+                # A prefill that was cut off (but maybe not dead) could still be writing into it.
+                asyncio.get_running_loop().call_later(self._transfer_timeout_s, self.staging.release, lease.staging)
+        return True
+
+    async def expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, self.lease_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                expired = [rid for rid, lease in self._leases.items() if lease.expires < now]
+            for rid in expired:
+                log.warning("releasing reservation %s: its lease was not renewed for %.1f s", rid, self.lease_s)
+                try:
+                    await self.release(rid, settled=False)
+                except Exception:  # noqa: BLE001 -- the engine stopped; nothing left to free
+                    log.exception("releasing reservation %s failed", rid)

@@ -1,0 +1,66 @@
+"""Hot-spot replication between prefill instances (Mooncake's hot-block replication).
+
+The Conductor copies a hot prefix from the instance that caches it (the *holder*) to the one
+Algorithm 1 chose: a reservation on the target (``Receiver.reserve``), ``push`` on the holder
+(its cached blocks packed into send staging in one engine-thread call, so nothing can evict them
+between lookup and copy, then one Messenger write into the reservation), and ``adopt`` on the
+target (the received blocks become cached prefix blocks under their keys). The holder keeps its
+copy, so a hot prefix ends up cached on several instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.instance.receiver import Receiver
+from cluster.kv_stream import KVDestination, settle
+from cluster.staging import StagingArea, when_free
+from cluster.transfer import TransferEngine
+from engine.async_engine import AsyncLLMEngine
+from engine.disaggregation import KVHandoff
+
+
+class Replicator:
+    def __init__(self, client: AsyncLLMEngine, handoff: KVHandoff, transfer: TransferEngine,
+                 send: StagingArea | None, receiver: Receiver, transfer_timeout_s: float) -> None:
+        self._client = client
+        self._handoff = handoff
+        self._transfer = transfer
+        self._send = send
+        self._receiver = receiver
+        self._timeout_s = transfer_timeout_s
+
+    async def push(self, request_id: str, token_ids: list[int], dest: KVDestination) -> int:
+        """Write the cached prefix blocks ``dest`` asks for into it; returns the blocks sent.
+        Raises ValueError (not all cached here now), ``TransferError`` / ``TimeoutError``."""
+        if self._send is None:
+            raise ValueError("this instance does not send KV")
+        if not dest.num_blocks:
+            return 0
+        layout = self._handoff.layout
+        send = self._send
+        staging = await when_free(lambda: send.allocate(layout.nbytes(dest.num_blocks)), self._timeout_s)
+        batch = None
+        try:
+            out = self._send.view(staging, layout.torch_dtype, layout.shape(dest.num_blocks))
+            await self._client.call(lambda _: self._handoff.export_prefix(token_ids, dest.skip_blocks, dest.num_blocks, out))
+            batch = self._transfer.write(dest.address, [(self._send.handle, staging.offset, dest.region, dest.offset,
+                                                         staging.nbytes)])
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(batch)), self._timeout_s)
+        finally:
+            if batch is not None:  # a timed-out write may still read the staging
+                await asyncio.get_running_loop().run_in_executor(None, settle, [batch], self._timeout_s)
+            self._send.release(staging)
+        return dest.num_blocks
+
+    async def adopt(self, request_id: str, ok: bool) -> int:
+        """Keep a reservation's received blocks as cached prefix (``ok``), or drop it; returns
+        the blocks now cached under the prompt's keys. Raises LookupError without a reservation."""
+        if request_id not in self._receiver:
+            raise LookupError(f"no KV reservation for {request_id!r}")
+        if not ok:
+            # The push failed, perhaps by timing out: a late write could still land in the staging.
+            await self._receiver.release(request_id, settled=False)
+            return 0
+        return await self._client.call(self._receiver.take_over(lambda h, kv: h.adopt(request_id, kv), request_id))
+

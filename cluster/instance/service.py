@@ -1,0 +1,199 @@
+"""An instance's bring-up and what it tells the Conductor.
+
+At start the instance loads its engine (``AsyncLLMEngine``: one engine thread), opens its
+Messenger (``TransferEngine``) and staging (send for a prefill / both instance, receive for
+every role), calibrates its cost models (``cluster/calibration.py``) and registers with the
+Conductor, again whenever the Conductor has not polled it for a while (the Conductor restarted,
+or lost it). Polls (``info``, ``state``) are answered from snapshots the engine thread publishes
+after each step, never by waiting for the engine thread: one long step must not make a healthy
+instance look dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from cluster.calibration import InstanceProfile, profile
+from cluster.instance.cache_mirror import CacheMirror
+from cluster.instance.receiver import Receiver
+from cluster.instance.replication import Replicator
+from cluster.instance.serving import Serving
+from cluster.kv_stream import KVSender
+from cluster.staging import StagingArea
+from cluster.transfer import TransferConfig, TransferEngine
+from cluster.control_auth import CONTROL, MESSENGER, ControlAuth, derive_key
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.disaggregation import KVHandoff
+from engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    engine: EngineConfig
+    url: str  # how the Conductor reaches this instance, e.g. http://127.0.0.1:8101
+    secret: bytes  # the cluster secret: Messenger authentication and the control routes
+    conductor: str | None = None  # the Conductor's URL to register with; None: it polls us
+    staging_gib: float = 0.5  # send and receive staging, each (raised to one max-length prompt's KV)
+    reservation_lease_s: float = 10.0  # released unless the Conductor renews it within this long
+    transfer_timeout_s: float = 30.0
+    max_waiting: int = 64  # requests waiting for their first token; beyond it: 429
+    calibration_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < 16:
+            raise ValueError("the cluster secret must be at least 16 bytes")
+        for name in ("transfer_timeout_s", "staging_gib", "reservation_lease_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"instance url must be http(s)://host:port, got {self.url!r}")
+
+    @property
+    def role(self) -> str:
+        return self.engine.role
+
+
+class InstanceService:
+    def __init__(self, config: InstanceConfig) -> None:
+        self.config = config
+        self.client = AsyncLLMEngine(config.engine, max_waiting=config.max_waiting)
+        self.instance_id = secrets.token_hex(6)  # a restarted instance is a new one
+        self.ready = False
+        self.error: str | None = None
+        self.last_polled = 0.0
+        self.transfer: TransferEngine | None = None
+        self.profile: InstanceProfile | None = None
+        self.send: StagingArea | None = None
+        self.recv: StagingArea | None = None
+        self.receiver: Receiver | None = None
+        self.replicator: Replicator | None = None
+        self.serving: Serving | None = None
+        self.mirror = CacheMirror()
+        self._facts: dict[str, Any] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.client.start()
+        self._tasks.append(asyncio.create_task(self._bring_up()))
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.client.shutdown()
+        if self.transfer is not None:
+            self.transfer.close()
+
+    async def _bring_up(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            if not await loop.run_in_executor(None, self.client.wait_ready):
+                self.error = self.client.load_error or "the engine stopped while loading"
+                return
+            cfg = self.config
+            host = cfg.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+            transfer = self.transfer = TransferEngine(
+                TransferConfig(secret=derive_key(cfg.secret, MESSENGER), host=host, timeout_s=cfg.transfer_timeout_s))
+            handoff, facts = await self.client.call(lambda e: (KVHandoff(e), self._engine_facts(e)))
+            layout = handoff.layout
+            # At least one longest-possible prompt's KV fits, so a valid request never finds the
+            # staging too small for good, only busy for a moment.
+            staging = max(int(cfg.staging_gib * _GIB),
+                          layout.nbytes(-(-facts["max_model_len"] // layout.block_size)))
+            sender = None
+            if cfg.role in ("prefill", "both"):
+                self.send = StagingArea(transfer, staging)
+                sender = KVSender(transfer, self.send, layout)
+                await self.client.call(lambda _: handoff.set_sink(sender))
+            # Every role receives: decode instances a prompt's KV, prefill ones pulled hot prefixes.
+            self.recv = StagingArea(transfer, staging)
+            self.receiver = Receiver(self.client, handoff, self.recv, transfer.address,
+                                     cfg.reservation_lease_s, cfg.transfer_timeout_s)
+            self.replicator = Replicator(self.client, handoff, transfer, self.send, self.receiver,
+                                         cfg.transfer_timeout_s)
+            self.serving = Serving(self.client, sender, self.receiver, cfg.transfer_timeout_s)
+            started = time.perf_counter()
+            self.profile = await self.client.call(lambda e: profile(e, cfg.calibration_seed))
+            log.info("calibrated in %.1f s: %s", time.perf_counter() - started, self.profile)
+            self._facts = {**facts, "layout": layout.to_dict(), "profile": self.profile.to_dict(),
+                           "transfer_address": transfer.address}
+            self._publish_cache(loop, handoff)
+            self.ready = True
+            self._tasks.append(asyncio.create_task(self.receiver.expire_forever()))
+            if cfg.conductor:
+                self._tasks.append(asyncio.create_task(self._register_forever()))
+        except Exception as e:  # noqa: BLE001 -- reported through /health
+            self.error = f"instance failed to start: {type(e).__name__}: {e}"
+            log.exception("instance failed to start")
+
+    @staticmethod
+    def _engine_facts(e: LLMEngine) -> dict[str, Any]:
+        return {"max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
+                "num_blocks": e.block_manager.num_blocks, "model_path": str(e.model_path)}
+
+    def _publish_cache(self, loop: asyncio.AbstractEventLoop, handoff: KVHandoff) -> None:
+        """After every engine step, hand what changed in the prefix cache to the event loop."""
+        seen: list[int | None] = [None]
+
+        def observe(_engine: LLMEngine) -> None:
+            report = handoff.cache_report(seen[0])
+            if report.full is None and report.version == seen[0]:
+                return
+            seen[0] = report.version
+            loop.call_soon_threadsafe(self.mirror.apply, report)
+
+        self.client.add_step_observer(observe)
+        # The first report (everything calibration cached) without waiting for a step.
+        report = handoff.cache_report(None)
+        seen[0] = report.version
+        self.mirror.apply(report)
+
+    async def _register_forever(self) -> None:
+        url = self.config.conductor.rstrip("/") + "/cluster/register"
+        body = {"url": self.config.url, "instance_id": self.instance_id}
+        async with httpx.AsyncClient(timeout=5.0, auth=ControlAuth(derive_key(self.config.secret, CONTROL))) as http:
+            while True:
+                if time.monotonic() - self.last_polled > 5.0:
+                    try:
+                        r = await http.post(url, json=body)
+                        if r.status_code != 200:
+                            log.warning("conductor refused registration: %s %s", r.status_code, r.text)
+                    except httpx.HTTPError as e:
+                        log.info("conductor %s not reachable yet (%s)", self.config.conductor, e)
+                await asyncio.sleep(1.0)
+
+    # -- what the Conductor polls ------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        self.last_polled = time.monotonic()
+        return {"instance_id": self.instance_id, "pid": os.getpid(), "role": self.config.role,
+                "url": self.config.url, **self._facts}
+
+    def state(self, since: int | None) -> dict[str, Any]:
+        self.last_polled = time.monotonic()
+        return {"instance_id": self.instance_id, **self.stats(), **self.mirror.report(since)}
+
+    def stats(self) -> dict[str, Any]:
+        s = self.client.stats()
+        s["role"] = self.config.role
+        s["num_reservations"] = len(self.receiver) if self.receiver is not None else 0
+        for name, area in (("send", self.send), ("recv", self.recv)):
+            if area is not None:
+                s[f"staging_{name}_free_bytes"] = area.num_free_bytes
+                s[f"staging_{name}_bytes"] = area.nbytes
+                s[f"staging_{name}_ranges"] = area.num_allocated
+        return s

@@ -1,0 +1,65 @@
+"""The KV page geometry instances share, and packing pages into one contiguous buffer.
+
+Wire layout of a request's KV (``KVLayout.shape``): ``[layers, 2, blocks, Hkv, block_size, D]``,
+the ``kernels.gather_kv`` layout, so layer ``l`` is the byte range
+``[l * layer_bytes, (l + 1) * layer_bytes)`` on both sides of a transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import kernels
+from engine.config import parse_dtype
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Page geometry both sides must share for KV to move between them."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def page_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=parse_dtype(self.dtype)).element_size()
+        return self.num_kv_heads * self.block_size * self.head_dim * itemsize
+
+    def layer_bytes(self, num_blocks: int) -> int:
+        return 2 * num_blocks * self.page_bytes
+
+    def nbytes(self, num_blocks: int) -> int:
+        return self.num_layers * self.layer_bytes(num_blocks)
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
+        layers, _, _, heads, block_size, head_dim = kv_cache.shape
+        return cls(layers, heads, block_size, head_dim, str(kv_cache.dtype).removeprefix("torch."))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        return cls(**{k: data[k] for k in ("num_layers", "num_kv_heads", "block_size", "head_dim", "dtype")})
+
+
+def pack(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None, out: torch.Tensor) -> None:
+    """``kernels.gather_kv`` into ``out`` (host staging), through device memory when the KV is on a GPU."""
+    if kv_cache.device == out.device:
+        kernels.gather_kv(kv_cache, block_ids, layers, out=out)
+    else:
+        out.copy_(kernels.gather_kv(kv_cache, torch.tensor(block_ids, device=kv_cache.device), layers))
