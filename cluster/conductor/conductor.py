@@ -166,10 +166,9 @@ class Conductor(EngineClient):
             return "ready"
         missing = [role for role in ("prefill", "decode") if not up[role]]
         why = ""
-        if self._supervisor is not None:
-            restarting = [f"{s['role']} {s['last_exit']}" for s in self._supervisor.status()
-                          if s["role"] in missing and s["last_exit"]]
-            why = f" (restarting after: {', '.join(restarting)})" if restarting else ""
+        if self._supervisor is not None:  # e.g. {"decode": "restarting after signal SIGKILL"}
+            reasons = self._supervisor.missing_roles()
+            why = "".join(f" ({role}: {reasons[role]})" for role in missing if role in reasons)
         return f"no {' and no '.join(missing)} instance is up{why}; retry shortly"
 
     def not_ready(self) -> EngineNotReady:
