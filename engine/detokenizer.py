@@ -4,15 +4,21 @@ Two layers:
   * decoding: each new token is decoded together with a short window of preceding tokens and
     only the text beyond what the window already produced is taken. The window gives the
     decoder the context it needs for spaces (e.g. SentencePiece's leading-space rule), and
-    its bounded length keeps the cost per token O(1). A trailing U+FFFD means the last bytes
-    are an incomplete UTF-8 character (byte-level BPE can split one across tokens), so that
-    character is held back until a later token completes it.
+    its bounded length keeps the cost per token O(1). Trailing U+FFFDs may be the bytes of an
+    incomplete UTF-8 character (a token can end inside one), so they are held back until a
+    later token completes the character, or until it is clear they never will.
   * stop strings: decoded text is only emitted once it cannot be the beginning of a stop
     string; when a stop string appears, the output is cut right before it.
 
-Decoding assumes the tokenizer's decoder is append-only: decoding a window plus one more
-token extends the window's text rather than rewriting it. That holds for byte-level BPE,
-byte-fallback and metaspace decoders.
+Decoders render an incomplete character differently: byte-level BPE (GPT-2, Llama 3, Qwen) as
+one U+FFFD, a ByteFallback decoder (Llama 2, Mistral) as one U+FFFD per byte, and for the whole
+run of consecutive byte tokens it belongs to, complete characters included. So the window may
+start inside a character only where the text after it still decodes intact: a run of byte
+tokens cut mid-character decodes to U+FFFDs throughout.
+
+Decoding assumes the tokenizer's decoder is append-only apart from that: decoding a window plus
+one more token extends the window's text rather than rewriting it. That holds for byte-level
+BPE, byte-fallback and metaspace decoders.
 """
 
 from __future__ import annotations
@@ -20,13 +26,26 @@ from __future__ import annotations
 import tokenizers
 
 _REPLACEMENT = "\ufffd"
-# Tokens of context kept in front of new tokens. A pending incomplete character spans at most
-# 3 bytes and therefore at most 3 tokens, so a window of this many tokens always contains it
-# whole, and one token of left context is enough for spacing rules.
+# Tokens of context kept in front of new tokens when the window is trimmed. One token of left
+# context is enough for spacing rules; more leaves room to find a cut at a character boundary.
 _CONTEXT_TOKENS = 6
-# The window is trimmed back to _CONTEXT_TOKENS once it reaches this length, so decoding is
-# one call on at most this many tokens per step plus one re-anchoring call now and then.
+# The window is trimmed back to at most _CONTEXT_TOKENS once it reaches this length, so decoding
+# is one call on about this many tokens per step plus a few short ones when trimming.
 _MAX_WINDOW_TOKENS = 2 * _CONTEXT_TOKENS
+# A window this long is trimmed even without a clean cut. Only text that is not valid UTF-8
+# gets here (a run of invalid byte tokens); its U+FFFDs may then come out miscounted.
+_FORCE_TRIM_TOKENS = 4 * _CONTEXT_TOKENS
+# UTF-8 encodes a character in at most 4 bytes and every token adds at least one, so an
+# incomplete character is completed within 3 more tokens after the one carrying its first byte.
+_MAX_INCOMPLETE_TOKENS = 3
+
+
+def _leading_replacements(text: str) -> int:
+    return len(text) - len(text.lstrip(_REPLACEMENT))
+
+
+def _trailing_replacements(text: str) -> int:
+    return len(text) - len(text.rstrip(_REPLACEMENT))
 
 
 class IncrementalDetokenizer:
@@ -48,11 +67,13 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
-        self._window = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._window, decoded = self._prompt_context(prompt_token_ids)
         # Characters of decode(self._window) already accounted for: all of the prompt context
         # here (even a dangling partial character, which belongs to the prompt), later the
         # part of the window's text that was moved into self._text.
-        self._window_chars = len(self._decode(self._window))
+        self._window_chars = len(decoded)
+        # Consecutive tokens after which trailing U+FFFDs were held and nothing new was taken.
+        self._stalled = 0
         self._text = ""
         self._emitted = 0  # characters of self._text handed out so far
         self._stopped = False
@@ -73,17 +94,26 @@ class IncrementalDetokenizer:
             return ""
         self._window.append(token_id)
         decoded = self._decode(self._window)
-        complete = self._complete_length(decoded)
-        piece = decoded[self._window_chars:complete]
-        self._window_chars = max(self._window_chars, complete)
+        held = _trailing_replacements(decoded)
+        end = len(decoded) - held
+        if held and end <= self._window_chars:
+            # With byte fallback the U+FFFDs can also cover characters already taken (`end`
+            # falls below `_window_chars`): they reappear once the pending character completes.
+            self._stalled += 1
+            if self._stalled > _MAX_INCOMPLETE_TOKENS:
+                # No character stays incomplete this long, so the run is invalid bytes. Its last
+                # U+FFFD is still held: for byte-level BPE it may be a new incomplete character.
+                end = len(decoded) - 1
+                self._stalled = 0
+        else:
+            self._stalled = 0
+        piece = decoded[self._window_chars:end]
+        # Text that ends complete is all accounted for. The count can exceed it when the prompt
+        # ended inside a character that byte fallback rendered as one U+FFFD per byte: the
+        # completed character belongs to the prompt.
+        self._window_chars = len(decoded) if not held else max(self._window_chars, end)
         if len(self._window) >= _MAX_WINDOW_TOKENS:
-            # The unconsumed tail (a pending incomplete character, if any) lies inside the
-            # kept tokens, so it is the same text at the end of the shorter window's decode.
-            # The cut may split an earlier character into leading U+FFFDs; those only count
-            # as consumed text.
-            pending = len(decoded) - self._window_chars
-            self._window = self._window[-_CONTEXT_TOKENS:]
-            self._window_chars = len(self._decode(self._window)) - pending
+            self._trim(decoded)
         return self._push(piece, final=False)
 
     def finish(self) -> str:
@@ -97,10 +127,39 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
-    @staticmethod
-    def _complete_length(text: str) -> int:
-        # The decoder renders an incomplete trailing byte sequence as a single U+FFFD.
-        return len(text) - 1 if text.endswith(_REPLACEMENT) else len(text)
+    def _prompt_context(self, prompt_token_ids: list[int]) -> tuple[list[int], str]:
+        """The last few prompt tokens, starting at a character boundary if one is near, and
+        their text. A start inside a character decodes to leading U+FFFDs."""
+        first = max(len(prompt_token_ids) - _CONTEXT_TOKENS, 0)
+        for start in range(first, len(prompt_token_ids)):
+            text = self._decode(prompt_token_ids[start:])
+            if text and not text.startswith(_REPLACEMENT):
+                return list(prompt_token_ids[start:]), text
+        return list(prompt_token_ids[first:]), self._decode(prompt_token_ids[first:])
+
+    def _trim(self, decoded: str) -> None:
+        """Drops all but the last few tokens of the window, keeping the text accounting.
+
+        A cut is taken if the shorter window's text, past any U+FFFDs of a character split by
+        the cut, is the tail of `decoded` and starts with text already taken (the first kept
+        token is context only). That rules out cutting into a run of byte-fallback tokens whose
+        characters are not all complete: the whole run would decode as U+FFFDs.
+        """
+        pending = len(decoded) - self._window_chars
+        starts = range(len(self._window) - _CONTEXT_TOKENS, len(self._window))
+        for start in starts:
+            text = self._decode(self._window[start:])
+            taken = len(text) - pending
+            split = _leading_replacements(text)
+            if taken > split and decoded.endswith(text[split:]):
+                break
+        else:
+            if len(self._window) < _FORCE_TRIM_TOKENS:
+                return  # a pending character may still complete; try again after the next token
+            start = starts[0]
+            taken = max(len(self._decode(self._window[start:])) - pending, 0)
+        self._window = self._window[start:]
+        self._window_chars = taken
 
     def _push(self, piece: str, final: bool) -> str:
         """Appends decoded text, applies stop strings and returns what can be emitted."""

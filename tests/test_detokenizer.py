@@ -1,5 +1,5 @@
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -32,6 +32,25 @@ def tokenizer() -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(SENTENCES, trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def byte_fallback() -> Tokenizer:
+    """Llama 2 / Mistral style: SentencePiece spaces, and characters outside the small vocabulary
+    as byte tokens <0x00>..<0xFF>, which the decoder renders as one U+FFFD per byte (for the
+    whole run of byte tokens) until they form valid UTF-8."""
+    vocab = {"<unk>": 0, "<eos>": 1}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    for piece in ["▁", *"abcdefghijklmnopqrstuvwxyz,!", "é", "你", "好", "▁h", "ll", "▁he", "llo", "▁hello"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "h"), ("l", "l"), ("▁h", "e"), ("ll", "o"), ("▁he", "llo")]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens(["<eos>"])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return tok
 
 
@@ -171,3 +190,72 @@ def test_stop_string_at_very_end(tokenizer: Tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], ["k 🙃"], True)
     emitted = "".join(detok.add(i) for i in ids) + detok.finish()
     assert emitted == "o" == detok.output_text and detok.stopped
+
+
+# -- byte fallback ---------------------------------------------------------------------------------
+BYTE_FALLBACK_SAMPLES = [
+    "a🙃b",
+    "hello wörld 你们好 ñandú 🙂",
+    "日本語のテキスト、日本語のテキスト、日本語のテキスト",
+    "ünïcödé, 你好! 🙂🙃𝄞 €",
+]
+
+
+@pytest.mark.parametrize("text", BYTE_FALLBACK_SAMPLES)
+def test_byte_fallback_pieces_concatenate_to_full_decode(byte_fallback: Tokenizer, text: str) -> None:
+    ids = byte_fallback.encode(text).ids
+    full = byte_fallback.decode(ids)
+    assert full == text and any(byte_fallback.id_to_token(i).startswith("<0x") for i in ids)
+    # Split prompt / output at every character boundary, so the output often continues the
+    # prompt's run of byte tokens.
+    splits = [k for k in range(len(ids)) if not byte_fallback.decode(ids[:k]).endswith("\ufffd")]
+    for k in splits:
+        counting = CountingTokenizer(byte_fallback)
+        detok = IncrementalDetokenizer(counting, ids[:k], [], True)
+        pieces = stream(detok, ids[k:])
+        assert "".join(pieces) == full[len(byte_fallback.decode(ids[:k])):] == detok.output_text
+        assert not any("\ufffd" in piece for piece in pieces), (k, pieces)
+        # Trimming starts at 12 tokens and waits at most 3 tokens for a pending character.
+        assert counting.longest <= 15
+
+
+def test_byte_fallback_character_held_until_complete(byte_fallback: Tokenizer) -> None:
+    ids = byte_fallback.encode("a🙃b").ids
+    assert [byte_fallback.id_to_token(i) for i in ids[2:6]] == ["<0xF0>", "<0x9F>", "<0x99>", "<0x83>"]
+    detok = IncrementalDetokenizer(byte_fallback, [], [], True)
+    emitted = ""
+    for i in ids:
+        emitted += detok.add(i)
+        assert emitted in ("", "a", "a🙃", "a🙃b")
+    assert emitted == "a🙃b" and detok.finish() == ""
+
+
+def single_byte_tokens(tok: Tokenizer, text: str) -> list[int]:
+    """The UTF-8 bytes of `text` as one token each."""
+    if tok.token_to_id("<0x00>") is not None:
+        return [tok.token_to_id(f"<0x{b:02X}>") for b in text.encode()]
+    [(chars, _)] = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(text)
+    return [tok.token_to_id(c) for c in chars]
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "byte_fallback"])
+def test_invalid_bytes_come_out_as_replacement_characters(name: str, request: pytest.FixtureRequest) -> None:
+    tok = request.getfixturevalue(name)
+    orphan, *emoji = single_byte_tokens(tok, "é🙃")[1:]  # é's continuation byte alone is invalid
+    a, b = tok.token_to_id("a"), tok.token_to_id("b")
+    ids = [a, orphan, *emoji, b] + [orphan] * 40 + [b]
+    counting = CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting, [], [], True)
+    pieces = stream(detok, ids)
+    # Held while the bytes could still be the start of a character (up to 4 tokens), then
+    # emitted, without losing the emoji that follows (byte-level BPE decodes it).
+    assert pieces[:4] == ["a", "", "", ""] and "\ufffd" in pieces[4]
+    assert "".join(pieces) == tok.decode(ids) == detok.output_text
+    # A long invalid run allows no clean cut, yet the window stays bounded.
+    assert counting.longest <= 24
+
+
+def test_byte_fallback_character_begun_in_the_prompt_belongs_to_it(byte_fallback: Tokenizer) -> None:
+    ids = byte_fallback.encode("日本語").ids  # "▁" then three bytes per character
+    detok = IncrementalDetokenizer(byte_fallback, ids[:3], [], True)  # the prompt ends inside 日
+    assert "".join(stream(detok, ids[3:])) == "本語" == detok.output_text
