@@ -46,7 +46,8 @@ class Counters:
 
     def reject(self, reason: str, retry_after_s: float) -> EngineOverloaded:
         self.rejected += 1
-        self.per_reason[reason.split(":")[0]] = self.per_reason.get(reason.split(":")[0], 0) + 1
+        kind = reason.split(":")[0]  # "overloaded", not every predicted load figure
+        self.per_reason[kind] = self.per_reason.get(kind, 0) + 1
         return EngineOverloaded(reason, retry_after=max(1.0, retry_after_s))
 
 
