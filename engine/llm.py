@@ -33,8 +33,9 @@ class LLM:
     ) -> list[GenerationResult]:
         """Generate for every prompt (continuous batching); results in prompt order.
 
-        Every prompt is validated before any is queued, so a bad one raises without leaving
-        the others half-submitted.
+        If any prompt is invalid this raises before generating anything, and if generation
+        fails or is interrupted it raises too: either way none of this call's requests is left
+        queued to run inside a later call.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -43,20 +44,25 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         token_ids = [self.engine.tokenize(p) for p in prompts]
         results: dict[str, GenerationResult] = {}
-        order = []
-        for ids, p in zip(token_ids, params_list):
-            rid = self.engine.add_request(ids, p)
-            results[rid] = GenerationResult(rid, ids)
-            order.append(rid)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                r = results.get(out.request_id)
-                if r is None:
-                    continue  # someone else's request on a shared engine
-                r.text += out.new_text
-                r.token_ids.extend(out.new_token_ids)
-                r.logprobs.extend(out.logprobs)
-                r.num_cached_tokens = out.num_cached_tokens
-                if out.finished:
-                    r.finish_reason = out.finish_reason
-        return [results[rid] for rid in order]
+        try:
+            # add_request validates each prompt as it queues it (e.g. whether max_tokens fits),
+            # so a bad prompt is only found once the ones before it are queued.
+            for ids, p in zip(token_ids, params_list):
+                rid = self.engine.add_request(ids, p)
+                results[rid] = GenerationResult(rid, ids)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    r = results.get(out.request_id)
+                    if r is None:
+                        continue  # someone else's request on a shared engine
+                    r.text += out.new_text
+                    r.token_ids.extend(out.new_token_ids)
+                    r.logprobs.extend(out.logprobs)
+                    r.num_cached_tokens = out.num_cached_tokens
+                    if out.finished:
+                        r.finish_reason = out.finish_reason
+        except BaseException:
+            for rid in results:
+                self.engine.abort(rid)  # a no-op for the ones already finished
+            raise
+        return list(results.values())

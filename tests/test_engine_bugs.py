@@ -1,0 +1,59 @@
+"""Engine regressions on a tiny random checkpoint (fast on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tiny_models import MAX_POSITIONS, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny"), "LlamaForCausalLM", tie=False, seed=0)
+    return LLM(model=str(folder), threads=1, kv_cache_gib=0.01, block_size=16)
+
+
+def params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def assert_engine_idle(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.seqs == {} and not engine.has_unfinished()
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.pool.num_in_use == 0
+
+
+def test_generate_with_an_invalid_prompt_queues_none(llm: LLM) -> None:
+    # The second prompt's max_tokens does not fit the context; the first was fine.
+    batch = [params(4), SamplingParams(max_tokens=MAX_POSITIONS), params(4)]
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        llm.generate(["w5 w6 w7", "w8 w9", "w10 w11"], batch)
+    assert_engine_idle(llm)
+    generated = llm.engine.num_generated_tokens
+    [out] = llm.generate("w12 w13", params(3))
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    assert llm.engine.num_generated_tokens - generated == 3  # nothing of the failed batch ran
+    assert_engine_idle(llm)
+
+
+def test_generate_interrupted_leaves_nothing_queued(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = llm.engine
+    step = engine.step
+    calls = 0
+
+    def failing_step():
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["w5 w6 w7", "w8 w9"], params(8))
+    monkeypatch.undo()
+    assert_engine_idle(llm)
+    [out] = llm.generate("w12 w13", params(2))
+    assert len(out.token_ids) == 2
