@@ -19,7 +19,8 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,7 @@ class RequestFlow:
                             prefill: InstanceRecord, source: InstanceRecord | None, prefix_tokens: int,
                             decodes: list[InstanceRecord]) -> AsyncIterator[RequestOutput]:
         """``decodes``: in order of preference; ``source``: the holder of a prefix to pull first."""
-        try:
+        with self._settled(rid, booking):
             decode, dest = await self._reserve(rid, ids, params, decodes, booking)
             self._counters.accepted += 1
             if source is not None and source is not prefill:
@@ -96,11 +97,6 @@ class RequestFlow:
                 yield out
             booking.remove(decode, "running", rid)  # finished there: nothing to abort
             booking.remove(decode, "reserved", rid)
-        except EngineError:
-            self._counters.failed += 1
-            raise
-        finally:
-            self._release(rid, booking)
 
     async def _reserve(self, rid: str, ids: list[int], params: SamplingParams, decodes: list[InstanceRecord],
                        booking: Booking) -> tuple[InstanceRecord, dict[str, Any]]:
@@ -164,16 +160,11 @@ class RequestFlow:
         self._counters.accepted += 1
         body = {"request_id": rid, "prompt_token_ids": ids, "params": params_to_dict(params)}
         entry = booking.add(rec, "running", rid, RunningDecode(time.monotonic(), len(ids), generated=0))
-        try:
+        with self._settled(rid, booking):
             async for out in self._relay(rec, body, entry):
                 booking.remove(rec, "prefilling", rid)
                 yield out
             booking.remove(rec, "running", rid)
-        except EngineError:
-            self._counters.failed += 1
-            raise
-        finally:
-            self._release(rid, booking)
 
     # -- shared ---------------------------------------------------------------------------------------
     async def _relay(self, rec: InstanceRecord, body: dict[str, Any], entry: RunningDecode) -> AsyncIterator[RequestOutput]:
@@ -205,9 +196,18 @@ class RequestFlow:
         log.warning("%s on %s failed: %s", what, rec.url, e)
         return EngineError(f"the {rec.role} instance failed while serving the request ({what})")
 
-    def _release(self, rid: str, booking: Booking) -> None:
-        for (rec, key), writes_done in booking.close().items():
-            self._spawn(self.abort_on(rec, key, writes_done))
+    @contextmanager
+    def _settled(self, rid: str, booking: Booking) -> Iterator[None]:
+        """Counts an engine failure and, however the request ends (cancellation included),
+        aborts what instances may still hold of it, each abort a task of its own."""
+        try:
+            yield
+        except EngineError:
+            self._counters.failed += 1
+            raise
+        finally:
+            for (rec, key), writes_done in booking.close().items():
+                self._spawn(self.abort_on(rec, key, writes_done))
 
     async def abort_on(self, rec: InstanceRecord, key: str, writes_done: bool = True) -> None:
         try:
