@@ -101,9 +101,9 @@ class InstanceClient:
         _raise_for(r, path)
         return r.json()
 
-    async def _get(self, url: str, path: str) -> dict[str, Any]:
+    async def _get(self, url: str, path: str, timeout: float) -> dict[str, Any]:
         try:
-            r = await self._http.get(url + path)
+            r = await self._http.get(url + path, timeout=timeout)
         except httpx.HTTPError as e:
             raise InstanceUnavailable(f"{path}: {type(e).__name__}: {e}") from None
         if r.status_code == 503:
@@ -113,11 +113,11 @@ class InstanceClient:
         return r.json()
 
     # -- polls ---------------------------------------------------------------------------------------
-    async def info(self, url: str) -> dict[str, Any]:
-        return await self._get(url, "/instance/info")
+    async def info(self, url: str, timeout: float) -> dict[str, Any]:
+        return await self._get(url, "/instance/info", timeout)
 
-    async def state(self, url: str, since: int | None) -> dict[str, Any]:
-        return await self._get(url, "/instance/state" + ("" if since is None else f"?since={since}"))
+    async def state(self, url: str, since: int | None, timeout: float) -> dict[str, Any]:
+        return await self._get(url, "/instance/state" + ("" if since is None else f"?since={since}"), timeout)
 
     # -- reservations --------------------------------------------------------------------------------
     async def reserve(self, url: str, request_id: str, token_ids: list[int], params: SamplingParams) -> dict[str, Any]:

@@ -56,6 +56,7 @@ class ConductorConfig:
     instances: tuple[str, ...] = ()  # URLs to poll from the start; others register themselves
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     poll_interval_s: float = 0.2
+    poll_timeout_s: float = 5.0  # an instance that does not answer a poll this fast is down
     control_timeout_s: float = 10.0  # every control call to an instance
     request_timeout_s: float = 600.0  # a prefill or a decode stream, at most
     renew_interval_s: float = 2.0  # reservation leases (instances: 10 s) are renewed this often
@@ -66,7 +67,7 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
-        for name in ("poll_interval_s", "control_timeout_s", "request_timeout_s", "renew_interval_s"):
+        for name in ("poll_interval_s", "poll_timeout_s", "control_timeout_s", "request_timeout_s", "renew_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
 
@@ -80,7 +81,8 @@ class Conductor(EngineClient):
         self.client = InstanceClient(config.secret, self.epoch, config.control_timeout_s, config.request_timeout_s)
         self._verifier = ControlVerifier(derive_key(config.secret, CONTROL))  # instances registering
         self.ledger = Ledger()
-        self.registry = Registry(self.client, config.poll_interval_s, on_new_incarnation=self.ledger.forget)
+        self.registry = Registry(self.client, config.poll_interval_s, config.poll_timeout_s,
+                                 on_new_incarnation=self.ledger.forget)
         for url in config.instances:
             self.registry.add(url)
         self.counters = Counters()

@@ -65,11 +65,12 @@ class InstanceRecord:
 
 
 class Registry:
-    def __init__(self, client: InstanceClient, poll_interval_s: float = 0.2,
+    def __init__(self, client: InstanceClient, poll_interval_s: float = 0.2, poll_timeout_s: float = 5.0,
                  on_new_incarnation: Callable[[InstanceRecord], None] = lambda rec: None) -> None:
         self.records: list[InstanceRecord] = []
         self.client = client
         self.poll_interval_s = poll_interval_s
+        self.poll_timeout_s = poll_timeout_s
         self._on_new_incarnation = on_new_incarnation
         self._task: asyncio.Task | None = None
 
@@ -102,15 +103,28 @@ class Registry:
         rec.lost.set()
 
     async def _poll_forever(self) -> None:
+        # One loop per instance: a frozen instance's slow polls must not delay the others'.
+        loops: dict[InstanceRecord, asyncio.Task] = {}
+        try:
+            while True:
+                for rec in self.records:
+                    if rec not in loops:
+                        loops[rec] = asyncio.create_task(self._poll_one_forever(rec))
+                await asyncio.sleep(self.poll_interval_s)
+        finally:
+            for task in loops.values():
+                task.cancel()
+
+    async def _poll_one_forever(self, rec: InstanceRecord) -> None:
         while True:
-            await asyncio.gather(*(self.poll(r) for r in list(self.records)))
+            await self.poll(rec)
             await asyncio.sleep(self.poll_interval_s)
 
     async def poll(self, rec: InstanceRecord) -> None:
         try:
             if not rec.up:
                 try:
-                    info = await self.client.info(rec.url)
+                    info = await self.client.info(rec.url, self.poll_timeout_s)
                 except InstanceStarting as e:
                     rec.last_error, rec.failed_to_start = str(e), e.fatal
                     return
@@ -121,7 +135,7 @@ class Registry:
                 rec.info, rec.instance_id, rec.role = info, info["instance_id"], info["role"]
                 rec.layout = KVLayout.from_dict(info["layout"])
                 rec.profile = InstanceProfile.from_dict(info["profile"])
-            state = await self.client.state(rec.url, rec.cache_version)
+            state = await self.client.state(rec.url, rec.cache_version, self.poll_timeout_s)
             if state["instance_id"] != rec.instance_id:
                 self.mark_down(rec, "restarted")
                 return
