@@ -94,13 +94,18 @@ class Receiver:
                 await self._client.call(lambda _: self._handoff.drop(request_id))
                 raise KVCapacityError(f"receive staging: {e}") from None
         with self._lock:
-            aborted = request_id in self._released  # while the engine thread was reserving
-            if not aborted:
+            # While the engine thread was reserving, the request may have been aborted or a newer
+            # Conductor may have released this one's reservations: then nobody would take it over.
+            aborted = request_id in self._released
+            stale = epoch < self.epoch
+            if not (aborted or stale):
                 self._leases[request_id] = _Lease(staging, n, epoch, time.monotonic() + self.lease_s)
-        if aborted:
+        if aborted or stale:
             await self._client.call(lambda _: self._handoff.drop(request_id))
             if staging is not None:
                 self.staging.release(staging)  # nothing was told where it is: nobody writes there
+            if stale:
+                raise StaleEpoch(f"epoch {epoch} was replaced by {self.epoch} while reserving")
             raise LookupError(f"request {request_id!r} was aborted")
         return KVDestination(self._address, self.staging.handle, staging.offset if staging else 0,
                              res.cached_blocks, n)
