@@ -79,6 +79,13 @@ class ModelRunner:
         # Any one-token chunk can use the decode kernel (its context is already in the cache).
         decodes = [s for s in batch if s.num_new_tokens == 1]
         prefills = [s for s in batch if s.num_new_tokens > 1]
+        workspace = self.decode_workspace
+        if workspace is not None and len(decodes) > workspace.max_batch:
+            # Caught here rather than as "workspace too small" from inside the split-K kernel.
+            raise RuntimeError(
+                f"{len(decodes)} decodes in one step, but the decode workspace holds "
+                f"max_num_seqs = {workspace.max_batch}: the scheduler must cap each step"
+            )
         ordered = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -111,7 +118,7 @@ class ModelRunner:
             prefill_block_tables=tables(prefills),
             prefill_seq_lens=lens(prefills),
             prefill_query_start_loc=self._tensor(query_start, torch.int32),
-            decode_workspace=self.decode_workspace,
+            decode_workspace=workspace,
         )
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, ordered
 

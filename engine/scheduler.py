@@ -1,15 +1,20 @@
 """Continuous batching with chunked prefill and recompute preemption.
 
-Each step fills a token budget (``max_num_batched_tokens``): first every running sequence gets
-its next chunk (one token for a decode, up to the rest of the prompt for a prefill still in
-progress), then waiting sequences are admitted while the budget, ``max_num_seqs`` and free KV
-blocks allow. Running decodes go first so that admitting new prompts never stalls them
-(Sarathi-style stall-free batching).
+Each step fills a token budget (``max_num_batched_tokens``) with at most ``max_num_seqs``
+sequences: first running sequences get their next chunk (one token for a decode, up to the rest
+of the prompt for a prefill still in progress), then waiting sequences are admitted while the
+budget, ``max_num_seqs`` and free KV blocks allow. Running decodes go first so that admitting
+new prompts never stalls them (Sarathi-style stall-free batching).
+
+When the running sequences do not all fit in one step (the budget runs out, or a decode instance
+joined received requests past ``max_num_seqs`` through ``add_running``), they take turns,
+round-robin: each step starts with the first one the previous step left out.
 
 When a running sequence needs a block and none is free, the most recently admitted running
-sequence is preempted: its blocks are released and it goes back to the head of the queue to be
-recomputed from its tokens (prompt + output so far). Its output is unchanged because sampling
-state (the per-request generator) only advances when a token is actually sampled.
+sequence not yet in this step's batch is preempted: its blocks are released and it goes back to
+the head of the queue to be recomputed from its tokens (prompt + output so far). Its output is
+unchanged because sampling state (the per-request generator) only advances when a token is
+actually sampled.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
+        # The running sequence the last step left out first (None: it took them all).
+        self._next_turn: Sequence | None = None
         self.num_preemptions = 0
         # Prompt tokens of admitted requests, and how many of them the prefix cache served.
         self.num_prompt_tokens_admitted = 0
@@ -60,24 +67,31 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
+        in_batch: set[Sequence] = set()
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        turns = self._turn_order()
+        self._next_turn = None
+        for seq in turns:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an earlier one this step
+            if budget == 0 or len(batch) == self.max_num_seqs:
+                self._next_turn = seq
+                break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
             while not self.block_manager.can_grow(seq.block_table, target):
-                victim = self.running.pop()
+                victim = next(s for s in reversed(self.running) if s not in in_batch)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                break
+                break  # every other running sequence is in the batch or preempted
             self.block_manager.grow(seq.block_table, target)
             batch.append(ScheduledSeq(seq, n))
+            in_batch.add(seq)
             budget -= n
-            i += 1
 
         # While memory is short (someone was just preempted) admitting more would only thrash.
         while (
@@ -109,6 +123,11 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def _turn_order(self) -> list[Sequence]:
+        """The running sequences in admission order, rotated to start at the one whose turn it is."""
+        start = next((i for i, s in enumerate(self.running) if s is self._next_turn), 0)
+        return self.running[start:] + self.running[:start]
 
     def prefix_cache_hit_rate(self) -> float:
         """Fraction of admitted prompt tokens served from the prefix cache."""

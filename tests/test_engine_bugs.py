@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+import kernels
 from engine import LLM, SamplingParams
+from engine.disaggregation import KVHandoff
+from engine.scheduler import ScheduledSeq
 from tiny_models import MAX_POSITIONS, make_tiny_model
 
 
@@ -57,3 +62,46 @@ def test_generate_interrupted_leaves_nothing_queued(llm: LLM, monkeypatch: pytes
     assert_engine_idle(llm)
     [out] = llm.generate("w12 w13", params(2))
     assert len(out.token_ids) == 2
+
+
+def test_decodes_past_the_decode_workspace_are_refused_before_the_kernel(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", tie=False, seed=3)
+    before = kernels.mode()
+    kernels.set_mode("triton")  # the Triton path sizes a decode workspace by max_num_seqs
+    try:
+        engine = LLM(model=str(folder), threads=1, kv_cache_gib=0.002, block_size=16, max_num_seqs=2).engine
+    finally:
+        kernels.set_mode(before)
+    assert engine.runner.decode_workspace is not None
+    batch = []
+    for _ in range(3):
+        seq = engine.new_sequence([5, 6, 7], params(4), None)
+        engine.block_manager.grow(seq.block_table, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        batch.append(ScheduledSeq(seq, 1))
+    with pytest.raises(RuntimeError, match="max_num_seqs = 2"):
+        engine.runner.prepare(batch)
+    engine.runner.prepare(batch[:2])
+
+
+def test_decode_instance_admitting_past_max_num_seqs_decodes_them_in_turns(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", tie=False, seed=3)
+    before = kernels.mode()
+    kernels.set_mode("triton")  # decode attention through its workspace, sized by max_num_seqs
+    try:
+        engine = LLM(model=str(folder), threads=1, kv_cache_gib=0.002, block_size=16, max_num_seqs=2,
+                     role="decode").engine
+        handoff = KVHandoff(engine)
+        rids = [f"r{i}" for i in range(5)]
+        for i, rid in enumerate(rids):
+            handoff.reserve(rid, [5 + i, 6, 7], params(3))
+            handoff.admit(rid, None, 9, None, 0)  # KV contents do not matter here
+        finished = []
+        while engine.has_unfinished():
+            outs = engine.step()
+            assert len(outs) <= 2
+            finished += [o.request_id for o in outs if o.finished]
+    finally:
+        kernels.set_mode(before)
+    assert sorted(finished) == rids
+    assert not engine.seqs and engine.block_manager.pool.num_in_use == 0

@@ -64,6 +64,16 @@ class Harness:
         self.sched.add(seq)
         return seq
 
+    def add_received(self, seq: Sequence) -> Sequence:
+        """Join ``seq`` as a decode instance does: its prompt's KV was received into its blocks
+        and its first token sampled by the prefill instance."""
+        self.bm.grow(seq.block_table, seq.num_prompt_tokens)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.bm.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        seq.append_token(token_for(seq))
+        self.sched.add_running(seq)
+        return seq
+
     def step(self) -> list[Chunk]:
         sched, bm = self.sched, self.bm
         running_before = list(sched.running)
@@ -74,7 +84,7 @@ class Harness:
 
         # ---- invariants of the schedule itself ----
         assert sum(s.num_new_tokens for s in batch) <= self.budget
-        assert len(sched.running) <= self.max_num_seqs
+        assert len(batch) <= self.max_num_seqs
         seqs = [s.seq for s in batch]
         assert len(set(map(id, seqs))) == len(seqs)
         for s in batch:
@@ -93,6 +103,8 @@ class Harness:
             assert newly == [], "admitted a sequence in a step with a preemption"
         for seq in newly:
             assert any(seq is w for w in waiting_before)
+        if newly:
+            assert len(sched.running) <= self.max_num_seqs
         # every sequence is in exactly one place
         assert set(map(id, sched.running)).isdisjoint(map(id, sched.waiting))
         for seq in sched.waiting:
@@ -457,3 +469,53 @@ def test_random_workload_under_memory_pressure(seed):
         assert s.output_token_ids == expected_output(s.request_id, s.num_prompt_tokens, s.params.max_tokens)
     assert h.sched.num_preemptions > 0
     assert h.sched.num_prompt_tokens_hit > 0
+
+
+# -- a decode instance: received sequences join the running batch past max_num_seqs -------------
+@pytest.mark.parametrize("budget,max_num_seqs", [(64, 4), (3, 8)])
+def test_received_sequences_beyond_a_step_take_turns(budget, max_num_seqs):
+    h = Harness(budget=budget, block_size=4, num_blocks=128, max_num_seqs=max_num_seqs)
+    received = [h.add_received(make_seq(f"r{i}", [i + 1] * 5, 8)) for i in range(10)]
+    late = h.add(make_seq("late", [7] * 3, 2))
+    per_step = min(budget, max_num_seqs)
+    rounds = -(-len(received) // per_step)  # steps for every one of them to get a turn
+    last_turn = {s.request_id: 0 for s in received}
+    step = 0
+    while any(not s.is_finished for s in received):
+        step += 1
+        running = len(h.sched.running)
+        chunks = h.step()
+        if running >= per_step:
+            assert len(chunks) == per_step
+        for c in chunks:
+            last_turn[c.seq.request_id] = step
+        for s in h.sched.running:
+            if s.request_id in last_turn:
+                assert step - last_turn[s.request_id] < rounds, f"{s.request_id} waited too long"
+        # The queued request waits while the received ones fill the steps.
+        if len(h.sched.running) >= max_num_seqs:
+            assert late.status is SequenceStatus.WAITING
+    h.run()
+    for s in received + [late]:
+        assert s.output_token_ids == expected_output(s.request_id, s.num_prompt_tokens, s.params.max_tokens)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_received_sequences_under_memory_pressure(seed):
+    # Rotating turns and preemption together: a victim is never one already in the batch (the
+    # harness checks every scheduled sequence is still running).
+    rng = random.Random(seed)
+    h = Harness(budget=rng.choice([4, 8, 16]), block_size=4, num_blocks=16, max_num_seqs=3)
+    seqs = []
+    for i in range(20):
+        seq = make_seq(f"m{seed}-{i}", [rng.randrange(500) for _ in range(rng.randrange(1, 9))], rng.randrange(8, 20))
+        if rng.random() < 0.6 and h.bm.can_grow(seq.block_table, seq.num_prompt_tokens):
+            seqs.append(h.add_received(seq))
+        else:
+            seqs.append(h.add(seq))
+        if rng.random() < 0.5:
+            h.step()
+    h.run()
+    for s in seqs:
+        assert s.output_token_ids == expected_output(s.request_id, s.num_prompt_tokens, s.params.max_tokens)
+    assert h.sched.num_preemptions > 0
