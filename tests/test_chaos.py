@@ -1,0 +1,193 @@
+"""bench.chaos: its accounting on made-up outcomes, and its quick run against a real cluster.
+
+The quick run (one ``python -m server`` cluster, started and stopped by the benchmark) is shared by
+the cluster tests; each asserts one part of the report, so a failure names the part that broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import chaos
+from bench.chaos import COMPLETED, HTTP_ERROR, HUNG, PROMPTS, STREAM_ERROR, UNCLEAR, Outcome
+
+
+# --------------------------------------------------------------------------- no cluster
+
+
+def test_sse_bodies_are_classified():
+    done = ['data: {"choices": [{"text": " Paris"}]}', "", 'data: {"choices": [{"text": "."}]}', "data: [DONE]"]
+    assert chaos.parse_sse(done, chaos.COMPLETIONS) == (COMPLETED, " Paris.", "")
+    chat = ['data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}',
+            'data: {"choices": [{"delta": {"content": "Hi"}}]}', "data: [DONE]"]
+    assert chaos.parse_sse(chat, chaos.CHAT) == (COMPLETED, "Hi", "")
+    failed = ['data: {"choices": [{"text": "A"}]}', 'data: {"error": {"message": "boom"}}', "data: [DONE]"]
+    result, text, error = chaos.parse_sse(failed, chaos.COMPLETIONS)
+    assert (result, text) == (STREAM_ERROR, "A") and "boom" in error
+    assert chaos.parse_sse(['data: {"choices": [{"text": "A"}]}'], chaos.COMPLETIONS)[0] == UNCLEAR
+    assert chaos.parse_sse(["data: {not json"], chaos.COMPLETIONS)[0] == UNCLEAR
+
+
+def test_fuzz_bodies_are_reproducible_and_bounded():
+    a, b = chaos.generated_cases(30, seed=5), chaos.generated_cases(30, seed=5)
+    assert len(a) == 30 and [c.body for c in a] == [c.body for c in b]
+    assert [c.body for c in a] != [c.body for c in chaos.generated_cases(30, seed=6)]
+    assert {c.path for c in a} <= {chaos.COMPLETIONS, chaos.CHAT}
+    for case in a:  # a body that parses never asks for more than a few tokens
+        try:
+            body = json.loads(case.body)
+        except ValueError:
+            continue
+        if isinstance(body, dict) and isinstance(body.get("max_tokens"), int) and not isinstance(
+                body["max_tokens"], bool):
+            assert body["max_tokens"] <= 4 or body["max_tokens"] >= 10**6
+    labels = {c.label for c in chaos.handmade_cases()}
+    assert {"10k nested lists as prompt", "invalid UTF-8 bytes in prompt", "5000 prompts in one body",
+            "body over the size limit (2 MiB)", "truncated JSON", "max_tokens 1e999"} <= labels
+
+
+def _run_with(outcomes: list[Outcome], expected: dict[int, str]) -> chaos.Run:
+    run = chaos.Run(chaos.ChaosConfig.quick(), cluster=None, client=None)  # type: ignore[arg-type]
+    run.outcomes = outcomes
+    run.expected = expected
+    run.faults = [{"kind": "kill -9", "role": "decode", "old_pid": 1, "new_pid": 2, "recovered": True,
+                   "restart_s": 10.0, "served_after_s": 1.0}]
+    return run
+
+
+def test_the_report_counts_what_must_be_zero(tmp_path):
+    expected = {0: " Paris", 4: "Banana"}
+    outs = [Outcome("steady", 0, True, COMPLETED, 200, " Paris"),
+            Outcome("steady", 4, False, HTTP_ERROR, 503, error="no decode instance is up", retry_after=True),
+            Outcome("burst", 0, False, HTTP_ERROR, 429, retry_after=False)]
+    clean = chaos.build_report(chaos.ChaosConfig.quick(log_path=tmp_path / "none.log"), _run_with(outs, expected),
+                               {}, {"held": {}, "down": {}})
+    assert clean["ok"] and not any(clean["must_be_zero"].values())
+    assert clean["requests"] == {"sent": 3, COMPLETED: 1, "http 503": 1, "http 429": 1}
+    assert clean["missing_retry_after"] == 1
+    assert "RESULT: OK" in chaos.format_table(clean)
+
+    bad = outs + [Outcome("burst", 4, True, COMPLETED, 200, "Cherry"), Outcome("fuzz", 0, False, HUNG),
+                  Outcome("steady", 0, True, UNCLEAR, 200, error="stream ended without [DONE]")]
+    fuzz = [chaos.FuzzOutcome("lone surrogate", chaos.COMPLETIONS, "b'{}'", 2, 500, "answered")]
+    report = chaos.build_report(chaos.ChaosConfig.quick(log_path=tmp_path / "none.log"), _run_with(bad, expected),
+                                {"fuzz": fuzz}, {"held": {"http://x": {"num_used_blocks": 3}}, "down": {}})
+    must = report["must_be_zero"]
+    assert (must["completed with a different text"], must["hung requests"], must["requests with no clear answer"],
+            must["5xx answers to malformed input"], must["resources held at the end"]) == (1, 1, 1, 1, 3)
+    assert not report["ok"]
+    table = chaos.format_table(report)
+    assert "<-- FAIL" in table and "RESULT: FAIL" in table and "lone surrogate" in table
+
+
+def test_owns_only_processes_started_for_its_conductor(tmp_path):
+    server = chaos.ServerProcess("x", [], None, tmp_path / "log", "http://127.0.0.1:1")  # type: ignore[arg-type]
+    cluster = chaos.Cluster(server, port=1)
+    assert not cluster.owns(os.getpid()) and not cluster.owns(2**22 + 12345)
+
+
+def test_raw_request_reads_a_status():
+    """The raw-socket client the slow-client checks rely on, against a throwaway server."""
+    async def serve_once() -> chaos.RawOutcome:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 418 I'm a teapot\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, chaos.HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await chaos.raw_request(port, "teapot", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                                           byte_gap_s=0.001, deadline_s=10)
+
+    out = asyncio.run(serve_once())
+    assert out.status == 418 and out.closed and not out.hung
+
+
+# --------------------------------------------------------------------------- a real cluster
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("chaos")
+    cfg = chaos.ChaosConfig.quick(log_path=out / "server.log")
+    rep = chaos.run_chaos(cfg)
+    print(chaos.format_table(rep))
+    return rep
+
+
+def test_each_kill_is_followed_by_a_restart_by_the_conductor(report):
+    kills = [f for f in report["faults"] if f["kind"] == "kill -9"]
+    assert [k["role"] for k in kills] == ["decode", "prefill"], report["scenario_errors"]
+    for k in kills:
+        assert k["restarted"], k
+        assert k["new_pid"] != k["old_pid"] and k["restarts"] >= 1 and k["last_exit"] == "signal SIGKILL", k
+        assert k["served"], f"nothing served after the {k['role']} kill: {k}"
+    (stopped,) = [f for f in report["faults"] if f["kind"] == "SIGSTOP"]
+    assert stopped["up_again"] and stopped["served"], stopped
+    supervised = report["conductor"]["supervised"]
+    assert sorted(s["role"] for s in supervised if s["restarts"] >= 1) == ["decode", "prefill"]
+
+
+def test_no_request_hangs_or_changes_its_answer(report):
+    must = report["must_be_zero"]
+    assert must["hung requests"] == 0
+    assert must["requests with no clear answer"] == 0, report["error_samples"]
+    assert must["completed with a different text"] == 0, report["wrong_texts"]
+    assert len(report["expected"]) == len(PROMPTS) and report["requests"][COMPLETED] > 20
+    burst = report["burst"]["results"]
+    assert sum(burst.values()) == report["config"]["burst"] and set(burst) <= {COMPLETED, "http 429", "http 503"}
+
+
+def test_malformed_input_gets_a_4xx_not_a_5xx(report):
+    must = report["must_be_zero"]
+    assert must["5xx answers to malformed input"] == 0, report["fuzz"]["failures"]
+    assert must["malformed requests dropped unanswered"] == 0, report["fuzz"]["failures"]
+    fuzz = report["fuzz"]
+    assert fuzz["sent"] == len(chaos.handmade_cases()) + report["config"]["fuzz_examples"]
+    assert int(fuzz["by_status"].get("400", 0)) > fuzz["sent"] // 2 and fuzz["by_status"].get("413") == 1
+    assert all(r["status"] == 400 for r in report["framing"] if r["label"] != "body shorter than Content-Length, then EOF")
+
+
+def test_slow_clients_are_served_and_do_not_block_others(report):
+    slow = report["slow_clients"]
+    assert [s["status"] for s in slow["byte_by_byte"]] == [200, 200]
+    assert all(s["text_as_expected"] for s in slow["byte_by_byte"])
+    assert slow["served_while_stalled"]["served"]
+    assert report["must_be_zero"]["slow-client checks failed"] == 0
+
+
+def test_nothing_is_held_once_the_cluster_is_quiet(report):
+    assert report["must_be_zero"]["instances not up at the end"] == 0, report["down_at_end"]
+    assert report["must_be_zero"]["resources held at the end"] == 0, report["held_at_end"]
+    assert report["must_be_zero"]["scenarios that failed to run"] == 0, report["scenario_errors"]
+
+
+def test_every_must_be_zero_row_is_zero(report):
+    assert report["ok"], chaos.format_table(report)
+
+
+def test_every_process_is_gone_after_the_run(report):
+    assert len(report["instance_pids"]) >= 4  # two instances, each started twice
+    for pid in report["instance_pids"]:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert report["url"].encode() not in cmdline, f"instance {pid} outlived the run"
+
+
+def test_the_json_report_has_the_table_figures(report, tmp_path):
+    path = tmp_path / "chaos.json"
+    chaos.write_json(path, report)
+    again = json.loads(path.read_text())
+    assert again["must_be_zero"] == report["must_be_zero"] and again["requests"] == report["requests"]
+    for label in ("hung (no answer within the deadline)", "5xx to malformed input",
+                  "blocks/reservations/staging held at the end"):
+        assert label in again["table"]
