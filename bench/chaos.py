@@ -36,7 +36,9 @@ writes the same figures. Rows marked "must be 0":
 * well-formed requests with no clear answer: a dropped connection, a stream that ends without
   ``[DONE]``, an error status without an OpenAI error body;
 * completed answers whose text differs from the expected greedy text;
-* 5xx answers to malformed input, and malformed requests the server dropped without an answer;
+* 5xx answers to malformed input, and malformed requests the server dropped without an answer
+  (a 503, the cluster not serving, and a 500 for a body the engine accepted and then failed are
+  shown apart: the rows above and below account for them);
 * faults not recovered: a killed instance not restarted by the Conductor, a stopped one not up
   again, or no request served afterwards; slow-client checks that failed;
 * blocks, reservations, running or waiting requests and staging ranges still held at the end
@@ -91,6 +93,9 @@ INSTANCE_HELD = ("num_used_blocks", "num_reservations", "num_running", "num_wait
 CONDUCTOR_HELD = ("prefilling", "running", "incoming", "reserved")
 
 COMPLETED, HTTP_ERROR, STREAM_ERROR, UNCLEAR, HUNG = "completed", "http_error", "stream_error", "unclear", "hung"
+# The server's 500 for a request it accepted and its engine then failed (server/app.py): such a
+# body passed validation, so it was not malformed input.
+ENGINE_FAILED = "the engine failed while serving the request"
 
 
 # --------------------------------------------------------------------------- configuration
@@ -930,7 +935,12 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         by_phase.setdefault(o.phase, Counter())[o.result if o.result != HTTP_ERROR else f"http {o.status}"] += 1
 
     fuzz: list[FuzzOutcome] = extra.get("fuzz", [])
-    fuzz_5xx = [f for f in fuzz if f.status is not None and f.status >= 500]
+    # A 503 says the cluster was not serving (the "instances not up" row tells why); a 500 from the
+    # engine says the body was valid. Any other 5xx is the server failing on the input itself.
+    fuzz_unavailable = [f for f in fuzz if f.status == 503]
+    fuzz_engine = [f for f in fuzz if f.status == 500 and ENGINE_FAILED in f.reply]
+    fuzz_5xx = [f for f in fuzz if (f.status or 0) >= 500 and f.status != 503
+                and not (f.status == 500 and ENGINE_FAILED in f.reply)]
     fuzz_no_answer = [f for f in fuzz if f.result != "answered"]
     framing: list[RawOutcome] = extra.get("framing", [])
     expects_answer = {label: answer for label, _, _, answer in framing_cases()}
@@ -969,8 +979,9 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         "scenario_errors": run.errors,
         "burst": extra.get("burst"),
         "fuzz": {"sent": len(fuzz), "by_status": dict(Counter(str(f.status) for f in fuzz)),
-                 # A 503 only says the cluster was not serving then; other failures first.
-                 "failures": [asdict(f) for f in sorted(fuzz_5xx + fuzz_no_answer, key=lambda f: f.status == 503)][:30]},
+                 "unavailable": len(fuzz_unavailable), "engine_failed": len(fuzz_engine),
+                 "statuses": {f.label: f.status for f in fuzz if not f.label.startswith("hypothesis")},
+                 "failures": [asdict(f) for f in fuzz_5xx + fuzz_no_answer][:30]},
         "framing": [asdict(r) for r in framing],
         "slow_clients": slow,
         "held_at_end": held,
@@ -1024,7 +1035,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines += [row(f"  answered HTTP {s}", n) for s, n in sorted(fuzz["by_status"].items())]
     lines += [
         row("  5xx to malformed input", must["5xx answers to malformed input"], "5xx answers to malformed input"),
-        row("    of them 503 (the cluster was not serving)", int(fuzz["by_status"].get("503", 0))),
+        row("  503: the cluster was not serving (not counted above)", fuzz["unavailable"]),
+        row("  500: the engine failed on a valid body (not counted above)", fuzz["engine_failed"]),
         row("  dropped without an answer", must["malformed requests dropped unanswered"],
             "malformed requests dropped unanswered"),
     ]

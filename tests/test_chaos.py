@@ -74,12 +74,15 @@ def test_the_report_counts_what_must_be_zero(tmp_path):
 
     bad = outs + [Outcome("burst", 4, True, COMPLETED, 200, "Cherry"), Outcome("fuzz", 0, False, HUNG),
                   Outcome("steady", 0, True, UNCLEAR, 200, error="stream ended without [DONE]")]
-    fuzz = [chaos.FuzzOutcome("lone surrogate", chaos.COMPLETIONS, "b'{}'", 2, 500, "answered")]
+    fuzz = [chaos.FuzzOutcome("lone surrogate", chaos.COMPLETIONS, "b'{}'", 2, 500, "answered", "internal error"),
+            chaos.FuzzOutcome("valid", chaos.COMPLETIONS, "b'{}'", 2, 500, "answered", f"x {chaos.ENGINE_FAILED} y"),
+            chaos.FuzzOutcome("down", chaos.COMPLETIONS, "b'{}'", 2, 503, "answered", "no decode instance is up")]
     report = chaos.build_report(chaos.ChaosConfig.quick(log_path=tmp_path / "none.log"), _run_with(bad, expected),
                                 {"fuzz": fuzz}, {"held": {"http://x": {"num_used_blocks": 3}}, "down": {}})
     must = report["must_be_zero"]
     assert (must["completed with a different text"], must["hung requests"], must["requests with no clear answer"],
             must["5xx answers to malformed input"], must["resources held at the end"]) == (1, 1, 1, 1, 3)
+    assert (report["fuzz"]["unavailable"], report["fuzz"]["engine_failed"]) == (1, 1)
     assert not report["ok"]
     table = chaos.format_table(report)
     assert "<-- FAIL" in table and "RESULT: FAIL" in table and "lone surrogate" in table
@@ -151,7 +154,11 @@ def test_malformed_input_gets_a_4xx_not_a_5xx(report):
     assert must["malformed requests dropped unanswered"] == 0, report["fuzz"]["failures"]
     fuzz = report["fuzz"]
     assert fuzz["sent"] == len(chaos.handmade_cases()) + report["config"]["fuzz_examples"]
-    assert int(fuzz["by_status"].get("400", 0)) > fuzz["sent"] // 2 and fuzz["by_status"].get("413") == 1
+    # Bodies that are not JSON at all are refused before anything else, whatever the cluster's state.
+    for label in ("empty body", "truncated JSON", "not JSON at all", "10k nested lists as prompt",
+                  "100k nested lists at the top", "invalid UTF-8 bytes in prompt", "max_tokens with 5000 digits"):
+        assert fuzz["statuses"][label] == 400, label
+    assert fuzz["statuses"]["body over the size limit (2 MiB)"] == 413
     assert all(r["status"] == 400 for r in report["framing"] if r["label"] != "body shorter than Content-Length, then EOF")
 
 
