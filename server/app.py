@@ -42,7 +42,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -130,19 +130,30 @@ async def _read_json(request: Request, limit: int) -> Any:
             raise ProtocolError(f"request body of {size} bytes exceeds the limit of {limit} bytes",
                                 status=413, code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError(f"request body exceeds the limit of {limit} bytes",
-                                status=413, code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(f"request body exceeds the limit of {limit} bytes",
+                                    status=413, code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody will read the answer; this only keeps a client that left from looking like a
+        # server error in the log.
+        raise ProtocolError("the client disconnected before sending the whole body") from None
     raw = b"".join(chunks)
     if not raw:
         raise ProtocolError("the request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+        # JSON may spell a lone UTF-16 surrogate ("\ud800"), which is no character: the tokenizer
+        # cannot take it, so it is refused here rather than fail deep inside as a 500.
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ProtocolError("the body contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ProtocolError(f"malformed JSON body: {e}") from None
+    return body
 
 
 class _Generation:

@@ -71,7 +71,10 @@ def _number(body: dict, key: str, default: float, lo: float | None = None, hi: f
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProtocolError(f"'{key}' must be a number, got {_type_name(value)}", key)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer with hundreds of digits
+        raise ProtocolError(f"'{key}' must be finite", key) from None
     if not math.isfinite(value):
         raise ProtocolError(f"'{key}' must be finite", key)
     if lo is not None and (value <= lo if lo_open else value < lo):

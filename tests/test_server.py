@@ -338,6 +338,12 @@ def test_bad_requests_are_400(url):
     assert_error(post(url, "/v1/completions", b"[1, 2]"), 400)
     assert_error(post(url, "/v1/completions", b""), 400)
     assert_error(post(url, "/v1/chat/completions", b"[" * 100000), 400)
+    # A lone surrogate is no text (the tokenizer cannot take it); a huge integer is no float.
+    assert_error(post(url, "/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'), 400)
+    assert_error(post(url, "/v1/chat/completions",
+                      b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'), 400)
+    assert_error(post(url, "/v1/completions", b'{"prompt": "Hi", "temperature": 1' + b"0" * 400 + b"}"), 400,
+                 "temperature")
     # Unknown keys are ignored.
     r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "frobnicate": {"x": 1}, "user": "u"})
     assert r.status_code == 200, r.text
