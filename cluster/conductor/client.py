@@ -87,11 +87,19 @@ class InstanceClient:
         self.control_timeout_s = control_timeout_s
         self.request_timeout_s = request_timeout_s
         # Each call is signed with a key derived from the secret; the secret never travels.
-        self._http = httpx.AsyncClient(auth=ControlAuth(derive_key(secret, CONTROL)), headers={EPOCH_HEADER: str(epoch)},
-                                       timeout=httpx.Timeout(control_timeout_s), transport=transport)
+        # No connection limit: a prefill or a decode stream holds its connection for as long as
+        # the work lasts, and a bounded pool would make every other call (an abort, a poll)
+        # queue behind them until it timed out. Polls get a client of their own all the same,
+        # so the health of an instance is never judged by how busy the request path is.
+        kwargs = dict(auth=ControlAuth(derive_key(secret, CONTROL)), headers={EPOCH_HEADER: str(epoch)},
+                      timeout=httpx.Timeout(control_timeout_s), transport=transport,
+                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+        self._http = httpx.AsyncClient(**kwargs)
+        self._polls = httpx.AsyncClient(**kwargs)
 
     async def close(self) -> None:
         await self._http.aclose()
+        await self._polls.aclose()
 
     async def _post(self, url: str, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         try:
@@ -103,7 +111,7 @@ class InstanceClient:
 
     async def _get(self, url: str, path: str, timeout: float) -> dict[str, Any]:
         try:
-            r = await self._http.get(url + path, timeout=timeout)
+            r = await self._polls.get(url + path, timeout=timeout)
         except httpx.HTTPError as e:
             raise InstanceUnavailable(f"{path}: {type(e).__name__}: {e}") from None
         if r.status_code == 503:
