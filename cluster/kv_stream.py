@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +51,12 @@ class KVDestination:
 
 
 class _Outgoing:
-    __slots__ = ("dest", "staging", "batches", "error")
+    __slots__ = ("dest", "staging", "batches", "error", "write_by")
 
-    def __init__(self, dest: KVDestination, staging: StagingRange | None):
+    def __init__(self, dest: KVDestination, staging: StagingRange | None, write_by: float):
         self.dest = dest
         self.staging = staging
+        self.write_by = write_by
         self.batches: list[Batch] = []
         self.error: str | None = None
 
@@ -63,10 +65,16 @@ class KVSender:
     """The prefill side (an ``engine.llm_engine.KVSink``): requests announced with ``expect``
     are streamed layer by layer; ``finish`` waits for the last write and frees the staging."""
 
-    def __init__(self, transfer: TransferEngine, staging: StagingArea, layout: KVLayout) -> None:
+    def __init__(self, transfer: TransferEngine, staging: StagingArea, layout: KVLayout,
+                 write_window_s: float = float("inf")) -> None:
+        """``write_window_s``: no write of a request starts later than this after ``expect``. The
+        receiver gives up on a request after its own timeout and reuses the range some time
+        later; an instance that was frozen (or stalled) mid-prefill must not write into it when
+        it wakes up."""
         self.transfer = transfer
         self.staging = staging
         self.layout = layout
+        self.write_window_s = write_window_s
         # expect/finish run on the event loop, layer_done on the engine thread. layer_done holds
         # the lock while it packs and submits, so once finish has popped a request no copy into
         # its staging can still start.
@@ -81,7 +89,7 @@ class KVSender:
                 if staging is not None:
                     self.staging.release(staging)
                 raise ValueError(f"request {request_id!r} is already being streamed")
-            self._out[request_id] = _Outgoing(dest, staging)
+            self._out[request_id] = _Outgoing(dest, staging, time.monotonic() + self.write_window_s)
 
     def wants(self, request_id: str) -> bool:
         out = self._out.get(request_id)
@@ -93,6 +101,9 @@ class KVSender:
             for seq in seqs:
                 out = self._out.get(seq.request_id)
                 if out is None or out.staging is None or out.error is not None:
+                    continue
+                if time.monotonic() > out.write_by:
+                    out.error = f"too late to write: more than {self.write_window_s:g} s after the request was announced"
                     continue
                 d = out.dest
                 ids = seq.block_table.block_ids[d.skip_blocks :]

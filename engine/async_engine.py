@@ -284,6 +284,10 @@ class AsyncLLMEngine(EngineClient):
 
     @staticmethod
     def _call(engine: LLMEngine, fn: Callable[[LLMEngine], Any], future: Future) -> None:
+        # The caller may have given up (its await was cancelled): then ``fn`` must not run, and
+        # setting a result on the cancelled future would raise here, on the engine thread.
+        if not future.set_running_or_notify_cancel():
+            return
         try:
             future.set_result(fn(engine))
         except BaseException as e:  # noqa: BLE001 -- handed to the caller

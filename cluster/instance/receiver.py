@@ -10,7 +10,7 @@ reservation carries the epoch of the Conductor that made it; when a newer Conduc
 The record of a reservation is kept until its take-over has run on the engine thread
 (``take_over``): a failure before that (the stream never started, the engine refused) leaves it
 to ``release`` or expiry, never leaked. Receive staging that a sender may still be writing into
-(anything not known to be ``settled``) is reused only after the transfer timeout.
+(anything not known to be ``settled``) is reused only after twice the transfer timeout.
 """
 
 from __future__ import annotations
@@ -174,8 +174,10 @@ class Receiver:
             if settled:
                 self.staging.release(lease.staging)
             else:
-                # A prefill that was cut off (but maybe not dead) could still be writing into it.
-                asyncio.get_running_loop().call_later(self._transfer_timeout_s, self.staging.release, lease.staging)
+                # A prefill that was cut off (but maybe not dead) could still be writing into it: a
+                # sender starts no write later than one transfer timeout after it was told where
+                # (``KVSender.write_window_s``), and a write fails after one more.
+                asyncio.get_running_loop().call_later(2 * self._transfer_timeout_s, self.staging.release, lease.staging)
         return True
 
     async def expire_forever(self) -> None:

@@ -41,15 +41,25 @@ class Replicator:
         send = self._send
         staging = await when_free(lambda: send.allocate(layout.nbytes(dest.num_blocks)), self._timeout_s)
         batch = None
+        exported = False
         try:
             out = self._send.view(staging, layout.torch_dtype, layout.shape(dest.num_blocks))
-            await self._client.call(lambda _: self._handoff.export_prefix(token_ids, dest.skip_blocks, dest.num_blocks, out))
+            # Bounded like any KV write: the target gives up on the reservation, and later reuses
+            # its range, when a push takes too long (the engine thread may be busy with a step).
+            await asyncio.wait_for(
+                self._client.call(lambda _: self._handoff.export_prefix(token_ids, dest.skip_blocks, dest.num_blocks, out)),
+                self._timeout_s)
+            exported = True
             batch = self._transfer.write(dest.address, [(self._send.handle, staging.offset, dest.region, dest.offset,
                                                          staging.nbytes)])
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(batch)), self._timeout_s)
         finally:
             if batch is not None:  # a timed-out write may still read the staging
                 await asyncio.get_running_loop().run_in_executor(None, settle, [batch], self._timeout_s)
+            if not exported:
+                # An export we stopped waiting for may be packing into the staging right now;
+                # the engine thread runs calls in order, so this one returns once it is done.
+                await self._client.call(lambda _: None)
             self._send.release(staging)
         return dest.num_blocks
 

@@ -118,7 +118,7 @@ class InstanceService:
             sender = None
             if cfg.role in ("prefill", "both"):
                 self.send = StagingArea(transfer, staging)
-                sender = KVSender(transfer, self.send, layout)
+                sender = KVSender(transfer, self.send, layout, write_window_s=cfg.transfer_timeout_s)
                 await self.client.call(lambda _: handoff.set_sink(sender))
             # Every role receives: decode instances a prompt's KV, prefill ones pulled hot prefixes.
             self.recv = StagingArea(transfer, staging)
