@@ -53,10 +53,10 @@ class KVDestination:
 class _Outgoing:
     __slots__ = ("dest", "staging", "batches", "error", "write_by")
 
-    def __init__(self, dest: KVDestination, staging: StagingRange | None, write_by: float):
+    def __init__(self, dest: KVDestination, staging: StagingRange | None):
         self.dest = dest
         self.staging = staging
-        self.write_by = write_by
+        self.write_by: float | None = None  # set by the first layer's write
         self.batches: list[Batch] = []
         self.error: str | None = None
 
@@ -67,10 +67,11 @@ class KVSender:
 
     def __init__(self, transfer: TransferEngine, staging: StagingArea, layout: KVLayout,
                  write_window_s: float = float("inf")) -> None:
-        """``write_window_s``: no write of a request starts later than this after ``expect``. The
-        receiver gives up on a request after its own timeout and reuses the range some time
-        later; an instance that was frozen (or stalled) mid-prefill must not write into it when
-        it wakes up."""
+        """``write_window_s``: no layer of a request is written later than this after its first
+        layer was. The receiver gives up on a request after its own timeout and reuses the range
+        some time later; an instance that was frozen (or stalled) while streaming must not write
+        the rest into it when it wakes up. (A prompt may wait and compute for long before its
+        last chunk; its layers are all written during that last step.)"""
         self.transfer = transfer
         self.staging = staging
         self.layout = layout
@@ -89,7 +90,7 @@ class KVSender:
                 if staging is not None:
                     self.staging.release(staging)
                 raise ValueError(f"request {request_id!r} is already being streamed")
-            self._out[request_id] = _Outgoing(dest, staging, time.monotonic() + self.write_window_s)
+            self._out[request_id] = _Outgoing(dest, staging)
 
     def wants(self, request_id: str) -> bool:
         out = self._out.get(request_id)
@@ -102,8 +103,11 @@ class KVSender:
                 out = self._out.get(seq.request_id)
                 if out is None or out.staging is None or out.error is not None:
                     continue
-                if time.monotonic() > out.write_by:
-                    out.error = f"too late to write: more than {self.write_window_s:g} s after the request was announced"
+                now = time.monotonic()
+                if out.write_by is None:
+                    out.write_by = now + self.write_window_s
+                elif now > out.write_by:
+                    out.error = f"too late to write: more than {self.write_window_s:g} s after its first layer"
                     continue
                 d = out.dest
                 ids = seq.block_table.block_ids[d.skip_blocks :]
