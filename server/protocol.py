@@ -340,7 +340,7 @@ def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
         if not isinstance(msg, dict):
             raise ProtocolError(f"'messages[{i}]' must be an object", f"messages[{i}]")
         role = msg.get("role")
-        if role not in _CHAT_ROLES:
+        if not isinstance(role, str) or role not in _CHAT_ROLES:  # a list or object is not hashable
             raise ProtocolError(
                 f"'messages[{i}].role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}", f"messages[{i}].role")
         content = _message_content(msg, i)

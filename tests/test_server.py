@@ -338,6 +338,8 @@ def test_bad_requests_are_400(url):
     assert_error(post(url, "/v1/completions", b"[1, 2]"), 400)
     assert_error(post(url, "/v1/completions", b""), 400)
     assert_error(post(url, "/v1/chat/completions", b"[" * 100000), 400)
+    assert_error(post(url, "/v1/chat/completions", {"messages": [{"role": {"a": 1}, "content": "x"}]}), 400,
+                 "messages[0].role")
     # A lone surrogate is no text (the tokenizer cannot take it); a huge integer is no float.
     assert_error(post(url, "/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}'), 400)
     assert_error(post(url, "/v1/chat/completions",

@@ -5,7 +5,8 @@ Typed calls, each with a bound, and one error mapping:
 * no answer, a timeout, a broken connection or a 5xx: ``InstanceUnavailable`` (the caller marks
   the instance down);
 * 400: ``ValueError`` (the request itself is bad; the client gets a 400 too);
-* 404 / 409: ``InstanceRefused`` (no such reservation, stale Conductor, prefix no longer cached);
+* 404 / 409 / 502: ``InstanceRefused`` (no such reservation, stale Conductor, prefix no longer
+  cached; a KV write to *another* instance failed, which says nothing against this one);
 * 429 / 503: ``InstanceBusy`` with the Retry-After the instance gave;
 * 507: ``InstanceFull`` (no room for the KV now; the next instance may have it).
 
@@ -67,7 +68,7 @@ def _raise_for(r: httpx.Response, what: str) -> None:
     text = f"{what}: HTTP {code}: {_message(r)}"
     if code == 400:
         raise ValueError(_message(r))
-    if code in (404, 409):
+    if code in (404, 409, 502):
         raise InstanceRefused(text)
     if code in (429, 503) and not (code == 503 and "fatal" in (r.text or "")):
         try:
