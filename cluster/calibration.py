@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cluster.cost_model import DecodeStepModel, PrefillCostModel
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -47,36 +47,38 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _run_alone(engine: LLMEngine) -> float:
-    """Seconds of the steps until the engine is idle (nothing else runs during calibration)."""
+def _run_alone(engine: LLMEngine) -> tuple[float, list[RequestOutput]]:
+    """Seconds of the steps until the engine is idle (nothing else runs during calibration), and
+    what they produced."""
+    outputs = []
     start = time.perf_counter()
     while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start
+        outputs += engine.step()
+    return time.perf_counter() - start, outputs
 
 
 def profile(engine: LLMEngine, seed: int = 0) -> InstanceProfile:
-    if engine.has_unfinished() or engine.seqs:
+    """Calibrate through the engine's public API only: requests in, step outputs and statistics out."""
+    if engine.has_unfinished():
         raise RuntimeError("calibrate an idle engine")
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     budget = engine.config.max_num_batched_tokens
-    limit = min(budget, engine.max_model_len - 2, engine.block_manager.num_blocks * engine.config.block_size // 2)
+    capacity = engine.stats().num_blocks * engine.config.block_size
+    limit = min(budget, engine.max_model_len - 2, capacity // 2)
     lengths = sorted({max(8, n) for n in (32, limit // 4, limit // 2, limit)})
     ns, ps, ts = [], [], []
     _warm_up(engine, rng, vocab, one)
     for n in lengths:
         prompt = _prompt(rng, n, vocab)
         engine.add_request(prompt, one)
-        ns.append(n), ps.append(0), ts.append(_run_alone(engine))
+        ns.append(n), ps.append(0), ts.append(_run_alone(engine)[0])
         # The same prompt's first half is now cached: a request sharing it computes the rest.
         half = n // 2
         engine.add_request(prompt[:half] + _prompt(rng, n - half, vocab), one)
-        cached = engine.scheduler.num_prompt_tokens_hit
-        t = _run_alone(engine)
-        hit = engine.scheduler.num_prompt_tokens_hit - cached
-        ns.append(n), ps.append(hit), ts.append(t)
+        t, (out,) = _run_alone(engine)
+        ns.append(n), ps.append(out.num_cached_tokens), ts.append(t)
     prefill = PrefillCostModel.fit(ns, ps, ts)
 
     decode = None
@@ -84,26 +86,31 @@ def profile(engine: LLMEngine, seed: int = 0) -> InstanceProfile:
         rows, times = [], []
         for batch in (1, 4, 16):
             for context in (32, min(256, limit)):
-                if batch * (context + 8) > engine.block_manager.num_blocks * engine.config.block_size:
+                if batch * (context + 8) > capacity:
                     continue
                 # One shared prompt but for its last token: the prefix cache keeps the prefills
                 # cheap, and each sequence still attends over its whole context.
                 shared = _prompt(rng, context - 1, vocab)
+                generated = {}  # request id -> tokens generated so far
                 for _ in range(batch):
-                    engine.add_request(shared + _prompt(rng, 1, vocab), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-                while any(s.num_output_tokens == 0 for s in engine.seqs.values()):
-                    engine.step()  # the prefills
+                    rid = engine.add_request(shared + _prompt(rng, 1, vocab),
+                                             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+                    generated[rid] = 0
+                while not all(generated.values()):
+                    for out in engine.step():  # the prefills
+                        generated[out.request_id] += len(out.new_token_ids)
                 step_times = []
                 while engine.has_unfinished():
-                    tokens = sum(s.num_tokens for s in engine.seqs.values())
+                    tokens = sum(context + n for n in generated.values())
                     start = time.perf_counter()
-                    engine.step()
+                    outputs = engine.step()
                     step_times.append(time.perf_counter() - start)
                     rows.append((1.0, batch, tokens))
+                    for out in outputs:
+                        generated[out.request_id] += len(out.new_token_ids)
                 times.extend(step_times)
         coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=np.float64), np.asarray(times), rcond=None)
         base, per_seq, per_token = (float(max(c, 0.0)) for c in coef)
-        capacity = engine.block_manager.num_blocks * engine.config.block_size
         decode = DecodeStepModel(base, per_seq, per_token, capacity)
     return InstanceProfile(prefill, decode)
 
