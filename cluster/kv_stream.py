@@ -56,7 +56,7 @@ class _Outgoing:
     def __init__(self, dest: KVDestination, staging: StagingRange | None):
         self.dest = dest
         self.staging = staging
-        self.write_by: float | None = None  # set by the first layer's write
+        self.write_by: float | None = None  # the next layer's write is refused after this
         self.batches: list[Batch] = []
         self.error: str | None = None
 
@@ -67,11 +67,11 @@ class KVSender:
 
     def __init__(self, transfer: TransferEngine, staging: StagingArea, layout: KVLayout,
                  write_window_s: float = float("inf")) -> None:
-        """``write_window_s``: no layer of a request is written later than this after its first
-        layer was. The receiver gives up on a request after its own timeout and reuses the range
+        """``write_window_s``: no layer of a request is written later than this after the layer
+        before it. The receiver gives up on a request after its own timeout and reuses the range
         some time later; an instance that was frozen (or stalled) while streaming must not write
         the rest into it when it wakes up. (A prompt may wait and compute for long before its
-        last chunk; its layers are all written during that last step.)"""
+        last chunk, and that step may be long; but one layer of it is not.)"""
         self.transfer = transfer
         self.staging = staging
         self.layout = layout
@@ -104,11 +104,10 @@ class KVSender:
                 if out is None or out.staging is None or out.error is not None:
                     continue
                 now = time.monotonic()
-                if out.write_by is None:
-                    out.write_by = now + self.write_window_s
-                elif now > out.write_by:
-                    out.error = f"too late to write: more than {self.write_window_s:g} s after its first layer"
+                if out.write_by is not None and now > out.write_by:
+                    out.error = f"too late to write: more than {self.write_window_s:g} s after the layer before"
                     continue
+                out.write_by = now + self.write_window_s
                 d = out.dest
                 ids = seq.block_table.block_ids[d.skip_blocks :]
                 if len(ids) != d.num_blocks:

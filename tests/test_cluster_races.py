@@ -425,7 +425,7 @@ def test_a_newer_conductor_epoch_releases_reservations_of_the_older_one(cluster)
     assert s["num_reservations"] == 1 and s["staging_recv_ranges"] == 1
     # Any signed call from a newer Conductor (here a poll) releases what the older one reserved.
     assert httpx.get(url + "/instance/state", timeout=30, **_signed(epoch + 1)).status_code == 200
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10  # the staging is held back twice the transfer timeout (3 s)
     while True:
         s = cluster.instance_stats(url)
         if s["num_reservations"] == 0 and s["num_used_blocks"] == 0 and s["staging_recv_ranges"] == 0:
