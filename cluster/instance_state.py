@@ -14,7 +14,8 @@ from cluster.prefix_index import BlockKey, PrefixView
 
 @dataclass(frozen=True)
 class RequestInfo:
-    """What the Conductor knows about a new request: its length and its prompt's block keys.
+    """What the Conductor knows about a new request: its length, its prompt's block keys, and
+    how many of those blocks (a prefix) the KVCache pool holds.
 
     The output length is not known in advance, so it is not here.
     """
@@ -22,10 +23,13 @@ class RequestInfo:
     request_id: int
     input_length: int
     block_keys: Sequence[BlockKey]
+    pool_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.input_length <= 0:
             raise ValueError(f"input_length must be positive, got {self.input_length}")
+        if not 0 <= self.pool_blocks <= len(self.block_keys):
+            raise ValueError(f"pool_blocks must be in [0, {len(self.block_keys)}], got {self.pool_blocks}")
 
 
 @dataclass(frozen=True)

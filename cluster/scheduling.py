@@ -7,10 +7,11 @@ Prefill schedulers, from the FAST'25 §5.2 comparison (Fig. 5):
   instance still reuses whatever prefix it happens to hold).
 * ``LocalCacheAwareScheduler`` — the least estimated TTFT = queue + prefill given the prefix the
   instance holds itself.
-* ``GlobalCacheAwareScheduler`` — Mooncake's Algorithm 1: as above, but an instance may also pull
-  the longest prefix held anywhere, paying its transfer time, when that prefix is more than
-  ``kvcache_balancing_threshold`` times longer than its own. The chosen instance keeps the pulled
-  copy, which is how hot prefixes get replicated.
+* ``GlobalCacheAwareScheduler`` — Mooncake's Algorithm 1: as above, but an instance's prefix is
+  the longest of its own, the KVCache pool's (``RequestInfo.pool_blocks``: loaded at the
+  transfer bandwidth) and, when more than ``kvcache_balancing_threshold`` times longer than its
+  own, the longest one another instance holds (pulled from it). The chosen instance keeps what
+  it loaded or pulled, which is how hot prefixes get replicated.
 
 ``DecodeLoadBalancer`` picks the decode instance with the least predicted time between tokens
 once the request (and everything already routed there) has joined its batch.
@@ -33,12 +34,13 @@ class PrefillPlan:
     """Where a request prefills, which prefix it reuses, and the TTFT the Conductor expects."""
 
     instance: int
-    prefix_tokens: int  # prompt tokens whose KV is reused (local or pulled)
+    prefix_tokens: int  # prompt tokens whose KV is reused (local, loaded or pulled)
     local_prefix_tokens: int  # of which the instance already held
-    source: int | None  # instance the rest of the prefix is pulled from; None = no transfer
+    source: int | None  # instance the rest of the prefix is pulled from; None = no pull
     queue_s: float
     transfer_s: float
     prefill_s: float
+    from_pool: bool = False  # the rest of the prefix is loaded from the KVCache pool
 
     @property
     def transfer_tokens(self) -> int:
@@ -68,17 +70,20 @@ class PrefillEstimator:
         local_blocks: int,
         used_blocks: int,
         source: int | None,
+        from_pool: bool = False,
     ) -> PrefillPlan:
         local = prefix_tokens(local_blocks, request.input_length, self.block_size)
         used = prefix_tokens(used_blocks, request.input_length, self.block_size)
+        moved = source is not None or from_pool
         return PrefillPlan(
             instance=inst.index,
             prefix_tokens=used,
             local_prefix_tokens=local,
             source=source,
             queue_s=inst.queue_s,
-            transfer_s=self.transfer.seconds(used - local) if source is not None else 0.0,
+            transfer_s=self.transfer.seconds(used - local) if moved else 0.0,
             prefill_s=self.cost.seconds(request.input_length, used),
+            from_pool=from_pool,
         )
 
     def local_plan(self, request: RequestInfo, inst: PrefillInstanceState) -> PrefillPlan:
@@ -132,13 +137,18 @@ class GlobalCacheAwareScheduler(PrefillScheduler):
         local = [s.cache.match_len(keys) for s in instances]
         best_len = max(local, default=0)
         source = instances[local.index(best_len)].index if best_len else None
+        pool = request.pool_blocks
         best: PrefillPlan | None = None
         for inst, own in zip(instances, local):
+            options = [self.estimator.plan(request, inst, own, own, None)]
+            if pool > own:
+                # Before a pull of the same length: the pool spreads reads over replicas, an
+                # instance serves them on top of its own prefills.
+                options.append(self.estimator.plan(request, inst, own, pool, None, from_pool=True))
             # own == 0 means any remote prefix is infinitely better (the paper's ratio guard).
-            if best_len > own and (own == 0 or best_len / own > self.threshold):
-                plan = self.estimator.plan(request, inst, own, best_len, source)
-            else:
-                plan = self.estimator.plan(request, inst, own, own, None)
+            if best_len > max(own, pool) and (own == 0 or best_len / own > self.threshold):
+                options.append(self.estimator.plan(request, inst, own, best_len, source))
+            plan = min(options, key=lambda p: p.ttft_s)
             if best is None or plan.ttft_s < best.ttft_s:
                 best = plan
         if best is None:

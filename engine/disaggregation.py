@@ -9,7 +9,8 @@
   from the first token the prefill instance sampled;
 * ``adopt``: the received KV is kept as cached prefix blocks (hot-spot replication);
 * ``drop``: a reservation nobody took over is released (a live request is left alone);
-* ``export_prefix``: cached prefix blocks are packed into a buffer for another instance;
+* ``export_prefix``: cached prefix blocks are packed into a buffer for another instance (or for
+  the KVCache pool), ``import_prefix``: blocks read from the pool become cached prefix blocks;
 * ``layout`` / ``cache_report``: the KV page geometry, and what the prefix cache holds (as
   changes since a version the caller saw).
 
@@ -30,6 +31,7 @@ from engine.kv_layout import KVLayout, pack
 from engine.llm_engine import KVSink, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
+from paged_kv import BlockTable
 from paged_kv.prefix_keys import chain_keys
 
 
@@ -180,6 +182,46 @@ class KVHandoff:
         if len(wanted) != num_blocks:
             raise ValueError(f"only {len(blocks)} of the prefix blocks are cached here now")
         pack(e.runner.kv_cache, wanted, None, out)
+
+    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of ``token_ids`` the prefix cache holds now."""
+        return len(self._engine.block_manager.pool.lookup(chain_keys(token_ids, self.layout.block_size)))
+
+    def import_prefix(self, token_ids: list[int], start_block: int, kvs: list[torch.Tensor]) -> int:
+        """Cache KV that was computed elsewhere (read from the KVCache pool) as prefix blocks.
+
+        ``kvs`` are ``layout.shape(n)`` buffers for the consecutive blocks from ``start_block``
+        of ``token_ids``'s prefix; the blocks before ``start_block`` must be cached here already.
+        Blocks cached meanwhile are not overwritten. The blocks stay cached, unreferenced, so a
+        request for ``token_ids`` queued next finds them (unless memory pressure evicts them
+        first, when it computes them). Returns the leading blocks now cached; fewer than
+        ``start_block + n`` when the earlier blocks were evicted or no blocks are free.
+        """
+        e = self._engine
+        bm = e.block_manager
+        bs = self.layout.block_size
+        end = (start_block + sum(kv.shape[2] for kv in kvs)) * bs
+        if end >= len(token_ids):
+            raise ValueError("the pool never supplies the last prompt token's block: it must be computed")
+        table = BlockTable()
+        try:
+            cached = bm.match_prefix(table, token_ids[: end + 1]) // bs
+            if cached < start_block or cached * bs >= end or not bm.can_grow(table, end):
+                return cached
+            bm.grow(table, end)
+            cache = e.runner.kv_cache
+            pos = start_block
+            for kv in kvs:
+                n = kv.shape[2]
+                skip = max(0, cached - pos)  # blocks of this buffer that got cached meanwhile
+                if skip < n:
+                    part = kv[:, :, skip:] if skip else kv
+                    kernels.scatter_kv(part.to(cache.device).contiguous(), cache, table.block_ids[pos + skip : pos + n])
+                pos += n
+            bm.commit(table, token_ids, end)
+            return end // bs
+        finally:
+            bm.free(table)
 
     # -- reporting ----------------------------------------------------------------------------------
     def cache_report(self, since: int | None) -> CacheReport:

@@ -58,6 +58,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m server",
@@ -143,6 +150,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="(Conductor) requests allowed to wait on one prefill instance; beyond it: HTTP 429")
     c.add_argument("--reservation-lease-s", type=_positive_float, default=10.0,
                    help="(instance) a KV reservation the Conductor stops renewing is released after this long")
+    pool = p.add_argument_group("KVCache pool (every node's DRAM and SSD as one store of prefix blocks)")
+    pool.add_argument("--no-pool", action="store_true",
+                      help="(Conductor) run without the pool: each instance has only its own prefix cache")
+    pool.add_argument("--etcd", metavar="URL", default=_env("MOONCAKE_ETCD"),
+                      help="(every process) keep the pool's metadata in etcd at URL (http://HOST:2379); "
+                           "default: the Conductor's embedded metadata server")
+    pool.add_argument("--pool-metadata", metavar="URL", default=None,
+                      help="(instance) the Conductor's embedded metadata server (the Conductor passes it "
+                           "to the instances it starts)")
+    pool.add_argument("--pool-dram-gib", type=_non_negative_float, default=1.0,
+                      help="(instance) host DRAM this instance contributes to the pool (1; 0: none)")
+    pool.add_argument("--pool-ssd-dir", default=None,
+                      help="(instance) directory of this instance's SSD tier (a subdirectory per instance)")
+    pool.add_argument("--pool-ssd-gib", type=_non_negative_float, default=0.0, help="(instance) SSD tier size")
+    pool.add_argument("--pool-block-tokens", type=_positive_int, default=256,
+                      help="(instance) tokens per pool object, a multiple of the KV block size (256)")
     return p.parse_args(argv)
 
 
@@ -195,11 +218,43 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--staging-gib", str(args.staging_gib),
            "--transfer-timeout-s", str(args.transfer_timeout_s),
            "--reservation-lease-s", str(args.reservation_lease_s), "--max-waiting", str(args.max_waiting)]
+    if not args.no_pool:
+        out += ["--pool-dram-gib", str(args.pool_dram_gib), "--pool-ssd-gib", str(args.pool_ssd_gib),
+                "--pool-block-tokens", str(args.pool_block_tokens)]
     for flag, value in (("--model", args.model), ("--kv-cache-gib", args.kv_cache_gib),
-                        ("--max-model-len", args.max_model_len), ("--device", args.device)):
+                        ("--max-model-len", args.max_model_len), ("--device", args.device),
+                        ("--pool-ssd-dir", None if args.no_pool else args.pool_ssd_dir),
+                        ("--etcd", None if args.no_pool else args.etcd)):
         if value is not None:
             out += [flag, str(value)]
     return out
+
+
+def _pool_config(args: argparse.Namespace, url: str):
+    """An instance's pool settings; no pool unless it was told where the metadata is."""
+    from cluster.pool import PoolConfig
+
+    ssd_dir = args.pool_ssd_dir
+    if ssd_dir is not None:
+        # Instances started together share the flag: each keeps its own files, by its address
+        # (a restarted instance finds, and clears, only its own).
+        ssd_dir = os.path.join(ssd_dir, url.split("://", 1)[1].replace(":", "_").replace("/", "_"))
+    return PoolConfig(metadata_url=args.etcd or args.pool_metadata, etcd=args.etcd is not None,
+                      dram_gib=args.pool_dram_gib, ssd_dir=ssd_dir, ssd_gib=args.pool_ssd_gib,
+                      block_tokens=args.pool_block_tokens)
+
+
+def _start_pool(args: argparse.Namespace, secret: str, host: str):
+    """The Conductor's view of the pool (a ``PoolClient`` on its metadata), the metadata server
+    it runs when there is no etcd (or None), and the flags its instances get to join."""
+    from cluster.pool import PoolClient
+    from cluster.pool.metadata import EtcdMetadata, LocalMetadata, MetadataServer
+
+    if args.etcd:
+        return PoolClient(None, EtcdMetadata(args.etcd)), None, []
+    store = LocalMetadata()
+    server = MetadataServer(secret.encode(), host=host, store=store)
+    return PoolClient(None, store), server, ["--pool-metadata", server.url]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,11 +278,12 @@ def main(argv: list[str] | None = None) -> None:
         if cluster_secret is None:
             sys.exit(f"error: an instance needs the cluster secret: set {SECRET_ENV} or pass --cluster-secret-file")
         try:
+            url = args.url or f"http://{args.host}:{args.port}"
             config = InstanceConfig(
-                engine=_engine_config(args, args.role), url=args.url or f"http://{args.host}:{args.port}",
+                engine=_engine_config(args, args.role), url=url,
                 secret=cluster_secret.encode(), conductor=args.conductor, staging_gib=args.staging_gib,
                 transfer_timeout_s=args.transfer_timeout_s, reservation_lease_s=args.reservation_lease_s,
-                max_waiting=args.max_waiting,
+                max_waiting=args.max_waiting, pool=_pool_config(args, url),
             )
         except ValueError as e:
             sys.exit(f"error: {e}")
@@ -269,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
             admission=args.admission, slo_ttft_s=args.slo_ttft_s, slo_tbt_s=args.slo_tbt_s,
             predicted_decode_s=args.predicted_decode_s, max_queued_prefills=args.max_queued_prefills,
         )
-        supervisor = Supervisor(roles, f"http://{local}:{args.port}", secret, threads, _instance_args(args))
+        pool, metadata_server, pool_args = (None, None, []) if args.no_pool else _start_pool(args, secret, local)
+        supervisor = Supervisor(roles, f"http://{local}:{args.port}", secret, threads, _instance_args(args) + pool_args)
         # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
@@ -277,7 +334,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as e:
         sys.exit(f"error: {e}")
-    conductor = Conductor(config, supervisor=supervisor)
+    conductor = Conductor(config, supervisor=supervisor, pool=pool)
+    if metadata_server is not None:
+        log.info("KVCache pool metadata at %s (a pool node joins with: python -m cluster.pool --metadata %s)",
+                 metadata_server.url, metadata_server.url)
     app = build_app(conductor, settings,
                     extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
     log.info("serving %r on http://%s:%d: Conductor over %d prefill + %d decode instances (%d threads each); "
@@ -288,6 +348,8 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         supervisor.stop()
+        if metadata_server is not None:
+            metadata_server.close()
 
 if __name__ == "__main__":
     main()

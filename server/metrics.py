@@ -25,6 +25,19 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
+POOL_COUNTERS = {
+    "hits": "Pool objects read by instances.",
+    "misses": "Pool objects looked for and not read (absent, or failed).",
+    "loads": "Prefix loads that read at least one pool object.",
+    "stores": "Objects stored in the pool.",
+    "evictions": "Objects evicted from the pool for good.",
+    "demotions": "Objects moved from a segment's DRAM to its SSD tier.",
+    "promotions": "Objects brought back from SSD to DRAM on a read.",
+    "replicas_made": "Extra replicas of hot objects.",
+    "failed_reads_recomputed": "Pool objects whose read or checksum failed; their tokens were recomputed.",
+}
+
+
 class _EngineCollector(Collector):
     def __init__(self, client: EngineClient, model_name: str):
         self.client = client
@@ -61,6 +74,13 @@ class _EngineCollector(Collector):
                     s["num_free_blocks"])
         yield gauge("mooncake:kv_blocks_cached", "KV blocks holding a reusable prefix, unused.",
                     s["num_cached_blocks"])
+        pool = s.get("pool")
+        if pool is not None:  # a Conductor with a KVCache pool
+            yield gauge("mooncake:pool_objects", "Objects in the KVCache pool (DRAM and SSD).", pool["objects"])
+            yield gauge("mooncake:pool_bytes", "Bytes of the objects in the KVCache pool.", pool["bytes"])
+            yield gauge("mooncake:pool_segments", "Segments (nodes) in the KVCache pool.", len(pool["segments"]))
+            for name in POOL_COUNTERS:
+                yield counter(f"mooncake:pool_{name}", POOL_COUNTERS[name], pool[name])
 
 
 class ServerMetrics:

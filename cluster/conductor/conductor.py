@@ -10,6 +10,10 @@ The OpenAI server (``server/app.py``) hands it each request. For one request it:
    ``EngineOverloaded`` (HTTP 429 with Retry-After) before any instance has done work;
 3. runs the request through the instances (``flow.py``) and relays its outputs.
 
+With a KVCache pool, step 2 first looks up how much of the prompt's prefix the pool holds
+(``RequestInfo.pool_blocks``), which Algorithm 1 weighs against the instances' own caches; the
+pool's totals (``pool`` in ``/stats``) are read from its metadata every second.
+
 Around requests it keeps the registry polling, renews the leases of the reservations its
 requests hold on instances, and carries an epoch (its start time) on every call, so instances
 release what an older Conductor reserved.
@@ -34,6 +38,9 @@ from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.instance_state import RequestInfo
+from cluster.pool.client import PoolClient
+from cluster.pool.metadata import MetadataUnavailable
+from cluster.pool.objects import object_keys
 from cluster.control_auth import CONTROL, ControlVerifier, derive_key, verify_request
 from engine.async_engine import default_model_name
 from engine.config import ModelConfig
@@ -73,9 +80,10 @@ class ConductorConfig:
 
 
 class Conductor(EngineClient):
-    def __init__(self, config: ConductorConfig, supervisor: Any = None) -> None:
+    def __init__(self, config: ConductorConfig, supervisor: Any = None, pool: PoolClient | None = None) -> None:
         """``supervisor``: the ``cluster.launcher.Supervisor`` of the instances this process
-        started, if any; it explains a missing role while they restart."""
+        started, if any; it explains a missing role while they restart. ``pool``: the KVCache
+        pool's metadata, to look prefixes up and report its totals (None: no pool)."""
         self.config = config
         self.epoch = config.epoch or time.time_ns()  # a Conductor started later is newer
         self.client = InstanceClient(config.secret, self.epoch, config.control_timeout_s, config.request_timeout_s)
@@ -88,6 +96,8 @@ class Conductor(EngineClient):
         self.counters = Counters()
         self.flow = RequestFlow(self.client, self.registry, self.counters, self._spawn)
         self._supervisor = supervisor
+        self._pool = pool
+        self._pool_stats: dict[str, Any] | None = None
         self._model_name = config.served_model_name or default_model_name(config.model)
         self._tokenizer: Tokenizer | None = None
         self._vocab_size = 0
@@ -101,6 +111,8 @@ class Conductor(EngineClient):
     async def start(self) -> None:
         if not self._tasks:
             self._tasks = [asyncio.create_task(self._load_tokenizer()), asyncio.create_task(self._renew_forever())]
+            if self._pool is not None:
+                self._tasks.append(asyncio.create_task(self._watch_pool()))
             self.registry.start()
 
     async def _load_tokenizer(self) -> None:
@@ -120,6 +132,34 @@ class Conductor(EngineClient):
             task.cancel()
         await self.registry.close()
         await self.client.close()
+
+    async def _watch_pool(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                self._pool_stats = await loop.run_in_executor(None, self._pool.stats)
+            except MetadataUnavailable as exc:
+                log.warning("pool metadata unavailable: %s", exc)
+            await asyncio.sleep(1.0)
+
+    async def _pool_prefix(self, ids: list[int]) -> int:
+        """Engine blocks of ``ids``'s prefix the pool holds; 0 without a pool, or when its
+        metadata does not answer within a second (the instance still loads what it finds)."""
+        geometry = self._pool.geometry() if self._pool is not None else None
+        records = [r for r in self.registry.records if r.up and r.layout is not None]
+        if geometry is None or not records:
+            return 0
+        namespace, per_object = geometry
+        bs = records[0].layout.block_size
+        keys = object_keys(namespace, chain_keys(ids[: (len(ids) - 1) // bs * bs], bs), per_object)
+        if not keys:
+            return 0
+        try:
+            run = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self._pool.lookup, keys), 1.0)
+        except (TimeoutError, MetadataUnavailable) as exc:
+            log.warning("pool lookup failed; placing without it: %s", exc)
+            return 0
+        return len(run) * per_object
 
     async def _renew_forever(self) -> None:
         """Keep the leases of the reservations requests hold on instances (they expire by
@@ -220,6 +260,7 @@ class Conductor(EngineClient):
             raise self.not_ready()
         ids = prompt_token_ids(prompt, self.tokenizer, self._vocab_size)
         check_fits(len(ids), params.max_tokens, self.max_model_len, "the model's context")
+        pool_blocks = await self._pool_prefix(ids)
         # From here to the booking nothing awaits: the decision and its record are one step.
         mode = self._serving_mode()
         if mode is None:  # instances went down since the check above
@@ -227,7 +268,7 @@ class Conductor(EngineClient):
         disaggregated = mode == "disaggregated"
         prefills = self.registry.up("prefill" if disaggregated else "both")
         decodes = self.registry.up("decode") if disaggregated else []
-        placement = self._place(ids, prefills, decodes)
+        placement = self._place(ids, prefills, decodes, pool_blocks)
         booking = self.ledger.book()
         prefill = prefills[placement.plan.instance]
         now = time.monotonic()
@@ -245,14 +286,15 @@ class Conductor(EngineClient):
             async for out in stream:
                 yield out
 
-    def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord]) -> Placement:
+    def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord],
+               pool_blocks: int) -> Placement:
         ref = prefills[0]
         layout = ref.layout
         placer = Placer(self.config.placement, ref.profile.prefill, decodes[0].profile.decode if decodes else None,
                         layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids))
         # As the engines' prefix cache: at most len-1 tokens can hit (the last is always computed).
         keys = chain_keys(ids[: (len(ids) - 1) // layout.block_size * layout.block_size], layout.block_size)
-        info = RequestInfo(next(self._ids), len(ids), keys)
+        info = RequestInfo(next(self._ids), len(ids), keys, min(pool_blocks, len(keys)))
         now = time.monotonic()
         loads = [self.ledger.load(r) for r in prefills]
         result = placer.place(
@@ -296,6 +338,8 @@ class Conductor(EngineClient):
         })
         if self._supervisor is not None:
             totals["supervised"] = self._supervisor.status()
+        if self._pool_stats is not None:
+            totals["pool"] = self._pool_stats
         return totals
 
 

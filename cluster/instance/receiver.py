@@ -47,6 +47,7 @@ class _Lease:
     num_blocks: int  # blocks the sender writes
     epoch: int
     expires: float
+    prompt: list[int]
 
 
 class Receiver:
@@ -72,6 +73,12 @@ class Receiver:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
+
+    def prompt(self, request_id: str) -> list[int] | None:
+        """The prompt a reservation holds blocks for (None without a reservation)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return None if lease is None else lease.prompt
 
     # -- making and keeping -------------------------------------------------------------------------
     async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams, epoch: int) -> KVDestination:
@@ -99,7 +106,7 @@ class Receiver:
             aborted = request_id in self._released
             stale = epoch < self.epoch
             if not (aborted or stale):
-                self._leases[request_id] = _Lease(staging, n, epoch, time.monotonic() + self.lease_s)
+                self._leases[request_id] = _Lease(staging, n, epoch, time.monotonic() + self.lease_s, token_ids)
         if aborted or stale:
             await self._client.call(lambda _: self._handoff.drop(request_id))
             if staging is not None:

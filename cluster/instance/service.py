@@ -23,10 +23,14 @@ import httpx
 
 from cluster.calibration import InstanceProfile, profile
 from cluster.instance.cache_mirror import CacheMirror
+from cluster.instance.pool_io import PoolIO
 from cluster.instance.receiver import Receiver
 from cluster.instance.replication import Replicator
 from cluster.instance.serving import Serving
 from cluster.kv_stream import KVSender
+from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
+from cluster.pool.config import model_identity
+from cluster.pool.metadata import connect_metadata
 from cluster.staging import StagingArea
 from cluster.transfer import TransferConfig, TransferEngine
 from cluster.control_auth import CONTROL, MESSENGER, ControlAuth, derive_key
@@ -51,6 +55,7 @@ class InstanceConfig:
     transfer_timeout_s: float = 30.0
     max_waiting: int = 64  # requests waiting for their first token; beyond it: 429
     calibration_seed: int = 0
+    pool: PoolConfig = PoolConfig()  # the KVCache pool this instance joins (off without metadata)
 
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
@@ -83,6 +88,8 @@ class InstanceService:
         self.receiver: Receiver | None = None
         self.replicator: Replicator | None = None
         self.serving: Serving | None = None
+        self.pool: PoolIO | None = None
+        self.pool_service: SegmentService | None = None
         self.mirror = CacheMirror()
         self._facts: dict[str, Any] = {}
         self._tasks: list[asyncio.Task] = []
@@ -95,6 +102,8 @@ class InstanceService:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.pool_service is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.pool_service.close)
         await self.client.shutdown()
         if self.transfer is not None:
             self.transfer.close()
@@ -126,7 +135,9 @@ class InstanceService:
                                      cfg.reservation_lease_s, cfg.transfer_timeout_s)
             self.replicator = Replicator(self.client, handoff, transfer, self.send, self.receiver,
                                          cfg.transfer_timeout_s)
-            self.serving = Serving(self.client, sender, self.receiver, cfg.transfer_timeout_s)
+            if cfg.pool.enabled:
+                self.pool = await loop.run_in_executor(None, self._join_pool, transfer, handoff, facts)
+            self.serving = Serving(self.client, sender, self.receiver, cfg.transfer_timeout_s, self.pool)
             started = time.perf_counter()
             self.profile = await self.client.call(lambda e: profile(e, cfg.calibration_seed))
             log.info("calibrated in %.1f s: %s", time.perf_counter() - started, self.profile)
@@ -140,6 +151,34 @@ class InstanceService:
         except Exception as e:  # noqa: BLE001 -- reported through /health
             self.error = f"instance failed to start: {type(e).__name__}: {e}"
             log.exception("instance failed to start")
+
+    def _join_pool(self, transfer: TransferEngine, handoff: KVHandoff, facts: dict[str, Any]) -> PoolIO:
+        """Contribute a segment to the KVCache pool (if configured) and open this instance's way
+        in and out of it. Blocking (metadata calls): run off the event loop."""
+        pc = self.config.pool
+        layout = handoff.layout
+        if pc.block_tokens % layout.block_size:
+            raise ValueError(f"pool block of {pc.block_tokens} tokens is not a multiple of the "
+                             f"engine's {layout.block_size}-token blocks")
+        geometry = PoolGeometry(layout, pc.block_tokens // layout.block_size, model_identity(facts["model_path"]))
+        metadata = connect_metadata(pc.metadata_url, self.config.secret, etcd=pc.etcd)
+        client = PoolClient(transfer, metadata, transfer_timeout_s=self.config.transfer_timeout_s)
+        # Loads and stores go through their own staging, a few objects at a time.
+        area = StagingArea(transfer, max(8 * geometry.nbytes, layout.nbytes(-(-facts["max_model_len"] // layout.block_size))))
+        io = PoolIO(self.client, handoff, client, geometry, area, self.config.transfer_timeout_s)
+        if pc.dram_bytes:
+            ssd = SsdTier(pc.ssd_dir, pc.ssd_bytes) if pc.ssd_dir else None
+            segment = Segment(transfer, SegmentConfig(pc.dram_bytes), ssd)
+            self.pool_service = SegmentService(
+                segment, transfer, metadata, client, f"{self.config.role}-{self.instance_id}",
+                lease_ttl_s=pc.lease_ttl_s,
+                extra_stats=lambda: {**client.counters, "stores_skipped": io.stores_skipped,
+                                     "namespace": geometry.namespace,
+                                     "blocks_per_object": geometry.blocks_per_object})
+        log.info("joined the KVCache pool (%s): %d-token objects of %d bytes, %s of DRAM%s",
+                 pc.metadata_url, pc.block_tokens, geometry.nbytes, f"{pc.dram_gib:g} GiB",
+                 f", {pc.ssd_gib:g} GiB of SSD in {pc.ssd_dir}" if pc.ssd_dir else "")
+        return io
 
     @staticmethod
     def _engine_facts(e: LLMEngine) -> dict[str, Any]:
@@ -196,4 +235,8 @@ class InstanceService:
                 s[f"staging_{name}_free_bytes"] = area.num_free_bytes
                 s[f"staging_{name}_bytes"] = area.nbytes
                 s[f"staging_{name}_ranges"] = area.num_allocated
+        if self.pool is not None:
+            s["pool_client"] = dict(self.pool.pool.counters, stores_skipped=self.pool.stores_skipped)
+        if self.pool_service is not None:
+            s["pool_segment"] = self.pool_service.segment.stats()
         return s

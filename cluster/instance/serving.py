@@ -7,15 +7,23 @@
 * ``continue_decode`` (decode role): take over a reservation whose KV has landed and stream the
   rest of the request.
 * ``whole`` (both role): a whole request, prompt to last token, in this one engine.
+
+With a KVCache pool (``PoolIO``), a prompt first loads whatever prefix the pool has beyond the
+local cache, and what was computed goes back to the pool afterwards: the prompt's blocks once
+it is prefilled, the prompt's and the output's once a request finishes decoding (the next turn
+of a conversation starts with both).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from cluster.instance.pool_io import PoolIO
 from cluster.instance.receiver import Receiver
+from cluster.pool.metadata import MetadataUnavailable
 from cluster.kv_stream import KVDestination, KVSender
 from cluster.staging import when_free
 from cluster.transfer import TransferError
@@ -24,14 +32,17 @@ from engine.engine_client import EngineError
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 
 class Serving:
     def __init__(self, client: AsyncLLMEngine, sender: KVSender | None, receiver: Receiver,
-                 transfer_timeout_s: float) -> None:
+                 transfer_timeout_s: float, pool: PoolIO | None = None) -> None:
         self._client = client
         self._sender = sender
         self._receiver = receiver
         self._timeout_s = transfer_timeout_s
+        self._pool = pool
 
     async def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       dest: KVDestination) -> RequestOutput:
@@ -44,6 +55,7 @@ class Serving:
         block_size = sender.layout.block_size
         if dest.skip_blocks + dest.num_blocks != -(-len(token_ids) // block_size):
             raise ValueError("destination block count does not match the prompt")
+        await self._load_from_pool(token_ids)
         await when_free(lambda: sender.expect(request_id, dest), self._timeout_s)
         output = None
         try:
@@ -60,7 +72,33 @@ class Serving:
                 raise  # an aborted request stopped streaming on purpose
         if output is None:
             raise EngineError("the engine ended the request without output")
+        if self._pool is not None and output.finish_reason != "abort":
+            self._pool.store_later(token_ids, len(token_ids))
         return output
+
+    async def _load_from_pool(self, token_ids: list[int]) -> None:
+        if self._pool is None:
+            return
+        try:
+            await self._pool.load_prefix(token_ids)
+        except (TimeoutError, TransferError, MetadataUnavailable) as exc:
+            # The pool is a cache: without it the engine computes the whole prompt.
+            log.warning("pool: prefix load failed, computing the prompt: %s", exc)
+
+    async def _stored_after(self, token_ids: list[int], stream: AsyncGenerator[RequestOutput, None]
+                            ) -> AsyncIterator[RequestOutput]:
+        """``stream``, then the finished request's prompt and output blocks go to the pool."""
+        outputs: list[int] = []
+        try:
+            async for out in stream:
+                outputs.extend(out.new_token_ids)
+                if out.finished and out.finish_reason != "abort" and self._pool is not None:
+                    # The last sampled token never ran through the model: it has no KV.
+                    tokens = token_ids + outputs
+                    self._pool.store_later(tokens, len(tokens) - 1)
+                yield out
+        finally:
+            await stream.aclose()  # a client that left aborts the request now, not at collection
 
     async def _finish_quietly(self, request_id: str) -> None:
         try:
@@ -76,8 +114,12 @@ class Serving:
         state = prefilled.get("sampler_state") if isinstance(prefilled, dict) else None
         if type(first) is not int or type(cached) is not int or not (state is None or isinstance(state, bytes)):
             raise ValueError("prefilled needs first_token and num_cached_tokens integers")
+        prompt = self._receiver.prompt(request_id)
         admit = self._receiver.take_over(lambda h, kv: h.admit(request_id, kv, first, state, cached), request_id)
-        return self._client.stream(request_id, admit)
+        stream = self._client.stream(request_id, admit)
+        return stream if prompt is None else self._stored_after(prompt, stream)
 
-    def whole(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        return self._client.generate(request_id, token_ids, params)
+    async def whole(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        await self._load_from_pool(token_ids)
+        async for out in self._stored_after(token_ids, self._client.generate(request_id, token_ids, params)):
+            yield out

@@ -23,8 +23,8 @@ import torch
 from .batch import Batch, Request
 from .config import TransferConfig
 from .errors import RdmaUnavailable, TransferError
-from .messenger import Messenger
-from .protocol import Op, Status
+from .messenger import ControlHandler, Messenger
+from .protocol import Op, Status, decode_json, encode_json
 from .rdma import RdmaDevice, RdmaTransport
 from .regions import LocalRegion, RegionHandle, RegionTable
 from .shm import SharedMemoryPool, ShmTransport, export_region
@@ -95,8 +95,8 @@ class TransferEngine:
                 self.rdma_status = str(exc)
                 log.info("transfer: %s", exc)
         self._hello = {"engine_id": self.engine_id, "host": host_identity(), "rdma": self._rdma is not None}
-        handlers = {Op.EXPORT: self._export, Op.RDMA_CONNECT: self._rdma_connect}
-        self._messenger = Messenger(config, self._table, self._hello, handlers)
+        self._handlers = {Op.EXPORT: self._export, Op.RDMA_CONNECT: self._rdma_connect}
+        self._messenger = Messenger(config, self._table, self._hello, self._handlers)
         self.address = self._messenger.address
         self._links: dict[str, _Link] = {}
         self._link_locks: dict[str, threading.Lock] = {}
@@ -143,6 +143,21 @@ class TransferEngine:
 
     def read_sync(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None, timeout: float | None = None) -> None:
         self.read(peer, entries, transport=transport).wait(timeout)
+
+    def serve(self, handler: ControlHandler) -> None:
+        """Answer peers' ``call``s with ``handler`` (on the Messenger's connection threads, so it
+        must be thread-safe). One service per engine: the KV pool's segment."""
+        if Op.SERVICE in self._handlers:
+            raise RuntimeError("this engine already serves a service")
+        self._handlers[Op.SERVICE] = handler
+
+    def call(self, peer: str, body: dict) -> tuple[Status, dict]:
+        """One request to the service of the engine at ``peer``, over the authenticated control
+        stream; raises ``TransferError`` when the peer cannot be reached or does not answer."""
+        if self._closed:
+            raise TransferError("engine is closed")
+        status, _, payload = self._link(peer).control.call(Op.SERVICE, encode_json(body))
+        return Status(status), (decode_json(payload) if payload else {})
 
     def transport_for(self, peer: str, remote: Sequence[RegionHandle] = ()) -> str:
         """The transport a batch to ``peer`` touching ``remote`` regions would use."""

@@ -38,6 +38,7 @@ class Op(enum.IntEnum):
     PING = 4  # liveness fence
     EXPORT = 5  # JSON: details a transport needs to reach a region directly (shm, rdma)
     RDMA_CONNECT = 6  # JSON: queue-pair details exchanged over this side channel
+    SERVICE = 7  # JSON: a request to a service the owning process added (the KV pool's segment)
 
 
 class Status(enum.IntEnum):

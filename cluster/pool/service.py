@@ -1,0 +1,145 @@
+"""A segment on the network: its owner's answers to writers and readers, its metadata, its heat.
+
+``SegmentService`` serves a :class:`Segment` through the process's transfer engine (requests
+``alloc`` / ``seal`` / ``abort`` / ``lease`` / ``release`` arrive on the Messenger's
+authenticated control stream) and keeps the segment in the metadata store under a lease:
+
+* ``pool/segments/<id>``: where it is (Messenger address and region handle) and its stats,
+  rewritten every heartbeat with the lease kept alive;
+* ``pool/objects/<key>/<id>``: one entry per object it holds, put when a write is sealed and
+  deleted when the object is evicted for good.
+
+Every entry is tied to the lease, so a node that dies leaves the index when its lease expires:
+no master to fail over. A node whose lease expired while it was alive (paused, cut off)
+registers again and republishes what it holds.
+
+Hot-spot replication (the paper's hot-block replication; Mooncake Store's hot-replica fanout):
+each heartbeat, an object leased ``hot_reads`` times within the segment's window gets one more
+replica on another segment, up to ``max_replicas``; readers spread over replicas by load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+
+from cluster.pool.client import SEGMENTS, PoolClient, object_entry
+from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
+from cluster.pool.segment import PoolFull, Segment
+from cluster.transfer import TransferEngine
+from cluster.transfer.protocol import Status
+
+log = logging.getLogger(__name__)
+
+
+class SegmentService:
+    def __init__(self, segment: Segment, transfer: TransferEngine, metadata: MetadataStore, client: PoolClient,
+                 name: str, *, lease_ttl_s: float = 5.0, heartbeat_s: float = 1.0, hot_reads: int = 8,
+                 max_replicas: int = 3, extra_stats: Callable[[], dict] | None = None) -> None:
+        if not heartbeat_s < lease_ttl_s:
+            raise ValueError("the heartbeat must come more often than the lease expires")
+        self.segment = segment
+        self.segment_id = f"{name}-{transfer.engine_id}"
+        self._transfer = transfer
+        self._metadata = metadata
+        self._client = client
+        self._lease_ttl_s = lease_ttl_s
+        self._heartbeat_s = heartbeat_s
+        self._hot_reads = hot_reads
+        self._max_replicas = max_replicas
+        self._extra_stats = extra_stats or (lambda: {})
+        self._stop = threading.Event()
+        self._lease = self._metadata.grant_lease(lease_ttl_s)
+        self._register()
+        segment.start_publishing(self.publish)
+        transfer.serve(self._handle)
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="pool heartbeat", daemon=True)
+        self._thread.start()
+
+    # -- metadata -----------------------------------------------------------------------------------
+    def publish(self, key: str, present: bool) -> None:
+        """The segment's publisher: runs in order on its own thread."""
+        entry = object_entry(key, self.segment_id)
+        if present:
+            self._metadata.put(entry, "1", lease=self._lease)
+        else:
+            self._metadata.delete(entry)
+
+    def _entry(self) -> str:
+        stats = {**self.segment.stats(), **self._extra_stats()}
+        return json.dumps({"address": self._transfer.address, "handle": self.segment.handle.to_dict(),
+                           "stats": stats})
+
+    def _register(self) -> None:
+        self._metadata.put(SEGMENTS + self.segment_id, self._entry(), lease=self._lease)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                try:
+                    self._metadata.keepalive(self._lease)
+                    self._register()
+                except LeaseGone:
+                    log.warning("pool: segment %s lost its metadata lease; registering again", self.segment_id)
+                    self._lease = self._metadata.grant_lease(self._lease_ttl_s)
+                    self._register()
+                    for key in self.segment.keys():
+                        self.publish(key, True)
+                self._replicate_hot()
+            except MetadataUnavailable as exc:
+                log.warning("pool: metadata unavailable: %s", exc)
+            except Exception:
+                log.exception("pool: heartbeat failed")
+
+    def _replicate_hot(self) -> None:
+        for key in self.segment.hot_keys(self._hot_reads):
+            holders = self._client.replicas(key)
+            if len(holders) >= self._max_replicas:
+                continue
+            copy = self.segment.lease([key])[0]
+            if copy is None:
+                continue
+            try:
+                made = self._client.put(key, self.segment.handle, copy.offset, copy.nbytes, copy.part_bytes,
+                                        copy.checksums, exclude=holders)
+            finally:
+                self.segment.release(key, copy.lease)
+            if made is not None:
+                self._client.counters["replicas_made"] += 1
+                self.segment.cool(key)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def _handle(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
+        op = request["op"]
+        seg = self.segment
+        if op == "lease":
+            keys = [str(k) for k in request["keys"]]
+            return Status.OK, {"grants": [None if g is None else g.__dict__ for g in seg.lease(keys)]}
+        if op == "release":
+            for key, lease in request["leases"]:
+                seg.release(str(key), int(lease))
+            return Status.OK, {}
+        if op == "alloc":
+            try:
+                offset = seg.allocate(str(request["key"]), int(request["nbytes"]), int(request["part_bytes"]))
+            except PoolFull as exc:
+                return Status.UNSUPPORTED, {"reason": str(exc)}
+            return Status.OK, {"offset": offset}
+        if op == "seal":
+            return Status.OK, {"ok": seg.seal(str(request["key"]), [int(c) for c in request["checksums"]])}
+        if op == "abort":
+            seg.abort(str(request["key"]))
+            return Status.OK, {}
+        return Status.BAD_REQUEST, {"reason": f"unknown pool request {op!r}"}
+
+    def close(self) -> None:
+        """Leave the pool: the lease's revocation drops every entry of this segment at once."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.segment.close()
+        try:
+            self._metadata.revoke(self._lease)
+        except MetadataUnavailable:
+            pass  # the lease expires by itself
