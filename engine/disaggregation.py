@@ -10,7 +10,8 @@
 * ``adopt``: the received KV is kept as cached prefix blocks (hot-spot replication);
 * ``drop``: a reservation nobody took over is released (a live request is left alone);
 * ``export_prefix``: cached prefix blocks are packed into a buffer for another instance (or for
-  the KVCache pool), ``import_prefix``: blocks read from the pool become cached prefix blocks;
+  the KVCache pool); ``add_loading``: a request whose prefix arrives from the pool layer by layer
+  during its first step;
 * ``layout`` / ``cache_report``: the KV page geometry, and what the prefix cache holds (as
   changes since a version the caller saw).
 
@@ -30,8 +31,7 @@ import kernels
 from engine.kv_layout import KVLayout, pack
 from engine.llm_engine import KVSink, LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
-from paged_kv import BlockTable
+from engine.sequence import KVLoad, PendingKVLoad, Sequence, SequenceStatus
 from paged_kv.prefix_keys import chain_keys
 
 
@@ -187,41 +187,35 @@ class KVHandoff:
         """How many leading full blocks of ``token_ids`` the prefix cache holds now."""
         return len(self._engine.block_manager.pool.lookup(chain_keys(token_ids, self.layout.block_size)))
 
-    def import_prefix(self, token_ids: list[int], start_block: int, kvs: list[torch.Tensor]) -> int:
-        """Cache KV that was computed elsewhere (read from the KVCache pool) as prefix blocks.
-
-        ``kvs`` are ``layout.shape(n)`` buffers for the consecutive blocks from ``start_block``
-        of ``token_ids``'s prefix; the blocks before ``start_block`` must be cached here already.
-        Blocks cached meanwhile are not overwritten. The blocks stay cached, unreferenced, so a
-        request for ``token_ids`` queued next finds them (unless memory pressure evicts them
-        first, when it computes them). Returns the leading blocks now cached; fewer than
-        ``start_block + n`` when the earlier blocks were evicted or no blocks are free.
+    def add_loading(self, request_id: str, token_ids: list[int], params: SamplingParams, start_block: int,
+                    num_blocks: int, load: KVLoad) -> None:
+        """Queue a request whose prompt blocks ``[start_block, start_block + num_blocks)`` come
+        from ``load`` (the KVCache pool) layer by layer during its first step, so loading
+        overlaps computing. The blocks before ``start_block`` must be cached here; if they are
+        not (evicted meanwhile), or there is no room, the load is closed unused and the request
+        is queued like any other. Raises ValueError (and closes the load) for a bad request.
         """
         e = self._engine
-        bm = e.block_manager
         bs = self.layout.block_size
-        end = (start_block + sum(kv.shape[2] for kv in kvs)) * bs
-        if end >= len(token_ids):
-            raise ValueError("the pool never supplies the last prompt token's block: it must be computed")
-        table = BlockTable()
+        end = start_block + num_blocks
         try:
-            cached = bm.match_prefix(table, token_ids[: end + 1]) // bs
-            if cached < start_block or cached * bs >= end or not bm.can_grow(table, end):
-                return cached
-            bm.grow(table, end)
-            cache = e.runner.kv_cache
-            pos = start_block
-            for kv in kvs:
-                n = kv.shape[2]
-                skip = max(0, cached - pos)  # blocks of this buffer that got cached meanwhile
-                if skip < n:
-                    part = kv[:, :, skip:] if skip else kv
-                    kernels.scatter_kv(part.to(cache.device).contiguous(), cache, table.block_ids[pos + skip : pos + n])
-                pos += n
-            bm.commit(table, token_ids, end)
-            return end // bs
-        finally:
-            bm.free(table)
+            seq = e.new_sequence(token_ids, params, request_id)
+            if end * bs >= len(token_ids):
+                raise ValueError("a load never supplies the last prompt token's block: it must be computed")
+        except BaseException:
+            load.close(used=False)
+            raise
+        bm = e.block_manager
+        cached = bm.match_prefix(seq.block_table, seq.token_ids) // bs
+        if start_block <= cached < end and bm.can_grow(seq.block_table, end * bs):
+            bm.grow(seq.block_table, end * bs)
+            seq.num_computed_tokens = end * bs
+            seq.kv_load = PendingKVLoad(load, seq.block_table.block_ids[cached:end], cached - start_block)
+        else:
+            load.close(used=False)
+            seq.num_computed_tokens = cached * bs
+        e.seqs[request_id] = seq
+        e.scheduler.add(seq)
 
     # -- reporting ----------------------------------------------------------------------------------
     def cache_report(self, since: int | None) -> CacheReport:

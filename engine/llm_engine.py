@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
@@ -171,22 +173,70 @@ class LLMEngine:
                     sink.layer_done(layer, kv_cache, done)
 
                 on_layer = send_layer
+        loading = [s.seq for s in batch if s.seq.kv_load is not None]
+        failed: set[Sequence] = set()
+        before_layer = self._loader(loading, failed) if loading else None
 
-        logits, sampling = self.runner.run(batch, on_layer)
+        logits, sampling = self.runner.run(batch, on_layer, before_layer)
+        outputs = []
+        for seq in loading:
+            if seq in failed:
+                outputs.append(self._end(seq, "kv_load_failed"))
+            else:
+                seq.kv_load.source.close(used=True)
+                seq.kv_load = None
         for s in batch:
             seq = s.seq
+            if seq in failed:
+                continue  # its KV past the failed layer is garbage: never published
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(
                     s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
                 )
             seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        outputs = []
+        if failed:
+            keep = [i for i, s in enumerate(sampling) if s.seq not in failed]
+            logits, sampling = logits[keep], [sampling[i] for i in keep]
         if sampling:
             sampled = self.sampler(logits, [s.seq.sampling for s in sampling])
             for s, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._postprocess(s.seq, token, lp))
         return outputs
+
+    def _loader(self, loading: list[Sequence], failed: set[Sequence]) -> Callable[[int], None]:
+        """``before_layer`` of a step with KV loads: layer ``i`` of each load goes into its
+        blocks just before layer ``i`` computes. A load that fails stops there; its sequence's
+        step output is discarded (see ``step``)."""
+        kv_cache = self.runner.kv_cache
+
+        def load_layer(i: int) -> None:
+            for seq in loading:
+                if seq in failed:
+                    continue
+                pending = seq.kv_load
+                chunks = pending.source.layer(i)
+                if chunks is None:
+                    failed.add(seq)
+                    continue
+                pos, skip = 0, pending.skip
+                for chunk in chunks:
+                    n = chunk.shape[2] - skip
+                    if n > 0:
+                        part = chunk[:, :, skip:] if skip else chunk
+                        kernels.scatter_kv(part.to(kv_cache.device).contiguous(), kv_cache,
+                                           pending.block_ids[pos : pos + n], range(i, i + 1))
+                        pos += n
+                    skip = max(0, skip - chunk.shape[2])
+
+        return load_layer
+
+    def _end(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish ``seq`` with no new token (its step did not produce one)."""
+        self.scheduler.finish(seq, reason)
+        del self.seqs[seq.request_id]
+        return RequestOutput(seq.request_id, [], "", True, reason, seq.num_prompt_tokens, seq.num_output_tokens,
+                             seq.num_cached_tokens)
 
     def _postprocess(self, seq: Sequence, token: int, logprobs: Logprobs | None) -> RequestOutput:
         params = seq.params

@@ -198,17 +198,22 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
         on_layer: Callable[[int], None] | None = None,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` (fp32) for the selected token positions.
 
         ``on_layer(i)`` is called once layer ``i`` has written this step's K/V into the cache:
         a prefill instance starts sending that layer's KV while the next layers compute.
+        ``before_layer(i)`` is called just before layer ``i``: KV loaded from elsewhere for this
+        step's prefixes is put in place layer by layer, while the layers before it compute.
         """
         if self.kv_cache is None:
             raise RuntimeError("the model has no KV cache attached")
         x = F.embedding(input_ids, self.embed)
         residual = None
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             x, residual = layer(x, residual, positions, self.cos_sin, self.kv_cache, meta)
             if on_layer is not None:
                 on_layer(i)

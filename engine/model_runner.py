@@ -124,11 +124,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, batch: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None
+        self, batch: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None,
+        before_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns logits for the sequences that sample, and those sequences.
 
-        ``on_layer`` is passed to the model (called after each layer's KV is written)."""
+        ``on_layer`` and ``before_layer`` are passed to the model (called after each layer's KV
+        is written, and before each layer runs)."""
         input_ids, positions, meta, ordered = self.prepare(batch)
         last, rows, sampling = -1, [], []
         for s in ordered:
@@ -136,5 +138,5 @@ class ModelRunner:
             if s.samples:
                 rows.append(last)
                 sampling.append(s)
-        logits = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64), on_layer)
+        logits = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64), on_layer, before_layer)
         return logits, sampling

@@ -110,6 +110,7 @@ class Scheduler:
             if not self.block_manager.can_grow(seq.block_table, target):
                 # Do not sit on prefix-hit blocks while waiting: others may need them.
                 self.block_manager.free(seq.block_table)
+                seq.drop_kv_load()
                 seq.num_computed_tokens = 0
                 break
             self.block_manager.grow(seq.block_table, target)
@@ -149,5 +150,6 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_table)
+        seq.drop_kv_load()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -4,11 +4,38 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampler import SamplingState
 from engine.sampling_params import SamplingParams
 from paged_kv import BlockTable
+
+
+class KVLoad(Protocol):
+    """KV of a run of a prompt's blocks computed elsewhere (the KVCache pool), arriving layer by
+    layer while the sequence's first step computes (the paper's layer-wise prefill).
+
+    ``layer(i)`` runs on the engine thread just before layer ``i`` of that step: it waits for
+    layer ``i`` and returns it as ``[1, 2, blocks, heads, block_size, head_dim]`` chunks, in
+    block order, covering the run; or None when it cannot (a failed read or checksum): the step
+    then ends the request with finish reason ``kv_load_failed`` and its caller computes it
+    without the load. ``close(used)`` runs once, when the engine is done with the load.
+    """
+
+    def layer(self, i: int) -> list[torch.Tensor] | None: ...
+
+    def close(self, used: bool) -> None: ...
+
+
+@dataclass
+class PendingKVLoad:
+    source: KVLoad
+    block_ids: list[int]  # the blocks the load fills, in order
+    skip: int  # leading blocks of the load's first chunk that were cached here already
 
 
 class SequenceStatus(enum.Enum):
@@ -45,6 +72,8 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+        # KV for some prompt blocks that arrives while the first step runs (engine.llm_engine.KVLoad)
+        self.kv_load: PendingKVLoad | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +90,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def drop_kv_load(self) -> None:
+        """The blocks a load was to fill are given back: the load is not needed any more."""
+        if self.kv_load is not None:
+            self.kv_load.source.close(used=False)
+            self.kv_load = None
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

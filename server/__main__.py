@@ -260,6 +260,7 @@ def _start_pool(args: argparse.Namespace, secret: str, host: str):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control or metadata call otherwise
     log = logging.getLogger(__name__)
 
     import uvicorn

@@ -216,7 +216,7 @@ def test_hot_objects_get_more_replicas_and_reads_spread():
             assert reader.get(["ns/hot"], handle, [0], memoryview(buf.numpy())) == 1
         _wait(lambda: len(reader.replicas("ns/hot")) == 2)
         assert a.segment.stats()["stores"] + b.segment.stats()["stores"] == 2
-        assert a._client.counters["replicas_made"] == 1
+        assert a.replicas_made == 1
         for _ in range(6):
             reader.get(["ns/hot"], handle, [0], memoryview(buf.numpy()))
         assert b.segment.stats()["leases"] > 0  # the second replica serves reads too

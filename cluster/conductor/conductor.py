@@ -38,7 +38,7 @@ from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.instance_state import RequestInfo
-from cluster.pool.client import PoolClient
+from cluster.pool.client import CLIENT_COUNTERS, PoolClient
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.objects import object_keys
 from cluster.control_auth import CONTROL, ControlVerifier, derive_key, verify_request
@@ -145,11 +145,10 @@ class Conductor(EngineClient):
     async def _pool_prefix(self, ids: list[int]) -> int:
         """Engine blocks of ``ids``'s prefix the pool holds; 0 without a pool, or when its
         metadata does not answer within a second (the instance still loads what it finds)."""
-        geometry = self._pool.geometry() if self._pool is not None else None
-        records = [r for r in self.registry.records if r.up and r.layout is not None]
-        if geometry is None or not records:
+        records = [r for r in self.registry.records if r.up and r.layout is not None and r.info.get("pool")]
+        if self._pool is None or not records:
             return 0
-        namespace, per_object = geometry
+        namespace, per_object = records[0].info["pool"]["namespace"], records[0].info["pool"]["blocks_per_object"]
         bs = records[0].layout.block_size
         keys = object_keys(namespace, chain_keys(ids[: (len(ids) - 1) // bs * bs], bs), per_object)
         if not keys:
@@ -339,7 +338,10 @@ class Conductor(EngineClient):
         if self._supervisor is not None:
             totals["supervised"] = self._supervisor.status()
         if self._pool_stats is not None:
-            totals["pool"] = self._pool_stats
+            pool = dict(self._pool_stats)
+            for name in CLIENT_COUNTERS:  # what the instances read and wrote
+                pool[name] = sum(r.state.get("pool_client", {}).get(name, 0) for r in up)
+            totals["pool"] = pool
         return totals
 
 

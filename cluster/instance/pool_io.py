@@ -1,10 +1,13 @@
 """An instance's traffic with the KVCache pool: load a prompt's prefix, store what it computed.
 
-* ``load_prefix`` (before a prompt runs): the pool objects past what the local prefix cache
-  holds are read into this instance's pool staging (``PoolClient.get``: leases, one-sided reads,
-  checksums), then made cached prefix blocks on the engine thread (``KVHandoff.import_prefix``),
-  so the scheduler finds them like any local hit and computes only the rest. A miss, a vanished
-  node or a failed checksum only shortens the prefix: the engine computes what did not arrive.
+* ``prepare_load`` + ``start`` (a prompt arriving): the pool objects past what the local prefix
+  cache holds are leased and their reads started, layer by layer, into this instance's pool
+  staging (``PoolClient.open_read``); the request enters the engine with those blocks to be
+  filled (``KVHandoff.add_loading``), and before each layer of its first step the engine takes
+  that layer (``PoolLoad.layer``: wait, verify the checksums, hand over), so loading overlaps
+  computing: prefill time ~ max(load, compute). A miss or a lease refused only shortens the
+  prefix; a read or checksum failure mid-way ends the attempt (``kv_load_failed``) and the
+  caller computes the prompt without the pool.
 * ``store`` (after a prompt, or a whole conversation turn, is done): the full pool blocks the
   pool lacks are packed from the engine's cached blocks in one engine-thread call and put.
   Stores run in the background, a few at a time; one that finds its blocks evicted already
@@ -15,12 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
-from cluster.pool.client import PoolClient
+import torch
+
+from cluster.pool.client import PoolClient, PoolRead
 from cluster.pool.objects import PoolGeometry, part_checksums
 from cluster.staging import StagingArea, StagingRange, when_free
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -38,35 +48,55 @@ class PoolIO:
         self._stores: set[asyncio.Task] = set()
         self._max_stores = max_background_stores
         self.stores_skipped = 0  # the background store queue was full: those blocks stay local
+        # Closing a read waits for its transfers to let go of the staging: never on the engine thread.
+        self._closer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pool-close")
 
-    async def load_prefix(self, token_ids: list[int]) -> int:
-        """Bring the pool's part of ``token_ids``'s prefix into the local prefix cache; returns
-        the leading blocks cached locally afterwards (0 when the pool had nothing new)."""
+    async def prepare_load(self, token_ids: list[int]) -> PoolLoad | None:
+        """Lease the pool's part of ``token_ids``'s prefix past the local cache and start reading
+        it, every layer at once in layer order, into this instance's pool staging. None when
+        the pool has nothing to add. The engine consumes it layer by layer (``start``)."""
         g = self.geometry
         bpo = g.blocks_per_object
         keys = g.object_keys(token_ids, len(token_ids) - 1)  # the last token is always computed
         if not keys:
-            return 0
+            return None
         local = await self._client.call(lambda _: self._handoff.cached_prefix_blocks(token_ids))
         first = local // bpo
         wanted = keys[first : first + self._area.nbytes // g.nbytes]
         if not wanted:
-            return 0
+            return None
         r = await when_free(lambda: self._area.allocate(len(wanted) * g.nbytes), self._timeout_s)
         offsets = [r.offset + i * g.nbytes for i in range(len(wanted))]
         loop = asyncio.get_running_loop()
-        read = loop.run_in_executor(None, self.pool.get, wanted, self._area.handle, offsets, self._memory)
+        opening = loop.run_in_executor(None, self.pool.open_read, wanted, self._area.handle, offsets, self._memory)
         try:
-            loaded = await asyncio.shield(read)
-            if not loaded:
-                return 0
-            layout = g.layout
-            kvs = [self._area.view(StagingRange(off, g.nbytes), layout.torch_dtype, layout.shape(bpo))
-                   for off in offsets[:loaded]]
-            return await self._client.call(lambda _: self._handoff.import_prefix(token_ids, first * bpo, kvs))
-        finally:
-            # A read we stopped waiting for still writes into the range: free it once it is done.
-            read.add_done_callback(lambda _: self._area.release(r))
+            read = await asyncio.shield(opening)
+        except BaseException:
+            opening.add_done_callback(lambda f: self._abandon(f, r))  # cancelled while leasing
+            raise
+        if not read.num_objects:
+            self._closer.submit(self._close, read, r, False)
+            return None
+        layout = g.layout
+        views = [self._area.view(StagingRange(off, g.nbytes), layout.torch_dtype, layout.shape(bpo))
+                 for off in offsets[: read.num_objects]]
+        return PoolLoad(read, views, first * bpo, lambda used: self._closer.submit(self._close, read, r, used))
+
+    def start(self, request_id: str, token_ids: list[int], params: SamplingParams,
+              load: PoolLoad) -> Callable[[LLMEngine], None]:
+        """The engine-thread call that queues the request with its prefix arriving from ``load``."""
+        return lambda _: self._handoff.add_loading(request_id, token_ids, params, load.start_block,
+                                                   load.num_blocks, load)
+
+    def _abandon(self, opening: asyncio.Future, r: StagingRange) -> None:
+        if opening.cancelled() or opening.exception() is not None:
+            self._area.release(r)
+        else:
+            self._closer.submit(self._close, opening.result(), r, False)
+
+    def _close(self, read: PoolRead, r: StagingRange, used: bool) -> None:
+        read.close(used)  # waits until no transfer writes into the range any more
+        self._area.release(r)
 
     def store_later(self, token_ids: list[int], computed_tokens: int) -> None:
         """Store the full pool blocks of ``token_ids[:computed_tokens]`` in the background."""
@@ -125,3 +155,30 @@ class PoolIO:
         finally:
             self._area.release(r)
 
+
+
+class PoolLoad:
+    """A prefix read from the pool, as the engine consumes it (``engine.sequence.KVLoad``).
+    ``close`` is idempotent and may come from any thread."""
+
+    def __init__(self, read: PoolRead, views: list[torch.Tensor], start_block: int,
+                 on_close: Callable[[bool], object]) -> None:
+        self._read = read
+        self._views = views  # one ``KVLayout.shape(blocks_per_object)`` tensor per object
+        self.start_block = start_block
+        self.num_blocks = sum(v.shape[2] for v in views)
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def layer(self, i: int) -> list[torch.Tensor] | None:
+        if not self._read.wait_part(i):
+            return None
+        return [v[i : i + 1] for v in self._views]
+
+    def close(self, used: bool) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._on_close(used)

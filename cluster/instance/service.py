@@ -137,6 +137,9 @@ class InstanceService:
                                          cfg.transfer_timeout_s)
             if cfg.pool.enabled:
                 self.pool = await loop.run_in_executor(None, self._join_pool, transfer, handoff, facts)
+                # What the Conductor needs to name a prompt's pool objects itself.
+                facts["pool"] = {"namespace": self.pool.geometry.namespace,
+                                 "blocks_per_object": self.pool.geometry.blocks_per_object}
             self.serving = Serving(self.client, sender, self.receiver, cfg.transfer_timeout_s, self.pool)
             started = time.perf_counter()
             self.profile = await self.client.call(lambda e: profile(e, cfg.calibration_seed))
@@ -171,10 +174,7 @@ class InstanceService:
             segment = Segment(transfer, SegmentConfig(pc.dram_bytes), ssd)
             self.pool_service = SegmentService(
                 segment, transfer, metadata, client, f"{self.config.role}-{self.instance_id}",
-                lease_ttl_s=pc.lease_ttl_s,
-                extra_stats=lambda: {**client.counters, "stores_skipped": io.stores_skipped,
-                                     "namespace": geometry.namespace,
-                                     "blocks_per_object": geometry.blocks_per_object})
+                lease_ttl_s=pc.lease_ttl_s)
         log.info("joined the KVCache pool (%s): %d-token objects of %d bytes, %s of DRAM%s",
                  pc.metadata_url, pc.block_tokens, geometry.nbytes, f"{pc.dram_gib:g} GiB",
                  f", {pc.ssd_gib:g} GiB of SSD in {pc.ssd_dir}" if pc.ssd_dir else "")

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
-from cluster.instance.pool_io import PoolIO
+from cluster.instance.pool_io import PoolIO, PoolLoad
 from cluster.instance.receiver import Receiver
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.kv_stream import KVDestination, KVSender
@@ -29,7 +30,7 @@ from cluster.staging import when_free
 from cluster.transfer import TransferError
 from engine.async_engine import AsyncLLMEngine
 from engine.engine_client import EngineError
-from engine.llm_engine import RequestOutput
+from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,35 +56,65 @@ class Serving:
         block_size = sender.layout.block_size
         if dest.skip_blocks + dest.num_blocks != -(-len(token_ids) // block_size):
             raise ValueError("destination block count does not match the prompt")
-        await self._load_from_pool(token_ids)
-        await when_free(lambda: sender.expect(request_id, dest), self._timeout_s)
+        load = await self._prepare_load(token_ids)
+        output = await self._prefill_once(request_id, token_ids, params, dest, load)
+        if output.finish_reason == "kv_load_failed":
+            # What the pool sent broke mid-way: compute the whole prompt here, streaming it again.
+            output = await self._prefill_once(request_id, token_ids, params, dest, None)
+        if self._pool is not None and output.finish_reason != "abort":
+            self._pool.store_later(token_ids, len(token_ids))
+        return output
+
+    async def _prefill_once(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                            dest: KVDestination, load: PoolLoad | None) -> RequestOutput:
+        sender = self._sender
+        try:
+            await when_free(lambda: sender.expect(request_id, dest), self._timeout_s)
+        except BaseException:
+            if load is not None:
+                load.close(used=False)
+            raise
         output = None
         try:
-            async for out in self._client.generate(request_id, token_ids, params):
+            async for out in self._client.stream(request_id, self._start(request_id, token_ids, params, load)):
                 output = out
         except BaseException:
             # Frees the send staging once no write can still read it, even if we are cancelled.
             await asyncio.shield(self._finish_quietly(request_id))
             raise
+        finally:
+            if load is not None:
+                load.close(used=False)  # a no-op unless the engine never took the request
         try:
             await sender.finish(request_id, self._timeout_s)
         except TransferError:
-            if output is not None and output.finish_reason != "abort":
-                raise  # an aborted request stopped streaming on purpose
+            if output is not None and output.finish_reason not in ("abort", "kv_load_failed"):
+                raise  # an aborted request stopped streaming on purpose, a failed load will resend
         if output is None:
             raise EngineError("the engine ended the request without output")
-        if self._pool is not None and output.finish_reason != "abort":
-            self._pool.store_later(token_ids, len(token_ids))
         return output
 
-    async def _load_from_pool(self, token_ids: list[int]) -> None:
-        if self._pool is None:
-            return
+    def _start(self, request_id: str, token_ids: list[int], params: SamplingParams,
+               load: PoolLoad | None) -> Callable[[LLMEngine], Any]:
+        if load is None:
+            return lambda e: e.add_request(token_ids, params, request_id=request_id)
+        return self._pool.start(request_id, token_ids, params, load)
+
+    async def _finish_quietly(self, request_id: str) -> None:
         try:
-            await self._pool.load_prefix(token_ids)
+            await self._sender.finish(request_id, self._timeout_s)
+        except TransferError:
+            pass  # the request failed anyway; its own error is what the caller reports
+
+    async def _prepare_load(self, token_ids: list[int]) -> PoolLoad | None:
+        if self._pool is None:
+            return None
+        try:
+            return await self._pool.prepare_load(token_ids)
         except (TimeoutError, TransferError, MetadataUnavailable) as exc:
             # The pool is a cache: without it the engine computes the whole prompt.
             log.warning("pool: prefix load failed, computing the prompt: %s", exc)
+            return None
 
     async def _stored_after(self, token_ids: list[int], stream: AsyncGenerator[RequestOutput, None]
                             ) -> AsyncIterator[RequestOutput]:
@@ -92,19 +123,13 @@ class Serving:
         try:
             async for out in stream:
                 outputs.extend(out.new_token_ids)
-                if out.finished and out.finish_reason != "abort" and self._pool is not None:
+                if out.finished and out.finish_reason not in ("abort", "kv_load_failed") and self._pool is not None:
                     # The last sampled token never ran through the model: it has no KV.
                     tokens = token_ids + outputs
                     self._pool.store_later(tokens, len(tokens) - 1)
                 yield out
         finally:
             await stream.aclose()  # a client that left aborts the request now, not at collection
-
-    async def _finish_quietly(self, request_id: str) -> None:
-        try:
-            await self._sender.finish(request_id, self._timeout_s)
-        except TransferError:
-            pass  # the request failed anyway; its own error is what the caller reports
 
     def continue_decode(self, request_id: str, prefilled: Any) -> AsyncIterator[RequestOutput]:
         """Stream a reserved request from the first token its prefill sampled. ``prefilled``:
@@ -120,6 +145,20 @@ class Serving:
         return stream if prompt is None else self._stored_after(prompt, stream)
 
     async def whole(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        await self._load_from_pool(token_ids)
-        async for out in self._stored_after(token_ids, self._client.generate(request_id, token_ids, params)):
-            yield out
+        load = await self._prepare_load(token_ids)
+        failed = False
+        try:
+            stream = self._client.stream(request_id, self._start(request_id, token_ids, params, load))
+            async with aclosing(self._stored_after(token_ids, stream)) as outs:
+                async for out in outs:
+                    if out.finish_reason == "kv_load_failed":
+                        failed = True  # nothing was streamed yet: compute it without the pool
+                        break
+                    yield out
+        finally:
+            if load is not None:
+                load.close(used=False)  # a no-op unless the engine never took the request
+        if failed:
+            async with aclosing(self._stored_after(token_ids, self._client.generate(request_id, token_ids, params))) as outs:
+                async for out in outs:
+                    yield out

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per metadata call otherwise
     config = PoolConfig(metadata_url=args.etcd or args.metadata, etcd=args.etcd is not None,
                         dram_gib=args.dram_gib, ssd_dir=args.ssd_dir, ssd_gib=args.ssd_gib)
     if not config.dram_bytes:
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     ssd = SsdTier(config.ssd_dir, config.ssd_bytes) if config.ssd_dir else None
     client = PoolClient(transfer, metadata, transfer_timeout_s=args.transfer_timeout_s)
     service = SegmentService(Segment(transfer, SegmentConfig(config.dram_bytes), ssd), transfer, metadata, client,
-                             "node", lease_ttl_s=config.lease_ttl_s, extra_stats=lambda: client.counters)
+                             "node", lease_ttl_s=config.lease_ttl_s)
     log.info("pool node %s: %g GiB of DRAM%s at %s", service.segment_id, args.dram_gib,
              f", {args.ssd_gib:g} GiB of SSD in {args.ssd_dir}" if ssd else "", transfer.address)
     print(f"pool node ready: {service.segment_id} at {transfer.address}", flush=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import xxhash
 
 from cluster.pool.metadata import MetadataStore
-from cluster.transfer import RegionHandle, TransferEngine, TransferError
+from cluster.transfer import Batch, RegionHandle, TransferEngine, TransferError
 from cluster.transfer.protocol import Status
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 OBJECTS = "pool/objects/"
 SEGMENTS = "pool/segments/"
 
-# What the client counts; the segment service publishes them beside its segment's own counters.
-CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed", "replicas_made")
+# What a client counts (an instance reports them to the Conductor with its other statistics).
+CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed")
 
 
 def object_entry(key: str, segment_id: str) -> str:
@@ -109,20 +109,12 @@ class PoolClient:
             run.append(holders)
         return run
 
-    def geometry(self) -> tuple[str, int] | None:
-        """(namespace, engine blocks per object) as an instance's segment publishes them: what
-        the Conductor needs to name a prompt's objects. None until an instance has joined."""
-        for seg in self.segments().values():
-            if "namespace" in seg.stats and "blocks_per_object" in seg.stats:
-                return str(seg.stats["namespace"]), int(seg.stats["blocks_per_object"])
-        return None
-
     def stats(self) -> dict:
-        """The pool's totals: objects, bytes, free space per segment and tier, counters."""
+        """What the segments publish: objects, bytes, free space per segment and tier, and the
+        owners' counters (the readers' and writers' counters are theirs to report)."""
         segments = self.segments(refresh=True)
         total: dict = {"segments": {}, "objects": 0, "bytes": 0}
-        summed = ("hits", "misses", "loads", "stores", "evictions", "demotions", "promotions",
-                  "replicas_made", "failed_reads_recomputed")
+        summed = ("evictions", "demotions", "promotions", "replicas_made")
         for name in summed:
             total[name] = 0
         for segment_id, seg in sorted(segments.items()):
@@ -139,83 +131,69 @@ class PoolClient:
         return total
 
     # -- reading ------------------------------------------------------------------------------------
-    def get(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int], dst_memory: memoryview) -> int:
-        """Read the longest available run of ``keys`` into ``dst`` at ``offsets`` (``dst_memory``
-        is the same region as bytes, for the checksum check); returns how many objects, from the
-        first, now hold verified bytes. Never raises for a missing or failed replica."""
+    def open_read(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int],
+                  dst_memory: memoryview) -> PoolRead:
+        """Start reading the longest available run of ``keys`` into ``dst`` at ``offsets``
+        (``dst_memory``: the same region as bytes, for the checksums), layer by layer: every
+        part (layer) of every object is requested at once, in layer order, and
+        ``PoolRead.wait_part(i)`` returns once part ``i`` of each object is in and verified.
+        ``PoolRead.num_objects`` is the run that could be leased (0: nothing to read)."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         run = self.lookup(keys)
-        loaded = self._read_run(list(keys[: len(run)]), run, dst, offsets, dst_memory)
-        with self._lock:
-            self.counters["hits"] += loaded
-            self.counters["misses"] += len(keys) - loaded
-            self.counters["loads"] += 1 if loaded else 0
-        return loaded
-
-    def _read_run(self, keys: list[str], holders: list[list[str]], dst: RegionHandle, offsets: Sequence[int],
-                  memory: memoryview) -> int:
+        keys = list(keys[: len(run)])
         segments = self.segments()
         with self._lock:
             choice = [min((s for s in h if s in segments), key=lambda s: (self._reading[s], self._served[s]),
-                          default=None) for h in holders]
-            for s in choice:
-                if s is not None:
-                    self._served[s] += 1
+                          default=None) for h in run]
         cut = next((i for i, s in enumerate(choice) if s is None), len(choice))
-        keys, choice = keys[:cut], choice[:cut]
         by_segment: dict[str, list[int]] = {}
-        for i, s in enumerate(choice):
+        for i, s in enumerate(choice[:cut]):
             by_segment.setdefault(s, []).append(i)
-        with self._lock:
-            for s, idx in by_segment.items():
-                self._reading[s] += len(idx)
         grants: dict[int, tuple[str, dict]] = {}
-        failed = len(keys)  # index of the first object that did not arrive intact
+        for s, idx in by_segment.items():
+            try:
+                status, answer = self._transfer.call(segments[s].address, {"op": "lease", "keys": [keys[i] for i in idx]})
+                got = answer.get("grants", []) if status == Status.OK else []
+            except TransferError as exc:
+                log.info("pool: segment %s unreachable: %s", s, exc)
+                got = []
+            for j, i in enumerate(idx):
+                if j < len(got) and got[j] is not None:
+                    grants[i] = (s, got[j])
+        n = next((i for i in range(cut) if i not in grants), cut)  # the leading run actually leased
+        read = PoolRead(self, keys[:n], [grants[i] for i in range(n)], segments, dst, offsets[:n], dst_memory)
+        for i in range(n, len(keys)):
+            if i in grants:  # leased beyond a gap: of no use to a prefix
+                self._release({i: grants[i]}, segments)
+        with self._lock:
+            for s in read.segments_used:
+                self._reading[s] += 1
+                self._served[s] += 1
+            self.counters["misses"] += len(keys) - n
+        return read
+
+    def get(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int], dst_memory: memoryview) -> int:
+        """Read the longest available run of ``keys`` into ``dst`` at ``offsets``; returns how
+        many objects, from the first, now hold verified bytes. Never raises for a missing or
+        failed replica: what did not arrive is the caller's to compute."""
+        read = self.open_read(keys, dst, offsets, dst_memory)
         try:
-            batches = []
-            for s, idx in by_segment.items():
-                seg = segments[s]
-                try:
-                    status, answer = self._transfer.call(seg.address, {"op": "lease", "keys": [keys[i] for i in idx]})
-                    got = answer.get("grants", []) if status == Status.OK else []
-                except TransferError as exc:
-                    log.info("pool: segment %s unreachable: %s", s, exc)
-                    got = []
-                entries = []
-                for j, i in enumerate(idx):
-                    grant = got[j] if j < len(got) else None
-                    if grant is None:
-                        failed = min(failed, i)
-                        continue
-                    grants[i] = (s, grant)
-                    entries.append((dst, offsets[i], seg.handle, grant["offset"], grant["nbytes"]))
-                if entries:
-                    batches.append((s, [i for i in idx if i in grants], self._transfer.read(seg.address, entries)))
-            for s, idx, batch in batches:
-                try:
-                    batch.wait(self._timeout_s)
-                except (TransferError, TimeoutError) as exc:
-                    log.info("pool: read from segment %s failed: %s", s, exc)
-                    failed = min(failed, *idx)
-            for i in range(min(failed, len(keys))):
-                grant = grants[i][1]
-                part = grant["part_bytes"]
-                data = memory[offsets[i] : offsets[i] + grant["nbytes"]]
-                sums = [xxhash.xxh3_64_intdigest(data[p : p + part]) for p in range(0, len(data), part)]
-                if sums != grant["checksums"]:
-                    log.warning("pool: object %s from segment %s failed its checksum; recomputing", keys[i], grants[i][0])
-                    failed = i
-                    break
+            for part in range(read.num_parts):
+                read.wait_part(part)
+            return read.good
         finally:
-            with self._lock:
-                for s, idx in by_segment.items():
-                    self._reading[s] -= len(idx)
-            self._release(grants, segments)
-        if failed < len(keys):
-            with self._lock:
-                self.counters["failed_reads_recomputed"] += len(keys) - failed
-        return failed
+            read.close()
+
+    def _finished(self, read: PoolRead, used: bool) -> None:
+        with self._lock:
+            for s in read.segments_used:
+                self._reading[s] -= 1
+            self.counters["failed_reads_recomputed"] += read.num_objects - read.good
+            if used:
+                self.counters["hits"] += read.good
+                self.counters["loads"] += 1 if read.good else 0
+        self._release(dict(enumerate(read.grants)), read.segments)
 
     def _release(self, grants: dict[int, tuple[str, dict]], segments: dict[str, SegmentInfo]) -> None:
         by_segment: dict[str, list] = {}
@@ -259,3 +237,69 @@ class PoolClient:
             except (TransferError, TimeoutError) as exc:
                 log.info("pool: put of %s on segment %s failed: %s", key, seg.segment_id, exc)
         return None
+
+
+class PoolRead:
+    """One prefix read in flight: leases held, every part's transfer submitted. ``wait_part``
+    in order, then ``close`` (always: it releases the leases and settles the counters)."""
+
+    def __init__(self, client: PoolClient, keys: list[str], grants: list[tuple[str, dict]],
+                 segments: dict[str, SegmentInfo], dst: RegionHandle, offsets: Sequence[int], memory: memoryview) -> None:
+        self._client = client
+        self.keys = keys
+        self.grants = grants
+        self.segments = segments
+        self._offsets = list(offsets)
+        self._memory = memory
+        self.segments_used = sorted({s for s, _ in grants})
+        self.num_parts = len(grants[0][1]["checksums"]) if grants else 0
+        self.good = len(grants)  # leading objects intact in every part waited for so far
+        self._closed = False
+        # batches[part]: one batch per segment, so one slow or dead segment fails only its objects.
+        self._batches: list[list[tuple[str, Batch]]] = []
+        transfer = client._transfer
+        for part in range(self.num_parts):
+            per_segment: dict[str, list] = {}
+            for i, (s, g) in enumerate(grants):
+                size = g["part_bytes"]
+                per_segment.setdefault(s, []).append(
+                    (dst, self._offsets[i] + part * size, segments[s].handle, g["offset"] + part * size, size))
+            self._batches.append([(s, transfer.read(segments[s].address, entries)) for s, entries in per_segment.items()])
+
+    @property
+    def num_objects(self) -> int:
+        return len(self.grants)
+
+    def wait_part(self, part: int) -> bool:
+        """Wait for part ``part`` of every object and check its checksums. True when every
+        object's part is intact; otherwise ``good`` drops to the objects before the first one
+        that is not (a failed transfer fails every object of its segment)."""
+        for s, batch in self._batches[part]:
+            try:
+                batch.wait(self._client._timeout_s)
+            except (TransferError, TimeoutError) as exc:
+                log.warning("pool: read from segment %s failed: %s; recomputing", s, exc)
+                self.good = min([self.good] + [i for i, (seg, _) in enumerate(self.grants) if seg == s])
+        for i, (s, g) in enumerate(self.grants[: self.good]):
+            size = g["part_bytes"]
+            start = self._offsets[i] + part * size
+            if xxhash.xxh3_64_intdigest(self._memory[start : start + size]) != g["checksums"][part]:
+                log.warning("pool: object %s from segment %s failed its checksum; recomputing", self.keys[i], s)
+                self.good = i
+                break
+        return self.good == self.num_objects
+
+    def close(self, used: bool = True) -> None:
+        """Release the leases; call once, after the last ``wait_part`` (``used``: the reader
+        took the objects), or instead of it (``used=False``: e.g. the request went away)."""
+        if self._closed:
+            return
+        self._closed = True
+        # Nobody may reuse the destination while a transfer still writes into it.
+        for batches in self._batches:
+            for _, batch in batches:
+                try:
+                    batch.exception(self._client._timeout_s)
+                except Exception:  # noqa: BLE001 -- timed out or cancelled: the transport gave up
+                    pass
+        self._client._finished(self, used)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
 
 from cluster.pool.client import SEGMENTS, PoolClient, object_entry
 from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
@@ -37,7 +36,7 @@ log = logging.getLogger(__name__)
 class SegmentService:
     def __init__(self, segment: Segment, transfer: TransferEngine, metadata: MetadataStore, client: PoolClient,
                  name: str, *, lease_ttl_s: float = 5.0, heartbeat_s: float = 1.0, hot_reads: int = 8,
-                 max_replicas: int = 3, extra_stats: Callable[[], dict] | None = None) -> None:
+                 max_replicas: int = 3) -> None:
         if not heartbeat_s < lease_ttl_s:
             raise ValueError("the heartbeat must come more often than the lease expires")
         self.segment = segment
@@ -49,7 +48,7 @@ class SegmentService:
         self._heartbeat_s = heartbeat_s
         self._hot_reads = hot_reads
         self._max_replicas = max_replicas
-        self._extra_stats = extra_stats or (lambda: {})
+        self.replicas_made = 0
         self._stop = threading.Event()
         self._lease = self._metadata.grant_lease(lease_ttl_s)
         self._register()
@@ -68,7 +67,7 @@ class SegmentService:
             self._metadata.delete(entry)
 
     def _entry(self) -> str:
-        stats = {**self.segment.stats(), **self._extra_stats()}
+        stats = {**self.segment.stats(), "replicas_made": self.replicas_made}
         return json.dumps({"address": self._transfer.address, "handle": self.segment.handle.to_dict(),
                            "stats": stats})
 
@@ -107,7 +106,7 @@ class SegmentService:
             finally:
                 self.segment.release(key, copy.lease)
             if made is not None:
-                self._client.counters["replicas_made"] += 1
+                self.replicas_made += 1
                 self.segment.cool(key)
 
     # -- requests -----------------------------------------------------------------------------------
