@@ -11,7 +11,9 @@ Prefill schedulers, from the FAST'25 §5.2 comparison (Fig. 5):
   the longest of its own, the KVCache pool's (``RequestInfo.pool_blocks``: loaded at the
   transfer bandwidth) and, when more than ``kvcache_balancing_threshold`` times longer than its
   own, the longest one another instance holds (pulled from it). The chosen instance keeps what
-  it loaded or pulled, which is how hot prefixes get replicated.
+  it loaded or pulled, which is how hot prefixes get replicated. With a pool
+  (``pull_from_instances=False``) the pool is the only remote source: every prefill stores its
+  prompt there, and the pool replicates hot objects itself.
 
 ``DecodeLoadBalancer`` picks the decode instance with the least predicted time between tokens
 once the request (and everything already routed there) has joined its batch.
@@ -125,8 +127,10 @@ class LocalCacheAwareScheduler(PrefillScheduler):
 class GlobalCacheAwareScheduler(PrefillScheduler):
     """Algorithm 1 (KVCache-centric prefill scheduling) with hot-spot replication."""
 
-    def __init__(self, estimator: PrefillEstimator, kvcache_balancing_threshold: float) -> None:
+    def __init__(self, estimator: PrefillEstimator, kvcache_balancing_threshold: float,
+                 pull_from_instances: bool = True) -> None:
         super().__init__(estimator)
+        self.pull_from_instances = pull_from_instances
         if kvcache_balancing_threshold < 1:
             # Below 1 an instance would "pull" a prefix shorter than its own.
             raise ValueError(f"kvcache_balancing_threshold must be >= 1, got {kvcache_balancing_threshold}")
@@ -146,7 +150,7 @@ class GlobalCacheAwareScheduler(PrefillScheduler):
                 # instance serves them on top of its own prefills.
                 options.append(self.estimator.plan(request, inst, own, pool, None, from_pool=True))
             # own == 0 means any remote prefix is infinitely better (the paper's ratio guard).
-            if best_len > max(own, pool) and (own == 0 or best_len / own > self.threshold):
+            if self.pull_from_instances and best_len > max(own, pool) and (own == 0 or best_len / own > self.threshold):
                 options.append(self.estimator.plan(request, inst, own, best_len, source))
             plan = min(options, key=lambda p: p.ttft_s)
             if best is None or plan.ttft_s < best.ttft_s:

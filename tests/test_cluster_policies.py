@@ -182,6 +182,41 @@ def test_balancing_threshold_decides_the_copy(threshold, pulls):
         assert plan.source is None and plan.prefix_tokens == 4 * BS and plan.transfer_s == 0.0
 
 
+def test_global_scheduler_loads_the_pool_prefix_before_pulling_an_equal_one():
+    # Instance 0 holds 3 blocks but is busy; the pool holds the same 3: instance 1 loads them
+    # from the pool (no pull from instance 0), paying the same transfer time.
+    insts = [
+        PrefillInstanceState(0, 10_000.0, cache_with([1, 2, 3])),
+        PrefillInstanceState(1, 0.0, cache_with([])),
+    ]
+    req = RequestInfo(0, 4 * BS, [1, 2, 3, 4], pool_blocks=3)
+    plan = GlobalCacheAwareScheduler(EST, kvcache_balancing_threshold=2.0).select(req, insts)
+    assert (plan.instance, plan.source, plan.from_pool) == (1, None, True)
+    assert plan.prefix_tokens == 3 * BS and plan.transfer_s == pytest.approx(3 * BS * 0.1)
+
+
+def test_with_a_pool_instances_never_pull_from_each_other():
+    insts = [
+        PrefillInstanceState(0, 10_000.0, cache_with([1, 2, 3])),
+        PrefillInstanceState(1, 0.0, cache_with([])),
+    ]
+    scheduler = GlobalCacheAwareScheduler(EST, 2.0, pull_from_instances=False)
+    plan = scheduler.select(request([1, 2, 3, 4]), insts)  # the pool does not hold it
+    assert (plan.instance, plan.source, plan.from_pool, plan.prefix_tokens) == (1, None, False, 0)
+
+
+def test_pool_prefix_is_not_loaded_when_the_instance_holds_as_much():
+    insts = [PrefillInstanceState(0, 0.0, cache_with([1, 2, 3]))]
+    req = RequestInfo(0, 4 * BS, [1, 2, 3, 4], pool_blocks=2)
+    plan = GlobalCacheAwareScheduler(EST, 2.0).select(req, insts)
+    assert (plan.from_pool, plan.prefix_tokens, plan.transfer_s) == (False, 3 * BS, 0.0)
+
+
+def test_pool_blocks_must_fit_the_prompt():
+    with pytest.raises(ValueError):
+        RequestInfo(0, 2 * BS, [1, 2], pool_blocks=3)
+
+
 def test_random_scheduler_is_deterministic_for_a_seed():
     insts = [PrefillInstanceState(i, 0.0, cache_with([])) for i in range(8)]
 

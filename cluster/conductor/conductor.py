@@ -290,7 +290,8 @@ class Conductor(EngineClient):
         ref = prefills[0]
         layout = ref.layout
         placer = Placer(self.config.placement, ref.profile.prefill, decodes[0].profile.decode if decodes else None,
-                        layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids))
+                        layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids),
+                        pool=self._pool is not None)
         # As the engines' prefix cache: at most len-1 tokens can hit (the last is always computed).
         keys = chain_keys(ids[: (len(ids) - 1) // layout.block_size * layout.block_size], layout.block_size)
         info = RequestInfo(next(self._ids), len(ids), keys, min(pool_blocks, len(keys)))

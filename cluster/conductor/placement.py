@@ -75,11 +75,12 @@ class Placer:
     """The Conductor's policies, built from the instances' calibrated models."""
 
     def __init__(self, config: PlacementConfig, prefill_cost: PrefillCostModel, decode_step: DecodeStepModel | None,
-                 block_size: int, kv_bytes_per_token: int, seed: int = 0) -> None:
+                 block_size: int, kv_bytes_per_token: int, seed: int = 0, pool: bool = False) -> None:
+        """``pool``: a KVCache pool serves remote prefixes (no pulls between instances)."""
         self.config = config
         estimator = PrefillEstimator(prefill_cost, TransferModel(config.transfer_bytes_per_s, kv_bytes_per_token),
                                      block_size=block_size)
-        self.scheduler = _scheduler(config, estimator, seed)
+        self.scheduler = _scheduler(config, estimator, seed, pool)
         self.admission: AdmissionPolicy | None = None
         if decode_step is not None:
             self.admission = _admission(config, decode_step)
@@ -106,14 +107,14 @@ class Placer:
         return Placement(plan, [decodes[i].index for i in order])
 
 
-def _scheduler(config: PlacementConfig, estimator: PrefillEstimator, seed: int) -> PrefillScheduler:
+def _scheduler(config: PlacementConfig, estimator: PrefillEstimator, seed: int, pool: bool) -> PrefillScheduler:
     if config.scheduler == "random":
         return RandomScheduler(estimator, seed=seed)
     if config.scheduler == "load":
         return LoadBalancingScheduler(estimator)
     if config.scheduler == "local":
         return LocalCacheAwareScheduler(estimator)
-    return GlobalCacheAwareScheduler(estimator, config.kvcache_balancing_threshold)
+    return GlobalCacheAwareScheduler(estimator, config.kvcache_balancing_threshold, pull_from_instances=not pool)
 
 
 def _admission(config: PlacementConfig, step: DecodeStepModel) -> AdmissionPolicy:
