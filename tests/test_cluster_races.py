@@ -60,6 +60,9 @@ class LongStepCluster(Cluster):
         cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--prefill-instances", "2",
                "--decode-instances", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
                "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--reservation-lease-s", "30",
+               # Prefixes move between instances by push / adopt here; the pool's path is
+               # tests/test_pool_cluster.py's.
+               "--no-pool",
                "--max-num-batched-tokens", "2048", "--log-level", "warning"]
         env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
