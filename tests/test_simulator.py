@@ -8,7 +8,7 @@ import pytest
 
 from bench.sim.config import SimConfig
 from bench.sim.decode import DecodeInstance
-from bench.sim.hitrate import lru_hit_rate
+from bench.sim.hitrate import lru_hit_rate, pool_hit_rate, pool_hits
 from bench.sim.metrics import summarize
 from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, simulate
 from bench.simulate import main
@@ -42,6 +42,48 @@ def test_lru_hit_rate_by_hand():
     assert lru_hit_rate(shared_prefix_trace(4), None) == pytest.approx(9 / 16)
     assert lru_hit_rate(shared_prefix_trace(4), 0) == 0.0
 
+
+
+def test_pool_hit_rate_by_hand():
+    bs = 16
+    # A: blocks 1,2 + 8 tokens; B: A's two blocks + one of its own + 8 tokens (the next turn).
+    a = TraceEntry(0, 2 * bs + 8, 1, [1, 2, 3])
+    b = TraceEntry(0, 3 * bs + 8, 1, [1, 2, 4, 5])
+    # Unbounded: B reuses A's 2 full blocks; A stored [1, 2] + its own tail block (8 prompt
+    # tokens + 1 output token do not fill one: no own block).
+    assert pool_hit_rate([a, b], None, bs) == pytest.approx(2 * bs / (a.input_length + b.input_length))
+    assert pool_hit_rate([a, b], 0, bs) == 0.0
+    # The block of the last prompt token is never reused: a prompt of exactly 2 blocks repeated
+    # reuses only its first block.
+    c = TraceEntry(0, 2 * bs, 1, [1, 2])
+    assert pool_hit_rate([c, c], None, bs) == pytest.approx(bs / (4 * bs))
+    # Outputs fill blocks of the request's own: with 40 output tokens A stores [1, 2] and two
+    # own blocks (8 + 39 tokens with KV -> 47 // 16 = 2 more), 4 in all. With room for 4,
+    # [1, 2] survive; a third request's 4 stored blocks push them out (LRU), so the fourth
+    # (B again) misses.
+    a_long = TraceEntry(0, 2 * bs + 8, 40, [1, 2, 3])
+    other = TraceEntry(0, 4 * bs + 8, 1, [7, 8, 9, 10, 11])
+    total = a_long.input_length + b.input_length
+    assert pool_hit_rate([a_long, b], 4, bs) == pytest.approx(2 * bs / total)
+    assert pool_hit_rate([a_long, other, b], 4, bs) == 0.0
+    assert pool_hit_rate([a_long, other, b], None, bs) == pytest.approx(2 * bs / (total + other.input_length))
+    # A prefix hit is the leading run only: a chain whose head was evicted is unreachable,
+    # and LRU evicts tails before heads (room for 1 block keeps [1], not [2]).
+    assert pool_hit_rate([c, b], 1, bs) == pytest.approx(bs / (c.input_length + b.input_length))
+    assert pool_hits([a_long, other, b, c], None, bs) == [0, 0, 2 * bs, bs]
+    with pytest.raises(ValueError):
+        pool_hit_rate([a], -1, bs)
+
+
+def test_pool_hit_rate_matches_the_lru_curve_when_nothing_else_differs():
+    # Prompts of whole blocks plus one token, BS-token outputs: pool_hit_rate stores the prompt
+    # blocks and one block of the request's own, as lru_hit_rate stores the prompt blocks and the
+    # last (partial, unique) one; neither reuses the last token's block.
+    entries = [TraceEntry(e.timestamp_ms, (e.input_length // BS) * BS + 1, BS, e.hash_ids[: e.input_length // BS + 1])
+               for e in random_trace(60, seed=3)]
+    for cap in (None, 0, 10, 50, 200):
+        tokens = None if cap is None else cap * BS
+        assert pool_hit_rate(entries, cap, BS) == pytest.approx(lru_hit_rate(entries, tokens, BS))
 
 def test_shared_prefix_hit_rate_and_ttft_in_the_simulator():
     cfg = SimConfig(n_prefill=1, n_decode=1, scheduler="global")
