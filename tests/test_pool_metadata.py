@@ -1,7 +1,7 @@
 """The pool's metadata stores: one contract, checked on every backend.
 
 The same tests run against ``LocalMetadata``, ``HttpMetadata`` talking to a ``MetadataServer`` on
-loopback, and ``EtcdMetadata`` against a real etcd this module starts on free ports. Without an
+loopback, and ``EtcdMetadata`` against a real etcd (conftest.py's ``etcd_url``). Without an
 ``etcd`` binary the etcd runs are skipped, unless ``CI=true``, where they fail: CI installs
 ``etcd-server`` and must run them. Lease expiry is waited for by polling, never by a fixed sleep.
 """
@@ -9,10 +9,7 @@ loopback, and ``EtcdMetadata`` against a real etcd this module starts on free po
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -23,6 +20,7 @@ import etcd3gw
 import httpx
 import pytest
 
+from cluster.launcher import free_port
 from cluster.control_auth import CONTROL, ControlAuth, derive_key
 from cluster.pool.metadata import (
     METADATA_PURPOSE,
@@ -39,12 +37,6 @@ from cluster.pool.metadata import (
 SECRET = b"pool-metadata-test-secret-0123456789"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -52,48 +44,6 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-@pytest.fixture(scope="module")
-def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A single-member etcd on free loopback ports, for this module's tests."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("CI=true but there is no etcd binary: CI must run the etcd tests (apt-get install etcd-server)")
-        pytest.skip("no etcd binary (apt-get install etcd-server); CI=true makes this a failure")
-    data = tmp_path_factory.mktemp("etcd")
-    client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
-    log_path = data / "etcd.log"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [binary, "--name", "test", "--data-dir", str(data / "data"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"test={peer}",
-             # etcd's shortest lease is 1.5 election timeouts rounded up to whole seconds (2 s by
-             # default); a 50 ms election timeout brings it to 1 s, keeping the expiry tests short.
-             "--heartbeat-interval", "10", "--election-timeout", "50",
-             "--logger", "zap", "--log-level", "error"],
-            stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        def healthy() -> bool:
-            if process.poll() is not None:
-                pytest.fail(f"etcd exited with {process.returncode}:\n{log_path.read_text()}")
-            try:
-                return httpx.get(f"{client}/health", timeout=1.0).json().get("health") == "true"
-            except (httpx.HTTPError, ValueError):
-                return False
-
-        assert _wait_until(healthy, 15.0), f"etcd did not become healthy:\n{log_path.read_text()}"
-        yield client
-    finally:
-        process.terminate()
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @dataclass
@@ -360,7 +310,7 @@ def test_a_closed_server_is_unavailable_even_on_a_kept_alive_connection(server: 
 
 @pytest.mark.parametrize("kind", ["http", "etcd"])
 def test_unreachable_backend_is_unavailable_quickly(kind: str) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there: refused at once
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: refused at once
     store = connect_metadata(url, SECRET, etcd=kind == "etcd")
     start = time.monotonic()
     with pytest.raises(MetadataUnavailable):

@@ -51,6 +51,11 @@ class PoolIO:
         # Closing a read waits for its transfers to let go of the staging: never on the engine thread.
         self._closer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pool-close")
 
+    @property
+    def staging_ranges(self) -> int:
+        """Loads and stores holding this instance's pool staging now."""
+        return self._area.num_allocated
+
     async def prepare_load(self, token_ids: list[int]) -> PoolLoad | None:
         """Lease the pool's part of ``token_ids``'s prefix past the local cache and start reading
         it, every layer at once in layer order, into this instance's pool staging. None when

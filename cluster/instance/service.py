@@ -237,6 +237,7 @@ class InstanceService:
                 s[f"staging_{name}_ranges"] = area.num_allocated
         if self.pool is not None:
             s["pool_client"] = dict(self.pool.pool.counters, stores_skipped=self.pool.stores_skipped)
+            s["staging_pool_ranges"] = self.pool.staging_ranges
         if self.pool_service is not None:
             s["pool_segment"] = self.pool_service.segment.stats()
         return s

@@ -142,7 +142,8 @@ class Serving:
         prompt = self._receiver.prompt(request_id)
         admit = self._receiver.take_over(lambda h, kv: h.admit(request_id, kv, first, state, cached), request_id)
         stream = self._client.stream(request_id, admit)
-        return stream if prompt is None else self._stored_after(prompt, stream)
+        # The prefill instance sampled the first token; this stream starts after it.
+        return stream if prompt is None else self._stored_after(prompt + [first], stream)
 
     async def whole(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         load = await self._prepare_load(token_ids)

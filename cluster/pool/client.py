@@ -127,6 +127,7 @@ class PoolClient:
                 "address": seg.address, "objects": s.get("objects", 0),
                 "dram_bytes": s.get("dram_bytes", 0), "dram_free_bytes": s.get("dram_free_bytes", 0),
                 "ssd_bytes": s.get("ssd_bytes", 0), "ssd_free_bytes": s.get("ssd_free_bytes", 0),
+                "leased_objects": s.get("leased_objects", 0), "pending_puts": s.get("pending_puts", 0),
             }
         return total
 

@@ -1,0 +1,379 @@
+"""The KVCache pool end to end, against real processes on loopback (issue 12's proof).
+
+A cluster (`python -m server`: a Conductor over 2 prefill + 1 decode instances of the default
+model, contributing no DRAM of their own, 64-token pool objects) and a standalone pool node
+(`python -m cluster.pool`) that holds every object, so the node is the only replica. The module
+runs twice: on the Conductor's embedded metadata server and on a real etcd.
+
+To make a request run on the prefill instance that does *not* hold its prefix (so the prefix can
+only come from the pool), the holder is kept busy first with a long prompt that shares the prefix
+(Algorithm 1 sends that one to the holder; the next one then goes to the idle instance).
+
+After every scenario no instance holds blocks, reservations or staging, and no pool object is
+leased or half-written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster.control_auth import MESSENGER, derive_key
+from cluster.launcher import free_port
+from cluster.pool.client import OBJECTS, SEGMENTS, SegmentInfo
+from cluster.pool.metadata import connect_metadata
+from cluster.transfer import TransferConfig, TransferEngine
+from cluster.transfer.protocol import Status
+from engine import LLM, SamplingParams
+
+SECRET = "pool cluster test secret 0123456789"
+STARTUP_S = 300
+LEASE_S = 5.0  # PoolConfig.lease_ttl_s: a dead node's objects leave the index within this
+GREEDY = dict(temperature=0, max_tokens=8)
+
+
+def _words(tag: str, n: int) -> str:
+    """``n`` distinct words starting with ``tag``: no prefix shared with another test's prompts."""
+    return tag + " " + " ".join(f"{tag}{i}" for i in range(n))
+
+
+def _until(predicate, within_s: float, what: str, every_s: float = 0.1):
+    deadline = time.monotonic() + within_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every_s)
+
+
+class PoolCluster:
+    def __init__(self, etcd: str | None, workdir: Path) -> None:
+        self.etcd = etcd
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET, OMP_NUM_THREADS="1")
+        self.log_path = workdir / "cluster.log"
+        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--prefill-instances", "2",
+               "--decode-instances", "1", "--instance-threads", "1", "--kv-cache-gib", "0.25",
+               "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--reservation-lease-s", "30",
+               # A ~1,000-token prompt is one engine step of seconds: it keeps its instance busy.
+               "--max-num-batched-tokens", "2048",
+               "--pool-dram-gib", "0", "--pool-block-tokens", "64", "--log-level", "info"]
+        if etcd:
+            cmd += ["--etcd", etcd]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(cmd, start_new_session=True, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.url, timeout=300)
+        self.node: subprocess.Popen | None = None
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert self.proc.poll() is None, f"the cluster exited during start-up:\n{self.log()}"
+            try:
+                if sum(i["up"] for i in self.stats().get("instances", [])) == 3:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            time.sleep(1)
+        if etcd:
+            self.metadata_url = etcd
+        else:
+            found = re.search(r"KVCache pool metadata at (\S+)", self.log())
+            assert found, "the Conductor did not log its metadata server's address"
+            self.metadata_url = found.group(1)
+        self.metadata = connect_metadata(self.metadata_url, SECRET.encode(), etcd=etcd is not None)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    # -- views ---------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.http.get("/stats").json()
+
+    def pool(self) -> dict:
+        return self.stats()["pool"]
+
+    def instances(self, role: str | None = None) -> list[dict]:
+        return [i for i in self.stats()["instances"] if role is None or i["role"] == role]
+
+    def instance_stats(self, url: str) -> dict:
+        return httpx.get(url + "/stats", timeout=10).json()
+
+    def computed(self) -> dict[str, int]:
+        return {i["url"]: self.instance_stats(i["url"])["num_prompt_tokens_computed"] for i in self.instances("prefill")}
+
+    def pool_counters(self) -> dict[str, int]:
+        return {k: v for k, v in self.pool().items() if isinstance(v, int)}
+
+    def object_keys(self) -> list[str]:
+        """Object keys in the index (the metadata), with the segments holding them."""
+        return sorted(self.metadata.get_prefix(OBJECTS))
+
+    # -- the pool node -------------------------------------------------------------------------------
+    def start_node(self, dram_gib: float = 0.25, ssd_gib: float = 0.0) -> str:
+        self.stop_node()
+        where = ["--etcd", self.etcd] if self.etcd else ["--metadata", self.metadata_url]
+        cmd = [sys.executable, "-m", "cluster.pool", *where, "--dram-gib", str(dram_gib),
+               "--transfer-timeout-s", "3", "--log-level", "warning"]
+        if ssd_gib:
+            cmd += ["--ssd-dir", tempfile.mkdtemp(dir=self.workdir, prefix="ssd-"), "--ssd-gib", str(ssd_gib)]
+        self.node = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, text=True)
+        line = self.node.stdout.readline()
+        assert line.startswith("pool node ready: "), f"the pool node did not start: {line!r}"
+        segment_id = line.split()[3]
+        _until(lambda: segment_id in self.pool()["segments"], 10, "the Conductor to see the pool node")
+        return segment_id
+
+    def stop_node(self) -> None:
+        if self.node is not None and self.node.poll() is None:
+            self.node.send_signal(signal.SIGCONT)  # a test may have stopped it
+            self.node.terminate()
+            self.node.wait(20)
+        self.node = None
+
+    def node_address(self, segment_id: str) -> str:
+        return self.pool()["segments"][segment_id]["address"]
+
+    # -- requests ------------------------------------------------------------------------------------
+    def complete(self, prompt, **params) -> dict:
+        r = self.http.post("/v1/completions", json={"prompt": prompt, **params})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stored(self, n: int) -> None:
+        """Wait until the index holds at least ``n`` objects (stores run after the response)."""
+        _until(lambda: len(self.object_keys()) >= n, 30, f"{n} objects in the pool")
+
+    def on_the_other_instance(self, prefix: str, prompt: str, holder: str, *, during=None) -> dict:
+        """Complete ``prompt`` (which starts with ``prefix``) on the prefill instance that is not
+        ``holder``: ``holder`` is kept busy by a long prompt with the same prefix meanwhile.
+        ``during(other_url)``, if given, runs once the request is prefilling there."""
+
+        async def scenario() -> dict:
+            async with httpx.AsyncClient(base_url=self.url, timeout=300) as http:
+                busy = asyncio.create_task(http.post("/v1/completions", json={
+                    "prompt": prefix + " " + _words("busytail", 300), "max_tokens": 1, "temperature": 0}))
+                (a,) = await asyncio.to_thread(
+                    _until, lambda: [i for i in self.instances("prefill") if i["prefilling"]], 60, "the long prompt")
+                assert a["url"] == holder, "the long prompt should go where its prefix is cached"
+                task = asyncio.create_task(http.post("/v1/completions", json={"prompt": prompt, **GREEDY}))
+                if during is not None:
+                    (b,) = await asyncio.to_thread(
+                        _until, lambda: [i for i in self.instances("prefill") if i["prefilling"] and i["url"] != holder],
+                        10, "the request on the other prefill instance")
+                    await asyncio.to_thread(during, b["url"])
+                r, done = await task, await busy
+                assert done.status_code == 200, done.text
+                assert r.status_code == 200, r.text
+                return r.json()
+
+        return asyncio.run(scenario())
+
+    # -- integrity -----------------------------------------------------------------------------------
+    def assert_clean(self) -> None:
+        """No instance holds blocks, reservations or staging (pool staging included), and no pool
+        object is leased or half-written (the nodes publish their state every second)."""
+        deadline = time.monotonic() + 15
+        while True:
+            dirty = {}
+            for inst in self.instances():
+                if not inst["up"]:
+                    continue
+                s = self.instance_stats(inst["url"])
+                held = {k: s[k] for k in ("num_used_blocks", "num_reservations", "num_running", "num_waiting",
+                                          "staging_send_ranges", "staging_recv_ranges", "staging_pool_ranges")
+                        if s.get(k)}
+                if held:
+                    dirty[inst["url"]] = held
+            for segment_id, seg in self.pool()["segments"].items():
+                held = {k: seg[k] for k in ("leased_objects", "pending_puts") if seg[k]}
+                if held:
+                    dirty[segment_id] = held
+            if not dirty:
+                return
+            assert time.monotonic() < deadline, f"still held: {dirty}"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.stop_node()
+        self.http.close()
+        self.metadata.close()
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module", params=["embedded", "etcd"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    etcd = request.getfixturevalue("etcd_url") if request.param == "etcd" else None
+    c = PoolCluster(etcd, tmp_path_factory.mktemp(f"pool-{request.param}"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    return LLM(threads=1, kv_cache_gib=0.25)
+
+
+def _want(colocated: LLM, prompt: str) -> str:
+    return colocated.generate([prompt], SamplingParams(**GREEDY))[0].text
+
+
+def _first_on_one_instance(cluster: PoolCluster, prompt: str) -> str:
+    """Complete ``prompt`` and return the prefill instance that computed it."""
+    before = cluster.computed()
+    cluster.complete(prompt, **GREEDY)
+    after = cluster.computed()
+    (holder,) = [u for u in after if after[u] > before[u]]
+    return holder
+
+
+def test_a_prefix_computed_on_one_instance_is_loaded_by_the_other(cluster, colocated):
+    cluster.start_node()
+    prefix = _words("shared", 100)  # ~290 tokens: four 64-token pool objects
+    holder = _first_on_one_instance(cluster, prefix + " First question?")
+    cluster.stored(4)
+    before, migrations = cluster.pool_counters(), cluster.stats()["migrations"]
+    computed = cluster.computed()
+    prompt = prefix + " Second question?"
+    got = cluster.on_the_other_instance(prefix, prompt, holder)
+    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, "the pool's prefix was not used"
+    after = cluster.pool_counters()
+    assert after["hits"] >= before["hits"] + 4 and after["loads"] > before["loads"]
+    assert cluster.stats()["migrations"] == migrations, "the prefix moved by push, not through the pool"
+    (other,) = [u for u in computed if u != holder]
+    assert cluster.computed()[other] - computed[other] < 100, "the other instance recomputed the prefix"
+    cluster.assert_clean()
+
+
+def test_kill_9_of_the_only_replica_mid_load_recomputes_and_its_objects_leave(cluster, colocated):
+    segment_id = cluster.start_node()
+    prefix = _words("doomed", 100)
+    holder = _first_on_one_instance(cluster, prefix + " First question?")
+    cluster.stored(4)
+    before = cluster.pool_counters()
+    node = cluster.node
+
+    def kill_mid_load(_other: str) -> None:
+        # The other instance asks the (frozen) node for read leases: the load hangs there; then the
+        # node dies for good. The lease asks go out right after the request starts prefilling.
+        time.sleep(0.3)
+        node.send_signal(signal.SIGKILL)
+        node.wait()
+
+    # Freeze the node first, so the load is under way (not finished) when it dies.
+    node.send_signal(signal.SIGSTOP)
+    computed = cluster.computed()
+    prompt = prefix + " Second question?"
+    got = cluster.on_the_other_instance(prefix, prompt, holder, during=kill_mid_load)
+    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    after = cluster.pool_counters()
+    # The load ended without the node's objects: its read leases were refused (a miss) or its
+    # reads failed (a failed read); either way the other instance computed the whole prompt.
+    lost = lambda c: c["misses"] + c["failed_reads_recomputed"]  # noqa: E731
+    assert lost(after) > lost(before) and after["hits"] == before["hits"], "the load did not fail"
+    (other,) = [u for u in computed if u != holder]
+    assert cluster.computed()[other] - computed[other] >= got["usage"]["prompt_tokens"] - 16
+    # Its objects leave the index within its lease (the test's own waits count against it).
+    _until(lambda: not cluster.object_keys(), LEASE_S + 3, "the dead node's objects to leave the index")
+    _until(lambda: segment_id not in cluster.pool()["segments"], LEASE_S + 3, "the dead node to leave")
+    cluster.node = None
+    cluster.assert_clean()
+
+
+def _flip_a_byte_of_every_object(cluster: PoolCluster, segment_id: str) -> int:
+    """Corrupt each object the node holds, one byte each, with one-sided writes into its segment
+    (as a stray writer would): the node's checksums no longer match its bytes."""
+    keys = sorted({k[len(OBJECTS):].rsplit("/", 1)[0] for k in cluster.object_keys()})
+    address = cluster.node_address(segment_id)
+    with TransferEngine(TransferConfig(secret=derive_key(SECRET.encode(), MESSENGER))) as engine:
+        status, body = engine.call(address, {"op": "lease", "keys": keys})
+        assert status == Status.OK, body
+        grants = [g for g in body["grants"] if g is not None]
+        # The segment's registered region, as readers find it in the metadata.
+        region = SegmentInfo.from_entry(segment_id, cluster.metadata.get(SEGMENTS + segment_id)).handle
+        buf = engine.alloc_shared(1)
+        mine = engine.register(buf)
+        for g in grants:
+            engine.read_sync(address, [(mine, 0, region, g["offset"] + 5, 1)])
+            buf[0] ^= 0xFF
+            engine.write_sync(address, [(mine, 0, region, g["offset"] + 5, 1)])
+        engine.call(address, {"op": "release", "leases": [[g["key"], g["lease"]] for g in grants]})
+        engine.unregister(mine)
+    return len(grants)
+
+
+def test_a_corrupted_object_is_detected_and_recomputed(cluster, colocated):
+    segment_id = cluster.start_node()
+    prefix = _words("flipped", 100)
+    holder = _first_on_one_instance(cluster, prefix + " First question?")
+    cluster.stored(4)
+    assert _flip_a_byte_of_every_object(cluster, segment_id) >= 4
+    before = cluster.pool_counters()
+    prompt = prefix + " Second question?"
+    got = cluster.on_the_other_instance(prefix, prompt, holder)
+    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    after = cluster.pool_counters()
+    assert after["failed_reads_recomputed"] > before["failed_reads_recomputed"], "the corruption went unseen"
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] < 64, "a corrupt object was used"
+    cluster.assert_clean()
+
+
+def test_past_the_high_water_mark_objects_go_to_ssd_and_come_back(cluster, colocated):
+    # A node with room for about a dozen objects: filling it demotes the least recently used.
+    cluster.start_node(dram_gib=0.04, ssd_gib=0.5)
+    prefix = _words("cold", 100)
+    holder = _first_on_one_instance(cluster, prefix + " First question?")
+    cluster.stored(4)
+    for k in range(4):  # newer objects push the first prompt's out of DRAM
+        cluster.complete(_words(f"filler{k}x", 100) + " Go on.", **GREEDY)
+    _until(lambda: cluster.pool()["demotions"] >= 4, 30, "the segment to demote to SSD")
+    before = cluster.pool_counters()
+    prompt = prefix + " Second question?"
+    got = cluster.on_the_other_instance(prefix, prompt, holder)
+    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    after = cluster.pool_counters()
+    assert after["promotions"] > before["promotions"], "the hit did not come back up from SSD"
+    assert after["failed_reads_recomputed"] == before["failed_reads_recomputed"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+    cluster.assert_clean()
+    cluster.stop_node()
+
+
+def test_a_second_turn_hits_the_first_turns_output(cluster, colocated):
+    cluster.start_node()
+    first = _words("turn", 40) + " Tell me a long story about the sea."
+    turn = cluster.complete(first, temperature=0, max_tokens=160, ignore_eos=True)
+    reply, n_first = turn["choices"][0]["text"], turn["usage"]["prompt_tokens"]
+    second = first + reply + " And then?"
+    # The decode instance stores prompt and output when the first turn finishes.
+    _until(lambda: len(cluster.object_keys()) >= (n_first + 150) // 64, 30, "the first turn's output in the pool")
+    got = cluster.complete(second, **GREEDY)
+    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # The prefill instances computed only the first prompt: more cached than its full blocks
+    # can only have come from the pool's copy of the output.
+    assert cached >= (n_first // 64 + 1) * 64, f"cached {cached} of a first prompt of {n_first} tokens"
+    assert got["choices"][0]["text"] == _want(colocated, second)
+    cluster.assert_clean()
+    cluster.stop_node()
