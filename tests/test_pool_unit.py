@@ -86,6 +86,18 @@ def test_lru_eviction_respects_leases_and_watermark(engine):
     seg.check()
 
 
+def test_a_leased_prefix_is_evicted_from_its_end(engine):
+    """A reader leases a chain head first; the head must outlive the tail in the LRU, or the
+    rest of the chain would stay stored but unreachable."""
+    seg = Segment(engine, SegmentConfig(dram_bytes=4 * OBJ, high_watermark=0.75))
+    for i, key in enumerate(["head", "mid", "tail"]):
+        _write(seg, key, i)
+    for g in seg.lease(["head", "mid", "tail"]):
+        seg.release(g.key, g.lease)
+    _write(seg, "other", 9)
+    assert [g is not None for g in seg.lease(["head", "mid", "tail"])] == [True, True, False]
+
+
 def test_everything_leased_means_full_not_a_stolen_slot(engine):
     seg = Segment(engine, SegmentConfig(dram_bytes=2 * OBJ, lease_ttl_s=10))
     _write(seg, "a", 1)
@@ -197,6 +209,28 @@ def test_client_put_get_corruption_and_departure():
 
         node.close()  # its lease is revoked: its objects leave the index at once
         assert reader.lookup(keys) == [] and not metadata.get_prefix(SEGMENTS)
+
+
+def test_a_burst_of_puts_spreads_over_equally_free_segments_and_misses_count():
+    """The free space a client sees is a snapshot (refreshed about once a second); puts between
+    two snapshots must not all land on the one segment that looked freest."""
+    metadata = LocalMetadata()
+    with TransferEngine(TransferConfig(secret=SECRET)) as e1, TransferEngine(TransferConfig(secret=SECRET)) as e2, \
+            TransferEngine(TransferConfig(secret=SECRET)) as writer_engine:
+        a = _node(e1, metadata, "a", 8 * OBJ)
+        b = _node(e2, metadata, "b", 8 * OBJ)
+        writer = PoolClient(writer_engine, metadata, segments_ttl_s=60.0)
+        buf = writer_engine.alloc_shared(OBJ)
+        handle = writer_engine.register(buf)
+        sums = part_checksums(memoryview(buf.numpy()), PART)
+        holders = [writer.put(f"ns/{i}", handle, 0, OBJ, PART, sums) for i in range(6)]
+        assert sorted(holders.count(s) for s in {a.segment_id, b.segment_id}) == [3, 3]
+        _wait(lambda: len(writer.lookup([f"ns/{i}" for i in range(6)])) == 6)
+        # Two objects past the stored run: misses, though the index never held them.
+        got = writer.get([f"ns/{i}" for i in range(8)], handle, [0] * 8, memoryview(buf.numpy()))
+        assert got == 6 and writer.counters["misses"] == 2
+        a.close()
+        b.close()
 
 
 def test_hot_objects_get_more_replicas_and_reads_spread():

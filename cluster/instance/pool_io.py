@@ -148,7 +148,9 @@ class PoolIO:
 
             def put_all() -> int:
                 stored = 0
-                for j in range(packed):
+                # Tail first: a node seals the head last, so its LRU evicts the chain from the end,
+                # and readers (who need the head) see the prefix only once it is all there.
+                for j in reversed(range(packed)):
                     off = r.offset + j * g.nbytes
                     data = self._memory[off : off + g.nbytes]
                     sums = part_checksums(data, g.part_bytes)

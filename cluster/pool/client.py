@@ -50,10 +50,6 @@ class SegmentInfo:
     handle: RegionHandle
     stats: dict
 
-    @property
-    def free_ratio(self) -> float:
-        return self.stats.get("dram_free_bytes", 0) / max(1, self.stats.get("dram_bytes", 1))
-
     @classmethod
     def from_entry(cls, segment_id: str, value: str) -> SegmentInfo:
         data = json.loads(value)
@@ -74,6 +70,9 @@ class PoolClient:
         self._segments_at = float("-inf")
         self._reading: Counter[str] = Counter()  # objects being read per segment: the load we balance
         self._served: Counter[str] = Counter()  # objects read per segment, to break ties in turn
+        # Bytes this client put per segment since the snapshot: the published free space lags
+        # (a heartbeat), and without this every put of a burst would go to the same segment.
+        self._placed: Counter[str] = Counter()
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
 
     # -- index --------------------------------------------------------------------------------------
@@ -92,6 +91,7 @@ class PoolClient:
                 log.warning("pool: ignoring malformed segment entry %s: %s", segment_id, exc)
         with self._lock:
             self._segments, self._segments_at = segments, now
+            self._placed.clear()
         return segments
 
     def replicas(self, key: str) -> list[str]:
@@ -141,6 +141,7 @@ class PoolClient:
         ``PoolRead.num_objects`` is the run that could be leased (0: nothing to read)."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
+        wanted = len(keys)
         run = self.lookup(keys)
         keys = list(keys[: len(run)])
         segments = self.segments()
@@ -171,7 +172,7 @@ class PoolClient:
             for s in read.segments_used:
                 self._reading[s] += 1
                 self._served[s] += 1
-            self.counters["misses"] += len(keys) - n
+            self.counters["misses"] += wanted - n  # not in the index, or its lease refused
         return read
 
     def get(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int], dst_memory: memoryview) -> int:
@@ -213,9 +214,13 @@ class PoolClient:
         segment took it (full, unreachable, or it is stored there already)."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
-        candidates = sorted((s for s in self.segments().values()
+        segments = self.segments()
+        with self._lock:
+            free = {s.segment_id: (s.stats.get("dram_free_bytes", 0) - self._placed[s.segment_id])
+                    / max(1, s.stats.get("dram_bytes", 1)) for s in segments.values()}
+        candidates = sorted((s for s in segments.values()
                              if s.segment_id not in exclude and s.stats.get("dram_bytes", 0) >= nbytes),
-                            key=lambda s: -s.free_ratio)
+                            key=lambda s: -free[s.segment_id])
         for seg in candidates:
             try:
                 status, answer = self._transfer.call(seg.address, {"op": "alloc", "key": key, "nbytes": nbytes,
@@ -234,6 +239,7 @@ class PoolClient:
                 if status == Status.OK and answer.get("ok"):
                     with self._lock:
                         self.counters["stores"] += 1
+                        self._placed[seg.segment_id] += nbytes
                     return seg.segment_id
             except (TransferError, TimeoutError) as exc:
                 log.info("pool: put of %s on segment %s failed: %s", key, seg.segment_id, exc)

@@ -174,9 +174,13 @@ class Segment:
                 lease = next(self._lease_ids)
                 obj.leases[lease] = now + (ttl_s or self.config.lease_ttl_s)
                 obj.reads.append(now)
-                self._objects.move_to_end(key)
                 self.counters["leases"] += 1
                 grants.append(Grant(key, obj.range.offset, obj.nbytes, obj.part_bytes, obj.checksums, lease))
+            # Readers lease a prefix in order; the head becomes the most recent, so LRU evicts a
+            # chain from its end: an evicted head would strand the rest of the chain unreachable.
+            for g in reversed(grants):
+                if g is not None:
+                    self._objects.move_to_end(g.key)
         return grants
 
     def release(self, key: str, lease: int) -> None:
