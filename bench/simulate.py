@@ -2,7 +2,7 @@
 
     python -m bench.simulate schedulers   # FAST'25 Fig. 5: mean TTFT per prefill scheduler
     python -m bench.simulate hitrate      # FAST'25 Fig. 9: hit rate vs cache capacity
-    python -m bench.simulate global       # FAST'25 Fig. 10: local vs global KV cache
+    python -m bench.simulate global       # FAST'25 Fig. 10: local vs global KV cache (and a pool)
     python -m bench.simulate overload     # arXiv Table 3, Fig. 9/10: admission under 2x load
 
 Each prints a table beside the paper's numbers and writes ``NAME.json`` and PNG plots to
@@ -37,6 +37,14 @@ PAPER_FIG9 = {"conversation": (0.40, 0.41), "synthetic": (0.66, 0.48)}
 PAPER_FIG10 = {"conversation": (0.17, 0.38, 0.76), "synthetic": (0.27, 0.63, 0.52)}
 # arXiv Table 3: rejected requests of 23,000 replayed at 2x on 8P + 8D.
 PAPER_TABLE3 = {"per_stage": 4183, "early": 3771, "predictive": 3589}
+
+
+# --pool-tokens not given: the pool is as large as all prefill instances' DRAM caches together.
+POOL_AS_DRAM = -1
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
 
 
 def trace_path(name: str) -> Path:
@@ -111,31 +119,46 @@ def exp_global(args: argparse.Namespace, out: Path) -> None:
     traces = {"custom": args.trace} if args.trace else {n: trace_path(n) for n in PAPER_FIG10}
     base = SimConfig(n_prefill=10, n_decode=1, cache_capacity_tokens=3_000_000, output_tokens=1, seed=args.seed)
     # "Local cache" is bracketed by two schedulers that only ever use an instance's own cache:
-    # cache-oblivious load balancing, and local cache-aware placement.
-    modes = ("load_balancing", "local", "global")
-    rows, payload = [], {}
+    # cache-oblivious load balancing, and local cache-aware placement. "pool": the global
+    # scheduler in pool mode over one cluster-wide LRU, by default as large as all DRAM caches.
+    pool_tokens = base.n_prefill * base.cache_capacity_tokens if args.pool_tokens == POOL_AS_DRAM else args.pool_tokens
+    configs = {m: replace(base, scheduler=m) for m in ("load_balancing", "local", "global")}
+    configs["pool"] = replace(base, scheduler="global", pool_capacity_tokens=pool_tokens)
+    modes = tuple(configs)
+    rows, mode_rows, payload = [], [], {}
     for name, path in traces.items():
         entries = load_trace(str(path))
-        results = run_all({m: replace(base, scheduler=m) for m in modes}, entries)
+        results = run_all(configs, entries)
         s = {m: summarize(r) for m, r in results.items()}
         hit = {m: s[m]["prefix_hit_rate"] for m in modes}
         time_per_req = {m: s[m]["prefill_s_per_request"] for m in modes}
         pooled = lru_hit_rate(entries, base.n_prefill * 3_000_000)
         p_loc, p_glo, p_time = PAPER_FIG10.get(name, (math.nan, math.nan, math.nan))
         rows.append([
-            name, hit["load_balancing"], hit["local"], hit["global"],
-            hit["global"] / hit["load_balancing"], hit["global"] / hit["local"], p_glo / p_loc,
-            time_per_req["global"] / time_per_req["load_balancing"], time_per_req["global"] / time_per_req["local"],
+            name, hit["load_balancing"], hit["local"], hit["global"], hit["pool"],
+            ratio(hit["global"], hit["load_balancing"]), ratio(hit["global"], hit["local"]),
+            ratio(hit["pool"], hit["local"]), p_glo / p_loc,
+            ratio(time_per_req["global"], time_per_req["load_balancing"]),
+            ratio(time_per_req["global"], time_per_req["local"]),
             p_time, pooled, s["global"]["hot_key_replicas_mean"],
         ])
-        payload[name] = {**s, "single_pool_30M_hit_rate": pooled}
+        for m in modes:
+            t = s[m]["ttft_s"]
+            mode_rows.append([
+                name, m, hit[m], t["mean"], t["p90"], time_per_req[m], s[m]["pulled_token_share"],
+                s[m]["pool_loaded_token_share"],
+            ])
+        payload[name] = {**s, "single_pool_30M_hit_rate": pooled, "pool_capacity_tokens": pool_tokens}
         plot_latency_cdfs(results, out / f"global_{name}_cdf.png")
     print("\nFAST'25 Fig. 10: local vs global cache (10 prefill x 3M tokens, 1-token outputs)")
     print_table(
-        ["trace", "hit LB", "hit local", "hit global", "x vs LB", "x vs local", "paper x",
+        ["trace", "hit LB", "hit local", "hit global", "hit pool", "x vs LB", "x vs local", "pool x vs local", "paper x",
          "prefill t g/LB", "g/local", "paper", "one 30M LRU", "hot-key replicas"],
         rows,
     )
+    cap = "unbounded" if pool_tokens is None else f"{pool_tokens:,} tokens"
+    print(f"\nper mode (pool: {cap}; 'pulled' from other instances, 'loaded' from the pool: shares of prompt tokens)")
+    print_table(["trace", "mode", "hit rate", "TTFT s", "p90 s", "prefill s/req", "pulled", "loaded"], mode_rows)
     payload["paper"] = PAPER_FIG10
     save_json(out, "global", payload)
 
@@ -177,12 +200,25 @@ EXPERIMENTS: dict[str, Callable[[argparse.Namespace, Path], None]] = {
 }
 
 
+def _pool_tokens(value: str) -> int | None:
+    if value == "unbounded":
+        return None
+    tokens = int(value)
+    if tokens <= 0:
+        raise argparse.ArgumentTypeError("the pool capacity must be a positive number of tokens or 'unbounded'")
+    return tokens
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
     parser.add_argument("--trace", type=Path, help="replay this Mooncake JSONL trace instead of the default")
     parser.add_argument("--out", type=Path, help="output folder (default out/simulate/EXPERIMENT)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pool-tokens", type=_pool_tokens, default=POOL_AS_DRAM, metavar="N|unbounded",
+        help="global: KVCache pool capacity in tokens (default: n_prefill x the per-instance DRAM cache)",
+    )
     args = parser.parse_args(argv)
     out = args.out or Path("out") / "simulate" / args.experiment
     out.mkdir(parents=True, exist_ok=True)

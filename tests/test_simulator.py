@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from bench.sim.hitrate import lru_hit_rate, pool_hit_rate, pool_hits
 from bench.sim.metrics import summarize
 from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, simulate
 from bench.simulate import main
-from bench.trace import TraceEntry
+from bench.trace import TraceEntry, load_trace
 from cluster.cost_model import DecodeStepModel
 
 BS = 512
@@ -231,3 +232,142 @@ def test_late_binding_moves_kv_to_the_decode_instance_that_freed_up():
     step = cfg.decode_model()
     ready = late.arrival_s[2] + late.ttft_s[2] + cfg.transfer_model().seconds(100_000)
     assert late.finish_s[2] > ready + 1999 * step.step_s(1, 100_000)
+
+
+# -- the KVCache pool ---------------------------------------------------------------------------
+
+
+# Sums over ``random_trace(300)`` on 4P + 2D at 4x with early rejection, from the simulator before
+# the pool existed: (sum of TTFTs, prefix tokens, pulled tokens, completed, sum of TBTs).
+BEFORE_THE_POOL = {
+    "random": (3989.357524893976, 1223680, 0, 173, 15.499129290393391),
+    "load_balancing": (4281.350688782442, 1294336, 0, 178, 16.66462784059352),
+    "local": (4386.838886205704, 1407488, 0, 179, 16.924229992292428),
+    "global": (4366.506733814373, 1580032, 202240, 183, 17.523821550553787),
+}
+
+
+@pytest.mark.parametrize("scheduler", sorted(BEFORE_THE_POOL))
+def test_pool_off_leaves_results_unchanged(scheduler):
+    cfg = SimConfig(n_prefill=4, n_decode=2, scheduler=scheduler, speed=4.0, admission="early")
+    assert cfg.pool_capacity_tokens == 0 and not cfg.pool_enabled
+    r = simulate(cfg, random_trace(300))
+    ttft, prefix, pulled, completed, tbt = BEFORE_THE_POOL[scheduler]
+    assert float(np.nansum(r.ttft_s)) == pytest.approx(ttft, rel=1e-12)
+    assert (int(r.prefix_tokens.sum()), int(r.pulled_tokens.sum())) == (prefix, pulled)
+    assert int((r.status == COMPLETED).sum()) == completed
+    assert float(np.nansum(r.tbt_s)) == pytest.approx(tbt, rel=1e-12)
+    assert not r.pool_tokens.any() and r.pool_evictions == 0 and r.pool_blocks_held == 0
+
+
+def test_pool_mode_uses_the_live_conductors_scheduler():
+    from bench.sim.simulator import Simulator
+    from cluster.scheduling import GlobalCacheAwareScheduler
+
+    entries = shared_prefix_trace(1)
+    pooled = Simulator(SimConfig(pool_capacity_tokens=None), entries).scheduler
+    assert isinstance(pooled, GlobalCacheAwareScheduler) and not pooled.pull_from_instances
+    assert Simulator(SimConfig(), entries).scheduler.pull_from_instances
+
+
+def second_turn_elsewhere():
+    """Turn 1 of a conversation (60 blocks) prefills on instance 0 and is long done when a big
+    unrelated request takes instance 0; turn 2 arrives just after, so instance 1 serves it."""
+    turn1 = TraceEntry(0, 60 * BS, 1, list(range(60)))
+    other = TraceEntry(100_000, 120 * BS, 1, list(range(5000, 5120)))
+    turn2 = TraceEntry(100_010, 61 * BS, 1, list(range(60)) + [999])
+    return [turn1, other, turn2]
+
+
+def test_second_turn_on_another_instance_hits_through_the_pool():
+    cfg = SimConfig(n_prefill=2, n_decode=1, pool_capacity_tokens=1_000_000)
+    r = simulate(cfg, second_turn_elsewhere())
+    assert r.prefix_tokens[2] == 60 * BS and r.pool_tokens[2] == 60 * BS
+    assert r.pulled_tokens[2] == 0
+    # Instance 1 is idle: TTFT = loading the 60 blocks from the pool + prefilling the rest.
+    true = cfg.prefill_model()
+    expected = cfg.transfer_model().seconds(60 * BS) + true.seconds(61 * BS, 60 * BS)
+    assert r.ttft_s[2] == pytest.approx(expected)
+    assert r.ttft_s[2] < r.ttft_s[1]  # it did not queue behind the big request on instance 0
+    assert r.pool_blocks_held == 60 + 120 + 1
+    # Without the pool, global pulls the prefix from instance 0 instead; local-only caches miss.
+    no_pool = simulate(replace(cfg, pool_capacity_tokens=0), second_turn_elsewhere())
+    assert no_pool.pulled_tokens[2] == 60 * BS and not no_pool.pool_tokens.any()
+    # A local cache does not know turn 1 on instance 1: a pool of one instance's worth of DRAM
+    # serves it while the instances' own caches hold nothing.
+    no_local = simulate(replace(cfg, cache_capacity_tokens=0), second_turn_elsewhere())
+    assert no_local.pool_tokens[2] == 60 * BS
+
+
+def test_pool_stores_a_prompt_only_when_its_prefill_ends():
+    # Turn 2 arrives while turn 1 is still prefilling: nothing is in the pool yet.
+    turn1 = TraceEntry(0, 60 * BS, 1, list(range(60)))
+    turn2 = TraceEntry(1, 61 * BS, 1, list(range(60)) + [999])
+    cfg = SimConfig(n_prefill=2, n_decode=1, cache_capacity_tokens=0, pool_capacity_tokens=None)
+    r = simulate(cfg, [turn1, turn2])
+    assert r.pool_tokens[1] == 0 and r.prefix_tokens[1] == 0
+
+
+def test_pool_capacity_evicts_least_recently_used_blocks():
+    a, b, c = ([1, 2, 3], [7, 8, 9], [10, 11, 12])
+
+    def run(capacity_blocks, keys):
+        entries = [TraceEntry(k * 100_000, 3 * BS, 1, list(ks)) for k, ks in enumerate(keys)]
+        capacity = None if capacity_blocks is None else capacity_blocks * BS
+        # Instances cache nothing: every hit is the pool's.
+        cfg = SimConfig(n_prefill=2, n_decode=1, cache_capacity_tokens=0, pool_capacity_tokens=capacity)
+        r = simulate(cfg, entries)
+        assert (r.pool_tokens == r.prefix_tokens).all()
+        return list(r.pool_tokens // BS), r
+
+    # Room for 4 blocks: B pushes out A's tail first (2, 3), so A again finds only its head.
+    hits, r = run(4, [a, b, a])
+    assert hits == [0, 0, 1] and r.pool_evictions >= 2
+    assert run(6, [a, b, a])[0] == [0, 0, 3]
+    assert run(None, [a, b, c, a, b])[0] == [0, 0, 0, 3, 3]
+    # Room for 6: A's hit refreshes it, so C evicts B (least recently used), not A.
+    assert run(6, [a, b, a, c, a, b])[0] == [0, 0, 3, 0, 3, 0]
+    assert run(0, [a, a])[0] == [0, 0]  # 0 means no pool at all
+
+
+def test_pool_config_is_validated():
+    with pytest.raises(ValueError):
+        SimConfig(pool_capacity_tokens=-1)
+    with pytest.raises(ValueError):
+        SimConfig(scheduler="local", pool_capacity_tokens=1_000_000)
+    assert SimConfig(pool_capacity_tokens=None).pool_capacity_blocks is None
+    assert SimConfig(pool_capacity_tokens=10 * BS).pool_capacity_blocks == 10
+
+
+CONVERSATION = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces" / "conversation_trace.jsonl"
+
+
+@pytest.mark.skipif(not CONVERSATION.exists(), reason="conversation trace not available")
+def test_pool_hit_rate_beats_local_caches_on_a_conversation_slice():
+    entries = load_trace(str(CONVERSATION))[:2500]
+    # Fig. 10's cluster with smaller caches, so that the slice fills them.
+    base = SimConfig(n_prefill=10, n_decode=1, cache_capacity_tokens=200_000, output_tokens=1)
+    hit = {
+        name: summarize(simulate(cfg, entries))["prefix_hit_rate"]
+        for name, cfg in {
+            "local": replace(base, scheduler="local"),
+            "pool": replace(base, scheduler="global", pool_capacity_tokens=10 * 200_000),
+        }.items()
+    }
+    assert hit["pool"] >= hit["local"] > 0
+
+
+def test_cli_global_pool_capacity_flag(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(
+        json.dumps({"timestamp": e.timestamp_ms, "input_length": e.input_length,
+                    "output_length": e.output_length, "hash_ids": e.hash_ids})
+        for e in random_trace(40, seed=4)
+    ))
+    for flag, capacity in (("unbounded", None), ("51200", 51200)):
+        out = tmp_path / flag
+        main(["global", "--trace", str(trace), "--out", str(out), "--pool-tokens", flag])
+        data = json.loads((out / "global.json").read_text())["custom"]
+        assert data["pool_capacity_tokens"] == capacity and data["pool"]["config"]["pool_capacity_tokens"] == capacity
+    with pytest.raises(SystemExit):
+        main(["global", "--trace", str(trace), "--out", str(tmp_path / "x"), "--pool-tokens", "0"])

@@ -46,6 +46,10 @@ class SimConfig:
     n_decode: int = 8
     # Per prefill instance DRAM cache; None = unbounded. 3M tokens ~ 1 TB of LLaMA3-70B KV.
     cache_capacity_tokens: int | None = 3_000_000
+    # Distributed KVCache pool shared by all prefill instances (one LRU over block keys):
+    # 0 = no pool, None = unbounded. Needs the global scheduler, which then loads prefixes from
+    # the pool instead of pulling them from other instances, as the live Conductor does.
+    pool_capacity_tokens: int | None = 0
     block_size: int = 512
     scheduler: str = "global"
     kvcache_balancing_threshold: float = 2.0
@@ -70,6 +74,10 @@ class SimConfig:
             raise ValueError("need at least one prefill and one decode instance")
         if self.cache_capacity_tokens is not None and self.cache_capacity_tokens < 0:
             raise ValueError("cache_capacity_tokens must be >= 0 or None")
+        if self.pool_capacity_tokens is not None and self.pool_capacity_tokens < 0:
+            raise ValueError("pool_capacity_tokens must be >= 0 (0: no pool) or None (unbounded)")
+        if self.pool_enabled and self.scheduler != "global":
+            raise ValueError(f"a KVCache pool needs scheduler 'global', got {self.scheduler!r}")
         if self.block_size <= 0 or self.prefill_chunk <= 0:
             raise ValueError("block_size and prefill_chunk must be positive")
         if self.scheduler not in SCHEDULERS:
@@ -94,6 +102,16 @@ class SimConfig:
         if self.cache_capacity_tokens is None:
             return None
         return self.cache_capacity_tokens // self.block_size
+
+    @property
+    def pool_enabled(self) -> bool:
+        return self.pool_capacity_tokens != 0
+
+    @property
+    def pool_capacity_blocks(self) -> int | None:
+        if self.pool_capacity_tokens is None:
+            return None
+        return self.pool_capacity_tokens // self.block_size
 
     def prefill_model(self) -> PrefillCostModel:
         """The true prefill time the simulated instances take."""

@@ -7,6 +7,14 @@ policy accepts or rejects. An accepted request is queued FIFO on its prefill ins
 pulling a remote prefix through the source's NIC if the plan says so); its KV reaches the decode
 instance when prefill ends plus the transfer of the last chunk, where the decode node checks
 its own load again and the request joins the continuous batch.
+
+With a KVCache pool (``SimConfig.pool_capacity_tokens`` != 0) the cluster also keeps one LRU of
+block keys shared by all prefill instances. On arrival the request's ``pool_blocks`` is the
+longest run of its leading keys the pool holds; the scheduler is the live Conductor's in pool
+mode (Algorithm 1 with ``pull_from_instances=False``), so a remote prefix is loaded from the pool
+at the transfer bandwidth instead of pulled from another instance (no NIC queue: the pool spreads
+reads over its replicas). When a prefill ends, its prompt's keys are stored in the pool (keys it
+already holds are touched); a load from the pool touches the loaded keys at arrival.
 """
 
 from __future__ import annotations
@@ -35,17 +43,11 @@ from cluster.admission import (
     PredictiveEarlyRejection,
     current_decode_load,
 )
+from cluster.conductor.placement import PlacementConfig, Placer
+from cluster.cost_model import PrefillCostModel
 from cluster.instance_state import RequestInfo
 from cluster.prefix_index import LRUBlockCache
-from cluster.scheduling import (
-    DecodeLoadBalancer,
-    GlobalCacheAwareScheduler,
-    LoadBalancingScheduler,
-    LocalCacheAwareScheduler,
-    PrefillEstimator,
-    PrefillScheduler,
-    RandomScheduler,
-)
+from cluster.scheduling import DecodeLoadBalancer, PrefillScheduler
 
 COMPLETED, REJECTED_ON_ARRIVAL, REJECTED_AT_DECODE = 0, 1, 2
 
@@ -63,24 +65,35 @@ class SimResult:
     tbt_s: np.ndarray  # mean of the longest 10% inter-token gaps (FAST'25); NaN if no decode step
     finish_s: np.ndarray
     prefix_tokens: np.ndarray
-    pulled_tokens: np.ndarray
+    pulled_tokens: np.ndarray  # pulled from another prefill instance
     prefill_s: np.ndarray
+    pool_tokens: np.ndarray  # loaded from the KVCache pool
     sample_t: list[float] = field(default_factory=list)
     prefill_load: list[float] = field(default_factory=list)
     decode_load: list[float] = field(default_factory=list)
     replica_t: list[float] = field(default_factory=list)
     hot_key_replicas: list[float] = field(default_factory=list)  # mean instances holding a hot key
+    pool_evictions: int = 0
+    pool_blocks_held: int = 0  # at the end of the run
     wall_s: float = 0.0
 
 
-def make_scheduler(config: SimConfig, estimator: PrefillEstimator) -> PrefillScheduler:
-    if config.scheduler == "random":
-        return RandomScheduler(estimator, seed=config.seed)
-    if config.scheduler == "load_balancing":
-        return LoadBalancingScheduler(estimator)
-    if config.scheduler == "local":
-        return LocalCacheAwareScheduler(estimator)
-    return GlobalCacheAwareScheduler(estimator, config.kvcache_balancing_threshold)
+# The simulator's scheduler names -> the live Conductor's (``PlacementConfig.scheduler``).
+_LIVE_SCHEDULER = {"random": "random", "load_balancing": "load", "local": "local", "global": "global"}
+
+
+def make_scheduler(config: SimConfig, predictor: PrefillCostModel) -> PrefillScheduler:
+    """The prefill scheduler, built by the live Conductor's own ``Placer`` (as
+    ``Conductor._place`` does, with ``pool`` when the cluster has a KVCache pool) from the fitted
+    prefill predictor and the NIC-bandwidth transfer model."""
+    placement = PlacementConfig(
+        scheduler=_LIVE_SCHEDULER[config.scheduler],
+        kvcache_balancing_threshold=config.kvcache_balancing_threshold,
+        transfer_bytes_per_s=config.hardware.nic_bytes_per_s,
+    )
+    placer = Placer(placement, predictor, None, config.block_size, config.model.kv_bytes_per_token,
+                    seed=config.seed, pool=config.pool_enabled)
+    return placer.scheduler
 
 
 def make_admission(config: SimConfig) -> AdmissionPolicy:
@@ -116,6 +129,7 @@ class Simulator:
         self.finish = np.full(n, np.nan)
         self.prefix = np.zeros(n, dtype=np.int64)
         self.pulled = np.zeros(n, dtype=np.int64)
+        self.pool_loaded = np.zeros(n, dtype=np.int64)
         self.prefill_s = np.zeros(n)
         self.decode_of = np.full(n, -1, dtype=np.int64)
 
@@ -123,8 +137,9 @@ class Simulator:
         self.transfer = config.transfer_model()
         step = config.decode_model()
         predictor = fit_prefill_predictor(self.true_prefill, config.profile_noise, config.seed)
-        estimator = PrefillEstimator(predictor, self.transfer, config.block_size)
-        self.scheduler = make_scheduler(config, estimator)
+        self.scheduler = make_scheduler(config, predictor)
+        # One cluster-wide LRU of block keys; None: no pool.
+        self.pool = LRUBlockCache(config.pool_capacity_blocks) if config.pool_enabled else None
         self.balancer = DecodeLoadBalancer(step)
         self.admission = make_admission(config)
         self.slo = self.admission.slo
@@ -147,6 +162,7 @@ class Simulator:
             prefix_tokens=self.prefix,
             pulled_tokens=self.pulled,
             prefill_s=self.prefill_s,
+            pool_tokens=self.pool_loaded,
         )
 
     def _on_finish(self, request: int, t: float) -> None:
@@ -158,11 +174,19 @@ class Simulator:
         cfg = self.config
         # (time, request, moved): KV reaching its planned decode node, or a node it was moved to.
         joins: list[tuple[float, int, bool]] = []
+        # (time, request): a prefill ending, its prompt's keys going to the pool (pool only).
+        stores: list[tuple[float, int]] = []
         next_sample, next_replica = 0.0, 0.0
         i, n = 0, len(self.entries)
-        while i < n or joins:
+        while i < n or joins or stores:
             t_arrival = self.arrival[i] if i < n else math.inf
             t_join = joins[0][0] if joins else math.inf
+            t_store = stores[0][0] if stores else math.inf
+            if t_store <= min(t_arrival, t_join):
+                # The pool takes a prefill's keys before anything at the same instant looks.
+                _, request = heapq.heappop(stores)
+                self.pool.insert(self.entries[request].hash_ids)
+                continue
             t = min(t_arrival, t_join)
             while next_sample <= t:
                 self._sample_load(next_sample)
@@ -182,6 +206,8 @@ class Simulator:
                 ready = self._arrive(t, i)
                 if ready is not None:
                     heapq.heappush(joins, (ready, i, False))
+                    if self.pool is not None:
+                        heapq.heappush(stores, (self.first_token_at[i], i))
                 i += 1
         while any(d.running for d in self.decode):
             self._sample_load(next_sample)
@@ -189,6 +215,9 @@ class Simulator:
         for d in self.decode:
             d.drain()
         self._fill_tbt()
+        if self.pool is not None:
+            self.result.pool_evictions = self.pool.evictions
+            self.result.pool_blocks_held = len(self.pool)
         self.result.wall_s = time.perf_counter() - wall0
         return self.result
 
@@ -196,7 +225,8 @@ class Simulator:
         """Route or reject request ``i``; returns when its KV reaches decode, None if rejected."""
         entry = self.entries[i]
         n = entry.input_length
-        request = RequestInfo(request_id=i, input_length=n, block_keys=entry.hash_ids)
+        pool_blocks = self.pool.match_len(entry.hash_ids) if self.pool is not None else 0
+        request = RequestInfo(request_id=i, input_length=n, block_keys=entry.hash_ids, pool_blocks=pool_blocks)
         plan = self.scheduler.select(request, [p.state(now) for p in self.prefill])
         for d in self.decode:
             d.advance_to(now)
@@ -209,11 +239,16 @@ class Simulator:
         inputs_ready = now
         if plan.source is not None:
             inputs_ready = self.prefill[plan.source].send(now, self.transfer.seconds(plan.transfer_tokens))
+            self.pulled[i] = plan.transfer_tokens
+        elif plan.from_pool:
+            # The loaded blocks cross the NIC at the transfer bandwidth, as the estimator planned.
+            inputs_ready = now + self.transfer.seconds(plan.transfer_tokens)
+            self.pool.insert(entry.hash_ids[:pool_blocks])  # a read is a use
+            self.pool_loaded[i] = plan.transfer_tokens
         seconds = self.true_prefill.seconds(n, plan.prefix_tokens)
         end = inst.run(now, seconds, inputs_ready)
         inst.cache.insert(entry.hash_ids)
         self.prefix[i] = plan.prefix_tokens
-        self.pulled[i] = plan.transfer_tokens
         self.prefill_s[i] = seconds
         self.ttft[i] = end - now
         self.first_token_at[i] = end
