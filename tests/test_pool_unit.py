@@ -98,6 +98,18 @@ def test_a_leased_prefix_is_evicted_from_its_end(engine):
     assert [g is not None for g in seg.lease(["head", "mid", "tail"])] == [True, True, False]
 
 
+def test_a_touched_prefix_outlives_an_untouched_one(engine):
+    """A prefix used again from a reader's own cache is touched (no read): the LRU keeps it."""
+    seg = Segment(engine, SegmentConfig(dram_bytes=5 * OBJ, high_watermark=0.8))
+    for i, key in enumerate(["old", "head", "tail", "stale"]):
+        _write(seg, key, i)
+    seg.touch(["head", "tail", "absent"])
+    _write(seg, "new", 9)  # 4 objects fit under 80%: the least recently used goes
+    assert sorted(seg.keys()) == ["head", "new", "stale", "tail"]
+    _write(seg, "newer", 10)  # then "stale", untouched, goes before the touched prefix
+    assert sorted(seg.keys()) == ["head", "new", "newer", "tail"]
+
+
 def test_everything_leased_means_full_not_a_stolen_slot(engine):
     seg = Segment(engine, SegmentConfig(dram_bytes=2 * OBJ, lease_ttl_s=10))
     _write(seg, "a", 1)
@@ -246,6 +258,7 @@ def test_hot_objects_get_more_replicas_and_reads_spread():
         sums = part_checksums(memoryview(buf.numpy()), PART)
         holder = reader.put("ns/hot", handle, 0, OBJ, PART, sums)  # most free: node a
         assert holder == a.segment_id
+        _wait(lambda: reader.lookup(["ns/hot"]))  # sealed; its index entry follows asynchronously
         for _ in range(4):
             assert reader.get(["ns/hot"], handle, [0], memoryview(buf.numpy())) == 1
         _wait(lambda: len(reader.replicas("ns/hot")) == 2)

@@ -122,12 +122,21 @@ class PoolIO:
 
     async def store(self, token_ids: list[int], computed_tokens: int) -> int:
         """Put the pool blocks of ``token_ids[:computed_tokens]`` the pool lacks; returns how many."""
+        keys = self.geometry.object_keys(token_ids, computed_tokens)
+        loop = asyncio.get_running_loop()
+        holders = await loop.run_in_executor(None, lambda: [self.pool.replicas(k) for k in keys])
+        stored = await self._put_missing(token_ids, keys, holders)
+        # What the pool held was used again (from this instance's own cache, or just loaded): as
+        # recent as a put, or its LRU would evict a prefix in use before a stale one. After the
+        # puts, so that a chain's head is its most recent object.
+        await loop.run_in_executor(None, self.pool.touch, keys, holders)
+        return stored
+
+    async def _put_missing(self, token_ids: list[int], keys: list[str], holders: list[list[str]]) -> int:
         g = self.geometry
         bpo = g.blocks_per_object
-        keys = g.object_keys(token_ids, computed_tokens)
         loop = asyncio.get_running_loop()
-        held = await loop.run_in_executor(None, lambda: [bool(self.pool.replicas(k)) for k in keys])
-        missing = [i for i, h in enumerate(held) if not h][: self._area.nbytes // g.nbytes]
+        missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // g.nbytes]
         if not missing:
             return 0
         r = await when_free(lambda: self._area.allocate(len(missing) * g.nbytes), self._timeout_s)
@@ -161,7 +170,6 @@ class PoolIO:
             return await loop.run_in_executor(None, put_all)
         finally:
             self._area.release(r)
-
 
 
 class PoolLoad:

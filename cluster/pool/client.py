@@ -207,6 +207,23 @@ class PoolClient:
             except TransferError:
                 pass  # the leases expire by themselves
 
+    def touch(self, keys: Sequence[str], holders: Sequence[Sequence[str]]) -> None:
+        """Tell the segments holding ``keys`` (a prefix, in order; ``holders[i]``: the replicas
+        of ``keys[i]``) that it was used now, as a read would (their LRU order). Best effort: a
+        segment that does not answer misses it."""
+        if self._transfer is None:
+            raise RuntimeError("this pool client has no transfer engine")
+        segments = self.segments()
+        by_segment: dict[str, list[str]] = {}
+        for key, where in zip(keys, holders):
+            for s in where:
+                by_segment.setdefault(s, []).append(key)
+        for s, held in by_segment.items():
+            try:
+                self._transfer.call(segments[s].address, {"op": "touch", "keys": held})
+            except (TransferError, KeyError) as exc:
+                log.info("pool: touch on segment %s failed: %s", s, exc)
+
     # -- writing ------------------------------------------------------------------------------------
     def put(self, key: str, src: RegionHandle, offset: int, nbytes: int, part_bytes: int, checksums: list[int],
             exclude: Sequence[str] = ()) -> str | None:

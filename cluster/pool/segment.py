@@ -176,12 +176,20 @@ class Segment:
                 obj.reads.append(now)
                 self.counters["leases"] += 1
                 grants.append(Grant(key, obj.range.offset, obj.nbytes, obj.part_bytes, obj.checksums, lease))
-            # Readers lease a prefix in order; the head becomes the most recent, so LRU evicts a
-            # chain from its end: an evicted head would strand the rest of the chain unreachable.
-            for g in reversed(grants):
-                if g is not None:
-                    self._objects.move_to_end(g.key)
+            self._refresh([g.key for g in grants if g is not None])
         return grants
+
+    def touch(self, keys: list[str]) -> None:
+        """Mark the objects of a prefix (in order) used now: a prefix a reader found elsewhere
+        (its own cache) is as recently used as one it loaded."""
+        with self._lock:
+            self._refresh([k for k in keys if k in self._objects and self._objects[k].sealed])
+
+    def _refresh(self, keys: list[str]) -> None:
+        # A prefix comes in order; its head becomes the most recent, so LRU evicts a chain from
+        # its end: an evicted head would strand the rest of the chain unreachable.
+        for key in reversed(keys):
+            self._objects.move_to_end(key)
 
     def release(self, key: str, lease: int) -> None:
         with self._lock:

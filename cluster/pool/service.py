@@ -116,6 +116,9 @@ class SegmentService:
         if op == "lease":
             keys = [str(k) for k in request["keys"]]
             return Status.OK, {"grants": [None if g is None else g.__dict__ for g in seg.lease(keys)]}
+        if op == "touch":
+            seg.touch([str(k) for k in request["keys"]])
+            return Status.OK, {}
         if op == "release":
             for key, lease in request["leases"]:
                 seg.release(str(key), int(lease))
