@@ -103,6 +103,18 @@ def test_get_many_returns_present_keys_only(backend: Backend) -> None:
     assert store.get_many([]) == {}
 
 
+def test_get_prefixes_reads_many_prefixes_at_once(backend: Backend) -> None:
+    store = backend.store
+    for i in range(150):  # over etcd's 128 operations per transaction
+        store.put(f"objs/k{i:03d}/seg-a", "a")
+    store.put("objs/k000/seg-b", "b")
+    store.put("objs/k0000/seg-c", "c")  # shares a string prefix with k000, not its "k000/" prefix
+    asked = [f"objs/k{i:03d}/" for i in range(150)] + ["objs/absent/", "objs/k001/"]
+    got = store.get_prefixes(asked)
+    assert got == {**{f"objs/k{i:03d}/seg-a": "a" for i in range(150)}, "objs/k000/seg-b": "b"}
+    assert store.get_prefixes(["objs/absent/"]) == {} and store.get_prefixes([]) == {}
+
+
 def test_prefix_reads_and_deletes(backend: Backend) -> None:
     store = backend.store
     store.put("pool/segments/a", "A")

@@ -124,7 +124,7 @@ class PoolIO:
         """Put the pool blocks of ``token_ids[:computed_tokens]`` the pool lacks; returns how many."""
         keys = self.geometry.object_keys(token_ids, computed_tokens)
         loop = asyncio.get_running_loop()
-        holders = await loop.run_in_executor(None, lambda: [self.pool.replicas(k) for k in keys])
+        holders = await loop.run_in_executor(None, self.pool.holders, keys)
         stored = await self._put_missing(token_ids, keys, holders)
         # What the pool held was used again (from this instance's own cache, or just loaded): as
         # recent as a put, or its LRU would evict a prefix in use before a stale one. After the

@@ -95,18 +95,26 @@ class PoolClient:
         return segments
 
     def replicas(self, key: str) -> list[str]:
-        prefix = f"{OBJECTS}{key}/"
-        return [name[len(prefix):] for name in self._metadata.get_prefix(prefix)]
+        return self.holders([key])[0]
+
+    def holders(self, keys: Sequence[str]) -> list[list[str]]:
+        """The segments the index lists for each of ``keys``, in one metadata read."""
+        found = self._metadata.get_prefixes([f"{OBJECTS}{key}/" for key in keys])
+        by_key: dict[str, list[str]] = {}
+        for name in found:
+            key, _, segment_id = name[len(OBJECTS):].rpartition("/")
+            by_key.setdefault(key, []).append(segment_id)
+        return [sorted(by_key.get(key, [])) for key in keys]
 
     def lookup(self, keys: Sequence[str]) -> list[list[str]]:
         """Replica segments of the longest run of ``keys`` (in order) held by live segments."""
         live = self.segments()
         run = []
-        for key in keys:
-            holders = [s for s in self.replicas(key) if s in live]
-            if not holders:
+        for where in self.holders(keys):
+            where = [s for s in where if s in live]
+            if not where:
                 break
-            run.append(holders)
+            run.append(where)
         return run
 
     def stats(self) -> dict:

@@ -100,6 +100,11 @@ class MetadataStore(ABC):
         """Every key starting with ``prefix`` (whole keys, prefix included) and its value."""
 
     @abstractmethod
+    def get_prefixes(self, prefixes: Sequence[str]) -> dict[str, str]:
+        """Every key starting with any of ``prefixes``, and its value, in as few round trips as
+        the backend allows (one read of many small ranges: a prefix's replicas, say)."""
+
+    @abstractmethod
     def delete(self, key: str) -> bool:
         """Remove ``key``; whether it was present."""
 
@@ -195,6 +200,11 @@ class LocalMetadata(MetadataStore):
             self._expire()
             return {k: self._values[k][0] for k in self._prefixed(prefix)}
 
+    def get_prefixes(self, prefixes: Sequence[str]) -> dict[str, str]:
+        with self._lock:
+            self._expire()
+            return {k: self._values[k][0] for p in prefixes for k in self._prefixed(p)}
+
     def delete(self, key: str) -> bool:
         with self._lock:
             self._expire()
@@ -287,6 +297,7 @@ _ROUTES: dict[str, Callable[[LocalMetadata, dict[str, Any]], dict[str, Any]]] = 
     "/get": lambda s, b: {"value": s.get(_field(b, "key", str))},
     "/get_many": lambda s, b: {"values": s.get_many(_str_list(b, "keys"))},
     "/get_prefix": lambda s, b: {"values": s.get_prefix(_field(b, "prefix", str))},
+    "/get_prefixes": lambda s, b: {"values": s.get_prefixes(_str_list(b, "prefixes"))},
     "/delete": lambda s, b: {"deleted": s.delete(_field(b, "key", str))},
     "/delete_prefix": lambda s, b: {"deleted": s.delete_prefix(_field(b, "prefix", str))},
 }
@@ -469,6 +480,9 @@ class HttpMetadata(MetadataStore):
     def get_prefix(self, prefix: str) -> dict[str, str]:
         return self._call("get_prefix", {"prefix": prefix})["values"]
 
+    def get_prefixes(self, prefixes: Sequence[str]) -> dict[str, str]:
+        return self._call("get_prefixes", {"prefixes": list(prefixes)})["values"] if prefixes else {}
+
     def delete(self, key: str) -> bool:
         return self._call("delete", {"key": key})["deleted"]
 
@@ -574,14 +588,19 @@ class EtcdMetadata(MetadataStore):
         return values[0].decode() if values else None
 
     def get_many(self, keys: Sequence[str]) -> dict[str, str]:
-        unique = list(dict.fromkeys(keys))
+        return self._ranges("get_many", [{"key": _b64(self._key(k))} for k in dict.fromkeys(keys)])
+
+    def get_prefixes(self, prefixes: Sequence[str]) -> dict[str, str]:
+        starts = [self._key(p) for p in dict.fromkeys(prefixes)]
+        return self._ranges("get_prefixes", [{"key": _b64(s), "range_end": _b64(_range_end(s))} for s in starts])
+
+    def _ranges(self, what: str, ranges: list[dict[str, str]]) -> dict[str, str]:
         found: dict[str, str] = {}
-        for start in range(0, len(unique), self._max_txn_ops):
-            batch = unique[start:start + self._max_txn_ops]
-            # A transaction with no compare always runs its success branch: here, one range read per key.
+        for start in range(0, len(ranges), self._max_txn_ops):
+            # A transaction with no compare always runs its success branch: here, one range read each.
             txn = {"compare": [], "failure": [],
-                   "success": [{"request_range": {"key": _b64(self._key(k))}} for k in batch]}
-            result = self._call("get_many", lambda c: c.transaction(txn))
+                   "success": [{"request_range": r} for r in ranges[start:start + self._max_txn_ops]]}
+            result = self._call(what, lambda c: c.transaction(txn))
             for response in result.get("responses", []):
                 for kv in response["response_range"].get("kvs", []):
                     found[self._unkey(kv["key"])] = base64.b64decode(kv.get("value", "")).decode()

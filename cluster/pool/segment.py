@@ -99,6 +99,9 @@ class Segment:
         self._clock = clock
         self._lock = threading.Lock()
         self._objects: OrderedDict[str, _Object] = OrderedDict()  # least recently used first
+        # Puts allocated but not sealed: every allocation looks for abandoned ones, and a scan of
+        # every object there would make puts slower the fuller the segment.
+        self._pending: dict[str, _Object] = {}
         self._lease_ids = itertools.count(1)
         self.counters = dict.fromkeys(("stores", "leases", "evictions", "demotions", "promotions",
                                        "corrupt_puts", "aborted_puts"), 0)
@@ -128,7 +131,8 @@ class Segment:
             if key in self._objects:
                 return None
             r = self._make_room(nbytes, now)
-            self._objects[key] = _Object(nbytes, part_bytes, r, deadline=now + self.config.put_timeout_s)
+            obj = self._objects[key] = _Object(nbytes, part_bytes, r, deadline=now + self.config.put_timeout_s)
+            self._pending[key] = obj
             return r.offset
 
     def seal(self, key: str, checksums: list[int]) -> bool:
@@ -144,6 +148,7 @@ class Segment:
                 self.counters["corrupt_puts"] += 1
                 return False
             obj.sealed = True
+            del self._pending[key]
             obj.checksums = list(checksums)
             self._objects.move_to_end(key)
             self.counters["stores"] += 1
@@ -228,7 +233,7 @@ class Segment:
             on_ssd = sum(1 for o in self._objects.values() if o.range is None)
             stored = sum(o.nbytes for o in self._objects.values() if o.sealed)
             leased = sum(1 for o in self._objects.values() if o.leases)
-            pending = sum(1 for o in self._objects.values() if not o.sealed)
+            pending = len(self._pending)
         return {
             "objects": dram + on_ssd, "objects_dram": dram, "objects_ssd": on_ssd, "bytes": stored,
             "leased_objects": leased, "pending_puts": pending,
@@ -243,6 +248,9 @@ class Segment:
             ranges = sorted(o.range.offset for o in self._objects.values() if o.range is not None)
             if len(ranges) != self.area.num_allocated or len(set(ranges)) != len(ranges):
                 raise AssertionError(f"segment: {len(ranges)} object ranges, {self.area.num_allocated} allocated")
+            unsealed = {k for k, o in self._objects.items() if not o.sealed}
+            if unsealed != set(self._pending):
+                raise AssertionError(f"segment: unsealed {sorted(unsealed)}, pending {sorted(self._pending)}")
             for key, o in self._objects.items():
                 if o.range is None and (self.ssd is None or key not in self.ssd):
                     raise AssertionError(f"segment: {key} is neither in DRAM nor on SSD")
@@ -324,12 +332,13 @@ class Segment:
         elif self.ssd is not None:
             self.ssd.delete(key)
         self._objects.pop(key, None)
+        self._pending.pop(key, None)
         if publish and obj.sealed:
             self._outbox.put((key, False))
 
     def _reclaim_abandoned(self, now: float) -> None:
-        for key, obj in list(self._objects.items()):
-            if not obj.sealed and obj.deadline <= now:
+        for key, obj in list(self._pending.items()):
+            if obj.deadline <= now:
                 self._drop(key, obj, publish=False)
                 self.counters["aborted_puts"] += 1
 
