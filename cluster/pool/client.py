@@ -141,12 +141,13 @@ class PoolClient:
 
     # -- reading ------------------------------------------------------------------------------------
     def open_read(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int],
-                  dst_memory: memoryview) -> PoolRead:
+                  dst_memory: memoryview, layerwise: bool = True) -> PoolRead:
         """Start reading the longest available run of ``keys`` into ``dst`` at ``offsets``
         (``dst_memory``: the same region as bytes, for the checksums), layer by layer: every
         part (layer) of every object is requested at once, in layer order, and
         ``PoolRead.wait_part(i)`` returns once part ``i`` of each object is in and verified.
-        ``PoolRead.num_objects`` is the run that could be leased (0: nothing to read)."""
+        ``PoolRead.num_objects`` is the run that could be leased (0: nothing to read). Without
+        ``layerwise``, every part travels in one transfer (fewer round trips; part 0 waits for all)."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         wanted = len(keys)
@@ -172,7 +173,8 @@ class PoolClient:
                 if j < len(got) and got[j] is not None:
                     grants[i] = (s, got[j])
         n = next((i for i in range(cut) if i not in grants), cut)  # the leading run actually leased
-        read = PoolRead(self, keys[:n], [grants[i] for i in range(n)], segments, dst, offsets[:n], dst_memory)
+        read = PoolRead(self, keys[:n], [grants[i] for i in range(n)], segments, dst, offsets[:n], dst_memory,
+                        layerwise)
         for i in range(n, len(keys)):
             if i in grants:  # leased beyond a gap: of no use to a prefix
                 self._release({i: grants[i]}, segments)
@@ -187,7 +189,7 @@ class PoolClient:
         """Read the longest available run of ``keys`` into ``dst`` at ``offsets``; returns how
         many objects, from the first, now hold verified bytes. Never raises for a missing or
         failed replica: what did not arrive is the caller's to compute."""
-        read = self.open_read(keys, dst, offsets, dst_memory)
+        read = self.open_read(keys, dst, offsets, dst_memory, layerwise=False)
         try:
             for part in range(read.num_parts):
                 read.wait_part(part)
@@ -276,7 +278,8 @@ class PoolRead:
     in order, then ``close`` (always: it releases the leases and settles the counters)."""
 
     def __init__(self, client: PoolClient, keys: list[str], grants: list[tuple[str, dict]],
-                 segments: dict[str, SegmentInfo], dst: RegionHandle, offsets: Sequence[int], memory: memoryview) -> None:
+                 segments: dict[str, SegmentInfo], dst: RegionHandle, offsets: Sequence[int], memory: memoryview,
+                 layerwise: bool = True) -> None:
         self._client = client
         self.keys = keys
         self.grants = grants
@@ -288,14 +291,21 @@ class PoolRead:
         self.good = len(grants)  # leading objects intact in every part waited for so far
         self._closed = False
         # batches[part]: one batch per segment, so one slow or dead segment fails only its objects.
+        # Not layer-wise: batches[0] carries every part (an object is one contiguous copy), the
+        # others none.
         self._batches: list[list[tuple[str, Batch]]] = []
         transfer = client._transfer
         for part in range(self.num_parts):
             per_segment: dict[str, list] = {}
+            if layerwise:
+                parts = [part]
+            else:
+                parts = list(range(self.num_parts)) if part == 0 else []
             for i, (s, g) in enumerate(grants):
                 size = g["part_bytes"]
-                per_segment.setdefault(s, []).append(
-                    (dst, self._offsets[i] + part * size, segments[s].handle, g["offset"] + part * size, size))
+                for p in parts:
+                    per_segment.setdefault(s, []).append(
+                        (dst, self._offsets[i] + p * size, segments[s].handle, g["offset"] + p * size, size))
             self._batches.append([(s, transfer.read(segments[s].address, entries)) for s, entries in per_segment.items()])
 
     @property
