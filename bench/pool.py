@@ -77,6 +77,16 @@ DEFAULT_OUT = Path("out") / "pool"
 # engine's page size and KV dtype on CPU, and the pool's default object of 256 tokens.
 MODEL_LAYERS, MODEL_KV_HEADS, MODEL_HEAD_DIM = 30, 3, 64
 
+def _stop_node(node: subprocess.Popen | None) -> None:
+    """Stop a ``python -m cluster.pool`` node (SIGTERM: it leaves the pool and revokes its lease)."""
+    if node is not None and node.poll() is None:
+        node.terminate()
+        try:
+            node.wait(30)
+        except subprocess.TimeoutExpired:
+            node.kill()
+
+
 
 def pool_layer_bytes() -> int:
     """Bytes of K and V of one layer of one pool object of the default model (what an instance
@@ -214,12 +224,7 @@ class OurPool:
             engine.close()
         for metadata in self._metadata:
             metadata.close()
-        if self.node is not None and self.node.poll() is None:
-            self.node.terminate()
-            try:
-                self.node.wait(30)
-            except subprocess.TimeoutExpired:
-                self.node.kill()
+        _stop_node(self.node)
         self._stop.set()
         self._server.join(30)
         if self._server.is_alive():
@@ -628,12 +633,7 @@ class Cluster:
         return TtftRound(first, second, loaded, local)
 
     def close(self) -> None:
-        if self.node is not None and self.node.poll() is None:
-            self.node.terminate()
-            try:
-                self.node.wait(30)
-            except subprocess.TimeoutExpired:
-                self.node.kill()
+        _stop_node(self.node)
         stop_server(self.server)
 
 

@@ -50,6 +50,7 @@ import httpx
 import numpy as np
 
 from bench.disagg import fetch_stats, free_port, start_server, stop_server, wait_for_health
+from bench.serving import RequestResult, send_request
 from bench.sim.hitrate import pool_hit_rate, pool_hits
 from bench.trace import TRACE_BLOCK_SIZE, BenchRequest, TraceEntry, load_trace, scale_length, synthesize_prompt
 from cluster.pool.segment import SegmentConfig
@@ -132,59 +133,12 @@ def scale_slice(entries: Sequence[TraceEntry], block_tokens: int, *, max_blocks:
 # --------------------------------------------------------------------------- the live runs
 
 
-@dataclass
-class Outcome:
-    prompt_tokens: int
-    cached_tokens: int = 0
-    ttft_s: float | None = None
-    output_tokens: int = 0
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error and self.ttft_s is not None
-
-
-async def send_one(client: httpx.AsyncClient, base_url: str, model: str, req: BenchRequest) -> Outcome:
-    """One streamed completion; TTFT is the first chunk carrying a choice, the hit is the final
-    usage chunk's ``prompt_tokens_details.cached_tokens``."""
-    res = Outcome(len(req.prompt))
-    payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=payload) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                res.error = f"HTTP {resp.status_code}: {body[:300]}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = str(chunk["error"])[:300]
-                    break
-                if chunk.get("choices") and res.ttft_s is None:
-                    res.ttft_s = time.perf_counter() - t0
-                usage = chunk.get("usage")
-                if usage:
-                    res.prompt_tokens = int(usage.get("prompt_tokens", res.prompt_tokens))
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    res.cached_tokens = int(details.get("cached_tokens") or 0)
-        if not res.error and res.ttft_s is None:
-            res.error = "stream ended without any token"
-    except Exception as exc:  # a failed request, reported in the table
-        res.error = f"{type(exc).__name__}: {exc}"[:300]
-    return res
+def _prompt_tokens(o: RequestResult) -> int:
+    return o.prompt_tokens if o.prompt_tokens is not None else o.prompt_len
 
 
 async def replay(base_url: str, requests: Sequence[BenchRequest], concurrency: int = 1,
-                 timeout_s: float = 600.0) -> list[Outcome]:
+                 timeout_s: float = 600.0) -> list[RequestResult]:
     """Send ``requests`` in order, at most ``concurrency`` in flight (1: each waits for the last)."""
     sem = asyncio.Semaphore(max(1, concurrency))
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
@@ -192,9 +146,9 @@ async def replay(base_url: str, requests: Sequence[BenchRequest], concurrency: i
         r.raise_for_status()
         model = r.json()["data"][0]["id"]
 
-        async def one(req: BenchRequest) -> Outcome:
+        async def one(req: BenchRequest) -> RequestResult:
             async with sem:
-                return await send_one(client, base_url, model, req)
+                return await send_request(client, base_url, model, req)
 
         tasks = []
         for req in requests:
@@ -206,24 +160,24 @@ async def replay(base_url: str, requests: Sequence[BenchRequest], concurrency: i
 @dataclass
 class RunResult:
     name: str
-    outcomes: list[Outcome]
+    outcomes: list[RequestResult]
     stats: dict[str, Any] | None
     wall_s: float
     ready_s: float
     pool: dict[str, Any] | None = field(default=None)
 
     @property
-    def ok(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.ok]
+    def ok(self) -> list[RequestResult]:
+        return [o for o in self.outcomes if o.success]
 
     @property
     def hit_rate(self) -> float:
         ok = self.ok
-        total = sum(o.prompt_tokens for o in ok)
+        total = sum(_prompt_tokens(o) for o in ok)
         return sum(o.cached_tokens for o in ok) / total if total else math.nan
 
     def ttft_ms(self, q: float | None = None) -> float:
-        t = [o.ttft_s for o in self.ok]
+        t = [o.ttft for o in self.ok]
         if not t:
             return math.nan
         return 1000.0 * (float(np.mean(t)) if q is None else float(np.percentile(t, q)))
@@ -316,7 +270,7 @@ def report(runs: Sequence[RunResult], scaled: ScaledSlice, pred: dict[str, Any])
     for r in runs:
         ok = r.ok
         p = r.pool or {}
-        rows.append([r.name, f"{len(ok)}/{len(r.outcomes)}", str(sum(o.prompt_tokens for o in ok)),
+        rows.append([r.name, f"{len(ok)}/{len(r.outcomes)}", str(sum(_prompt_tokens(o) for o in ok)),
                      str(sum(o.cached_tokens for o in ok)), fmt(r.hit_rate), fmt(r.ttft_ms(), ".0f"),
                      fmt(r.ttft_ms(50), ".0f"), fmt(r.wall_s, ".0f"),
                      *(fmt(p.get(c)) for c in POOL_COUNTERS)])
@@ -346,7 +300,7 @@ def report(runs: Sequence[RunResult], scaled: ScaledSlice, pred: dict[str, Any])
           "yes" if agree else "no"]],
     )
     if pool_run and pred.get("hits"):
-        pairs = [(o.cached_tokens, h) for o, h in zip(pool_run.outcomes, pred["hits"]) if o.ok]
+        pairs = [(o.cached_tokens, h) for o, h in zip(pool_run.outcomes, pred["hits"]) if o.success]
         same = sum(m == h for m, h in pairs)
         above = sum(m > h for m, h in pairs)
         print(f"per request (pool run): measured = predicted for {same}/{len(pairs)}, above for {above}, "
@@ -362,8 +316,8 @@ def report(runs: Sequence[RunResult], scaled: ScaledSlice, pred: dict[str, Any])
         "runs": {r.name: {"hit_rate": r.hit_rate, "ttft_mean_ms": r.ttft_ms(), "ttft_p50_ms": r.ttft_ms(50),
                           "ok": len(r.ok), "sent": len(r.outcomes), "wall_s": r.wall_s, "ready_s": r.ready_s,
                           "pool": r.pool, "cached_tokens": [o.cached_tokens for o in r.outcomes],
-                          "prompt_tokens": [o.prompt_tokens for o in r.outcomes],
-                          "ttft_s": [o.ttft_s for o in r.outcomes], "errors": [o.error for o in r.outcomes]}
+                          "prompt_tokens": [_prompt_tokens(o) for o in r.outcomes],
+                          "ttft_s": [o.ttft for o in r.outcomes], "errors": [o.error for o in r.outcomes]}
                  for r in runs},
         "prediction": pred,
         "measured_pool_hit_rate": measured,

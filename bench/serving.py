@@ -65,6 +65,8 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     end_time: float = 0.0
     output_tokens: int = 0
+    prompt_tokens: int | None = None  # as the server counted them (usage)
+    cached_tokens: int = 0  # prompt tokens the server found cached (usage.prompt_tokens_details)
     success: bool = False
     rejected: bool = False
     status: int | None = None
@@ -200,6 +202,8 @@ async def send_request(
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                    res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         res.end_time = time.perf_counter()
         res.output_tokens = usage_tokens if usage_tokens is not None else len(res.chunk_times)
         if not res.error:

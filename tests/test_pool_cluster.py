@@ -35,6 +35,7 @@ from cluster.pool.metadata import connect_metadata
 from cluster.transfer import TransferConfig, TransferEngine
 from cluster.transfer.protocol import Status
 from engine import LLM, SamplingParams
+from tests.test_cluster import Cluster
 
 SECRET = "pool cluster test secret 0123456789"
 STARTUP_S = 300
@@ -57,8 +58,11 @@ def _until(predicate, within_s: float, what: str, every_s: float = 0.1):
         time.sleep(every_s)
 
 
-class PoolCluster:
-    def __init__(self, etcd: str | None, workdir: Path) -> None:
+class PoolCluster(Cluster):
+    """``Cluster`` (its helpers: instances, instance_stats, complete, close) with a pool node,
+    the pool's metadata and a pool-aware ``assert_clean``."""
+
+    def __init__(self, etcd: str | None, workdir: Path) -> None:  # noqa: the parent's start-up, other flags
         self.etcd = etcd
         self.workdir = workdir
         self.port = free_port()
@@ -105,12 +109,6 @@ class PoolCluster:
     def pool(self) -> dict:
         return self.stats()["pool"]
 
-    def instances(self, role: str | None = None) -> list[dict]:
-        return [i for i in self.stats()["instances"] if role is None or i["role"] == role]
-
-    def instance_stats(self, url: str) -> dict:
-        return httpx.get(url + "/stats", timeout=10).json()
-
     def computed(self) -> dict[str, int]:
         return {i["url"]: self.instance_stats(i["url"])["num_prompt_tokens_computed"] for i in self.instances("prefill")}
 
@@ -147,11 +145,6 @@ class PoolCluster:
         return self.pool()["segments"][segment_id]["address"]
 
     # -- requests ------------------------------------------------------------------------------------
-    def complete(self, prompt, **params) -> dict:
-        r = self.http.post("/v1/completions", json={"prompt": prompt, **params})
-        assert r.status_code == 200, r.text
-        return r.json()
-
     def stored(self, n: int) -> None:
         """Wait until the index holds at least ``n`` objects (stores run after the response)."""
         _until(lambda: len(self.object_keys()) >= n, 30, f"{n} objects in the pool")
@@ -208,16 +201,8 @@ class PoolCluster:
 
     def close(self) -> None:
         self.stop_node()
-        self.http.close()
         self.metadata.close()
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        super().close()
 
 
 @pytest.fixture(scope="module", params=["embedded", "etcd"])
