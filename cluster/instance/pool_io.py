@@ -121,7 +121,8 @@ class PoolIO:
             log.exception("pool: store failed")
 
     async def store(self, token_ids: list[int], computed_tokens: int) -> int:
-        """Put the pool blocks of ``token_ids[:computed_tokens]`` the pool lacks; returns how many."""
+        """Put the pool blocks of ``token_ids[:computed_tokens]`` the pool lacks and touch those it
+        holds; returns how many were put."""
         keys = self.geometry.object_keys(token_ids, computed_tokens)
         loop = asyncio.get_running_loop()
         holders = await loop.run_in_executor(None, self.pool.holders, keys)
