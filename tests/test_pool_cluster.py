@@ -233,16 +233,31 @@ def _first_on_one_instance(cluster: PoolCluster, prompt: str) -> str:
     return holder
 
 
-def test_a_prefix_computed_on_one_instance_is_loaded_by_the_other(cluster, colocated):
-    cluster.start_node()
-    prefix = _words("shared", 100)  # ~290 tokens: four 64-token pool objects
+def _stored_from_one_instance(cluster: PoolCluster, tag: str) -> tuple[str, str]:
+    """A new prefix (~290 tokens: four 64-token pool objects) computed by one prefill instance and
+    stored in the pool; returns the prefix and that instance."""
+    prefix = _words(tag, 100)
     holder = _first_on_one_instance(cluster, prefix + " First question?")
     cluster.stored(4)
+    return prefix, holder
+
+
+def _asked_on_the_other_instance(cluster: PoolCluster, colocated: LLM, prefix: str, holder: str,
+                                 during=None) -> dict:
+    """The prefix with a second question, completed by the instance that is not ``holder``
+    (``PoolCluster.on_the_other_instance``); its text must be the colocated engine's."""
+    prompt = prefix + " Second question?"
+    got = cluster.on_the_other_instance(prefix, prompt, holder, during=during)
+    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    return got
+
+
+def test_a_prefix_computed_on_one_instance_is_loaded_by_the_other(cluster, colocated):
+    cluster.start_node()
+    prefix, holder = _stored_from_one_instance(cluster, "shared")
     before, migrations = cluster.pool_counters(), cluster.stats()["migrations"]
     computed = cluster.computed()
-    prompt = prefix + " Second question?"
-    got = cluster.on_the_other_instance(prefix, prompt, holder)
-    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    got = _asked_on_the_other_instance(cluster, colocated, prefix, holder)
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, "the pool's prefix was not used"
     after = cluster.pool_counters()
     assert after["hits"] >= before["hits"] + 4 and after["loads"] > before["loads"]
@@ -254,9 +269,7 @@ def test_a_prefix_computed_on_one_instance_is_loaded_by_the_other(cluster, coloc
 
 def test_kill_9_of_the_only_replica_mid_load_recomputes_and_its_objects_leave(cluster, colocated):
     segment_id = cluster.start_node()
-    prefix = _words("doomed", 100)
-    holder = _first_on_one_instance(cluster, prefix + " First question?")
-    cluster.stored(4)
+    prefix, holder = _stored_from_one_instance(cluster, "doomed")
     before = cluster.pool_counters()
     node = cluster.node
 
@@ -270,9 +283,7 @@ def test_kill_9_of_the_only_replica_mid_load_recomputes_and_its_objects_leave(cl
     # Freeze the node first, so the load is under way (not finished) when it dies.
     node.send_signal(signal.SIGSTOP)
     computed = cluster.computed()
-    prompt = prefix + " Second question?"
-    got = cluster.on_the_other_instance(prefix, prompt, holder, during=kill_mid_load)
-    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    got = _asked_on_the_other_instance(cluster, colocated, prefix, holder, during=kill_mid_load)
     after = cluster.pool_counters()
     # The load ended without the node's objects: its read leases were refused (a miss) or its
     # reads failed (a failed read); either way the other instance computed the whole prompt.
@@ -311,14 +322,10 @@ def _flip_a_byte_of_every_object(cluster: PoolCluster, segment_id: str) -> int:
 
 def test_a_corrupted_object_is_detected_and_recomputed(cluster, colocated):
     segment_id = cluster.start_node()
-    prefix = _words("flipped", 100)
-    holder = _first_on_one_instance(cluster, prefix + " First question?")
-    cluster.stored(4)
+    prefix, holder = _stored_from_one_instance(cluster, "flipped")
     assert _flip_a_byte_of_every_object(cluster, segment_id) >= 4
     before = cluster.pool_counters()
-    prompt = prefix + " Second question?"
-    got = cluster.on_the_other_instance(prefix, prompt, holder)
-    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    got = _asked_on_the_other_instance(cluster, colocated, prefix, holder)
     after = cluster.pool_counters()
     assert after["failed_reads_recomputed"] > before["failed_reads_recomputed"], "the corruption went unseen"
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] < 64, "a corrupt object was used"
@@ -328,16 +335,12 @@ def test_a_corrupted_object_is_detected_and_recomputed(cluster, colocated):
 def test_past_the_high_water_mark_objects_go_to_ssd_and_come_back(cluster, colocated):
     # A node with room for about a dozen objects: filling it demotes the least recently used.
     cluster.start_node(dram_gib=0.04, ssd_gib=0.5)
-    prefix = _words("cold", 100)
-    holder = _first_on_one_instance(cluster, prefix + " First question?")
-    cluster.stored(4)
+    prefix, holder = _stored_from_one_instance(cluster, "cold")
     for k in range(4):  # newer objects push the first prompt's out of DRAM
         cluster.complete(_words(f"filler{k}x", 100) + " Go on.", **GREEDY)
     _until(lambda: cluster.pool()["demotions"] >= 4, 30, "the segment to demote to SSD")
     before = cluster.pool_counters()
-    prompt = prefix + " Second question?"
-    got = cluster.on_the_other_instance(prefix, prompt, holder)
-    assert got["choices"][0]["text"] == _want(colocated, prompt)
+    got = _asked_on_the_other_instance(cluster, colocated, prefix, holder)
     after = cluster.pool_counters()
     assert after["promotions"] > before["promotions"], "the hit did not come back up from SSD"
     assert after["failed_reads_recomputed"] == before["failed_reads_recomputed"]

@@ -30,7 +30,6 @@ def lru_hit_rate(entries: Sequence[TraceEntry], capacity_tokens: int | None, blo
     return hit / total if total else 0.0
 
 
-
 def pool_hit_rate(entries: Sequence[TraceEntry], capacity_blocks: int | None, block_size: int = 512) -> float:
     """Token-weighted prefix hit rate of one global KVCache pool of ``capacity_blocks`` blocks
     (see ``pool_hits``): reused prompt tokens over all prompt tokens."""
