@@ -6,16 +6,17 @@ figure is compared with a baseline measured in the same run.
 1. **Throughput.** One pool node process (``python -m cluster.pool``), the pool's metadata in
    a ``MetadataServer`` process (the Conductor's embedded store; Mooncake's master is a process
    apart too) and a ``PoolClient`` here, on loopback: put =
-   ``PoolClient.put`` of one object from a registered buffer (its checksums computed in the
-   timed loop: they are part of our put), get = ``PoolClient.get`` of one object into a
-   registered buffer. Twice: with the transport the Messenger picks (shared memory on one host)
-   and forced to TCP. Against Mooncake Store from the ``mooncake-transfer-engine-non-cuda``
-   wheel: ``mooncake_master``, one store process contributing its segment (``setup`` with
-   P2PHANDSHAKE metadata, TCP) and a client here contributing none, ``put_from`` / ``get_into``
-   on a registered buffer. Sizes: 64 KiB, 1 MiB and one layer of one pool object of the
-   default model. Each size moves ``--mib`` MiB per run in sequential single-object calls
-   (distinct keys per run, nothing evicted); the best of ``--repeat`` runs after a short
-   warm-up. Our put returns once the node has checked and sealed the object; its index entry
+   ``PoolClient.put_many`` from a registered buffer (the checksums computed in the timed loop:
+   they are part of our put), get = ``PoolClient.get`` into a registered buffer. Twice: with the
+   transport the Messenger picks (shared memory on one host) and forced to TCP. Against
+   Mooncake Store from the ``mooncake-transfer-engine-non-cuda`` wheel: ``mooncake_master``, one
+   store process contributing its segment (``setup`` with P2PHANDSHAKE metadata, TCP) and a
+   client here contributing none, ``put_from`` / ``get_into`` (``batch_put_from`` /
+   ``batch_get_into``) on a registered buffer. Sizes: 64 KiB, 1 MiB and one layer of one pool
+   object of the default model. Each size moves ``--mib`` MiB per run in sequential calls of
+   one object, then of ``--batch`` objects (16: a prefix of 16 pool objects, as an instance
+   loads and stores them), distinct keys per run, nothing evicted; the best of ``--repeat``
+   runs after a short warm-up. Our put returns once the node has checked and sealed the object; its index entry
    follows asynchronously and is waited for, untimed, before the gets. Target: ours >=
    Mooncake Store on the same transport (TCP).
 2. **TTFT.** The real server, ``python -m server --prefill-instances 2 --decode-instances 1
@@ -62,7 +63,7 @@ from bench.trace import MIN_TOKEN_ID
 from bench.transfer import format_table
 from cluster.control_auth import MESSENGER, derive_key
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry
-from cluster.pool.client import OBJECTS
+from cluster.pool.client import OBJECTS, NewObject
 from cluster.pool.metadata import HttpMetadata, MetadataServer
 from cluster.pool.objects import part_checksums
 from cluster.transfer import TransferConfig, TransferEngine
@@ -127,18 +128,19 @@ def timed(run: Callable[[], None]) -> float:
 
 
 def measure(put: Callable[[str, int], None], get: Callable[[str, int], None], size: int, n: int, repeat: int,
-            published: Callable[[str, int], None] = lambda run, count: None) -> Rates:
+            published: Callable[[str, int], None] = lambda run, count: None, batch: int = 1) -> Rates:
     """Warm up (connections, page faults) on one object, then ``repeat`` runs of ``n`` puts of
     fresh keys followed by ``n`` gets of them. ``put(run, count)`` / ``get(run, count)`` move
-    objects ``0..count-1`` of the buffer under the keys of ``run``; ``published(run, count)``
-    waits, untimed, until they are readable."""
-    warm = f"{size}/warm"
+    objects ``0..count-1`` of the buffer under the keys of ``run`` (``batch`` objects per call:
+    it only names the runs apart); ``published(run, count)`` waits, untimed, until they are
+    readable."""
+    warm = f"{size}/{batch}/warm"
     put(warm, 1)
     published(warm, 1)
     get(warm, 1)
     best_put = best_get = math.inf
     for r in range(repeat):
-        run = f"{size}/{r}"
+        run = f"{size}/{batch}/{r}"
         best_put = min(best_put, timed(lambda: put(run, n)))
         published(run, n)
         best_get = min(best_get, timed(lambda: get(run, n)))
@@ -246,21 +248,24 @@ class OurClient:
         segment = next(iter(self.client.segments().values()))
         self.transport = engine.transport_for(segment.address, [segment.handle])
 
-    def run(self, size: int, repeat: int) -> Rates:
+    def run(self, size: int, repeat: int, batch: int = 1) -> Rates:
         client, prefix = self.client, self.prefix
         n = len(self.src) // size
 
         def put(run: str, count: int) -> None:
-            for i in range(count):
-                off = i * size
-                checksums = part_checksums(self.src_mem[off : off + size], size)
-                if client.put(f"{prefix}/{run}/{i}", self.src_h, off, size, size, checksums) is None:
+            for first in range(0, count, batch):
+                idx = range(first, min(count, first + batch))
+                objects = [NewObject(f"{prefix}/{run}/{i}", i * size, size, size) for i in idx]
+                sums = [part_checksums(self.src_mem[i * size : (i + 1) * size], size) for i in idx]
+                if None in client.put_many(self.src_h, objects, sums):
                     raise RuntimeError(f"pool put of {size} bytes refused")
 
         def get(run: str, count: int) -> None:
-            for i in range(count):
-                if client.get([f"{prefix}/{run}/{i}"], self.dst_h, [i * size], self.dst_mem) != 1:
-                    raise RuntimeError(f"pool get of {prefix}/{run}/{i} found nothing")
+            for first in range(0, count, batch):
+                idx = range(first, min(count, first + batch))
+                keys = [f"{prefix}/{run}/{i}" for i in idx]
+                if client.get(keys, self.dst_h, [i * size for i in idx], self.dst_mem) != len(keys):
+                    raise RuntimeError(f"pool get of {keys[0]}.. found less than {len(keys)} objects")
 
         def published(run: str, count: int) -> None:
             last = f"{prefix}/{run}/{count - 1}"
@@ -270,7 +275,8 @@ class OurClient:
                     raise RuntimeError(f"{last} never appeared in the pool's metadata")
                 time.sleep(0.002)
 
-        rates = measure(put, get, size, n, repeat, published)
+        self.dst.zero_()
+        rates = measure(put, get, size, n, repeat, published, batch)
         if not torch.equal(self.src[: n * size], self.dst[: n * size]):
             raise RuntimeError(f"pool get of {size}-byte objects returned other bytes")
         return rates
@@ -361,23 +367,40 @@ class MooncakeStore:
             if self.store.register_buffer(buf.data_ptr(), total) != 0:
                 raise RuntimeError("Mooncake could not register a buffer")
 
-    def run(self, size: int, repeat: int) -> Rates:
+    def run(self, size: int, repeat: int, batch: int = 1) -> Rates:
         store, src, dst = self.store, self.src.data_ptr(), self.dst.data_ptr()
         n = len(self.src) // size
 
         def put(run: str, count: int) -> None:
-            for i in range(count):
-                rc = store.put_from(f"bench/{run}/{i}", src + i * size, size)
-                if rc != 0:
-                    raise RuntimeError(f"Mooncake put_from of {size} bytes failed (rc={rc})")
+            if batch == 1:
+                for i in range(count):
+                    rc = store.put_from(f"bench/{run}/{i}", src + i * size, size)
+                    if rc != 0:
+                        raise RuntimeError(f"Mooncake put_from of {size} bytes failed (rc={rc})")
+                return
+            for first in range(0, count, batch):
+                idx = range(first, min(count, first + batch))
+                rcs = store.batch_put_from([f"bench/{run}/{i}" for i in idx], [src + i * size for i in idx],
+                                           [size] * len(idx))
+                if any(rc != 0 for rc in rcs):
+                    raise RuntimeError(f"Mooncake batch_put_from of {size} bytes failed (rc={rcs})")
 
         def get(run: str, count: int) -> None:
-            for i in range(count):
-                got = store.get_into(f"bench/{run}/{i}", dst + i * size, size)
-                if got != size:
-                    raise RuntimeError(f"Mooncake get_into of bench/{run}/{i} returned {got}")
+            if batch == 1:
+                for i in range(count):
+                    got = store.get_into(f"bench/{run}/{i}", dst + i * size, size)
+                    if got != size:
+                        raise RuntimeError(f"Mooncake get_into of bench/{run}/{i} returned {got}")
+                return
+            for first in range(0, count, batch):
+                idx = range(first, min(count, first + batch))
+                got = store.batch_get_into([f"bench/{run}/{i}" for i in idx], [dst + i * size for i in idx],
+                                           [size] * len(idx))
+                if any(g != size for g in got):
+                    raise RuntimeError(f"Mooncake batch_get_into of {size}-byte objects returned {got}")
 
-        rates = measure(put, get, size, n, repeat)
+        self.dst.zero_()
+        rates = measure(put, get, size, n, repeat, batch=batch)
         if not torch.equal(self.src[: n * size], self.dst[: n * size]):
             raise RuntimeError(f"Mooncake get of {size}-byte objects returned other bytes")
         return rates
@@ -441,20 +464,20 @@ def throughput_report(results: dict[tuple[str, str], dict[int, Rates]], sizes: l
     return "\n".join(lines)
 
 
-def run_throughput(sizes: list[int], total: int, repeat: int, log_dir: Path, with_mooncake: bool = True) -> str:
+def run_throughput(sizes: list[int], total: int, repeat: int, log_dir: Path, with_mooncake: bool = True,
+                   batches: tuple[int, ...] = (1, 16)) -> str:
     # Room for the warm-up and every timed run of both our clients, below the eviction watermark.
-    stored = 2 * (repeat * total + max(sizes)) * len(sizes)
+    stored = 2 * (repeat * total + max(sizes)) * len(sizes) * len(batches)
     pool = OurPool(int(stored / 0.85) + 64 * MiB, log_dir)
     note = mooncake_unavailable() if with_mooncake else "not run (--no-mooncake)"
     mooncake: MooncakeStore | None = None
-    results: dict[tuple[str, str], dict[int, Rates]] = {OURS_AUTO: {}, OURS_TCP: {}}
+    results: dict[int, dict[tuple[str, str], dict[int, Rates]]] = {b: {OURS_AUTO: {}, OURS_TCP: {}} for b in batches}
     try:
         clients = {OURS_AUTO: OurClient(pool, "auto", total), OURS_TCP: OurClient(pool, "tcp", total)}
         if note is None:
             try:
                 mooncake = MooncakeStore(int(stored / 2 / 0.85) + 64 * MiB, log_dir)
                 mooncake.register(total)
-                results[MOONCAKE] = {}
             except Exception as exc:  # noqa: BLE001 -- reported in the table; ours still run
                 note = f"could not start ({exc})"
                 if mooncake is not None:
@@ -462,23 +485,32 @@ def run_throughput(sizes: list[int], total: int, repeat: int, log_dir: Path, wit
                     mooncake = None
         # One size at a time for every system, so a burst of load from elsewhere on a shared
         # host skews them alike.
-        for size in sizes:
-            for key, client in clients.items():
-                results[key][size] = client.run(size, repeat)
-            if mooncake is not None:
-                try:
-                    results[MOONCAKE][size] = mooncake.run(size, repeat)
-                except Exception as exc:  # noqa: BLE001
-                    note = f"failed during the run ({exc})"
-                    del results[MOONCAKE]
-                    mooncake.close()
-                    mooncake = None
+        for batch in batches:
+            for size in sizes:
+                for key, client in clients.items():
+                    results[batch][key][size] = client.run(size, repeat, batch)
+                if mooncake is not None:
+                    try:
+                        results[batch].setdefault(MOONCAKE, {})[size] = mooncake.run(size, repeat, batch)
+                    except Exception as exc:  # noqa: BLE001
+                        note = f"failed during the run ({exc})"
+                        mooncake.close()
+                        mooncake = None
+        if note is not None:  # no partial baseline: the report says why it is missing
+            for per_batch in results.values():
+                per_batch.pop(MOONCAKE, None)
         held = pool.objects()
     finally:
         if mooncake is not None:
             mooncake.close()
         pool.close()
-    return throughput_report(results, sizes, note, clients[OURS_AUTO].transport, held)
+    reports = []
+    for batch in batches:
+        calls = "one object per call" if batch == 1 else f"{batch} objects per call (put_many / get of {batch} keys; " \
+            f"Mooncake's batch_put_from / batch_get_into)"
+        reports.append(f"{calls}:\n" + throughput_report(results[batch], sizes, note, clients[OURS_AUTO].transport,
+                                                           held if batch == batches[-1] else None))
+    return "\n\n".join(reports)
 
 
 # ----- TTFT: a prefix computed on the other prefill instance ----------------------------------
@@ -711,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, default=None, help="MiB moved per size and run (64; --quick 4)")
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per figure, best kept (3; --quick 1)")
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake Store even if installed")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="objects per call of the batched runs (16; 1: single-object calls only)")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="TTFT prompt length (4096; --quick 1024)")
     parser.add_argument("--prefix-fraction", type=float, default=0.9, help="share of the prompt computed before (0.9)")
     parser.add_argument("--rounds", type=int, default=1, help="TTFT measurements per cluster, median kept (1)")
@@ -719,18 +753,21 @@ def main(argv: list[str] | None = None) -> int:
     mib = args.mib if args.mib is not None else (4 if args.quick else 64)
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     prompt_tokens = args.prompt_tokens if args.prompt_tokens is not None else (1024 if args.quick else 4096)
-    if mib <= 0 or repeat < 1 or args.rounds < 1 or prompt_tokens < 2 or not 0 < args.prefix_fraction < 1:
-        parser.error("--mib, --repeat, --rounds and --prompt-tokens must be positive, --prefix-fraction in (0, 1)")
+    if mib <= 0 or repeat < 1 or args.rounds < 1 or prompt_tokens < 2 or args.batch < 1 \
+            or not 0 < args.prefix_fraction < 1:
+        parser.error("--mib, --repeat, --rounds, --batch and --prompt-tokens must be positive, "
+                     "--prefix-fraction in (0, 1)")
     args.out.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="run-", dir=args.out))
     print(f"{os.cpu_count()} CPUs, loopback; logs in {log_dir}", flush=True)
     if args.only in (None, "throughput"):
         sizes = [64 * KiB, MiB, pool_layer_bytes()]
         total = max(int(mib * MiB), max(sizes))
-        print(f"\nPut / get throughput: {total / MiB:g} MiB per size and run, one object per call, best of {repeat}; "
+        print(f"\nPut / get throughput: {total / MiB:g} MiB per size and run, best of {repeat}; "
               f"one pool node process, the client in this process", flush=True)
         print(f"({size_name(sizes[2])} = one layer of one 256-token pool object of SmolLM2-135M)", flush=True)
-        print(run_throughput(sizes, total, repeat, log_dir, not args.no_mooncake), flush=True)
+        batches = (1,) if args.batch == 1 else (1, args.batch)
+        print(run_throughput(sizes, total, repeat, log_dir, not args.no_mooncake, batches), flush=True)
     if args.only in (None, "ttft"):
         print("\nTTFT, python -m server --prefill-instances 2 --decode-instances 1 --instance-threads 1:", flush=True)
         print(run_ttft(prompt_tokens, args.prefix_fraction, args.rounds, log_dir), flush=True)

@@ -70,9 +70,10 @@ class KVHandoff:
         self._engine = engine
         self.layout = KVLayout.of_cache(engine.runner.kv_cache)
 
-    def set_sink(self, sink: KVSink | None) -> None:
-        """Where the engine streams the KV of prompts it finishes (a prefill instance's sender)."""
-        self._engine.kv_sink = sink
+    def add_sink(self, sink: KVSink) -> None:
+        """One more place the engine streams the KV of prompts it finishes to, layer by layer (a
+        prefill instance's sender, its pool writer)."""
+        self._engine.kv_sinks.append(sink)
 
     # -- receiving ----------------------------------------------------------------------------------
     def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Reservation:

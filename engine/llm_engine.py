@@ -51,7 +51,8 @@ class RequestOutput:
 
 
 class KVSink(Protocol):
-    """Where a prefill instance's engine sends the KV of prompts it finishes (cluster/kv_stream.py).
+    """Where a prefill instance's engine sends the KV of prompts it finishes: the stream to a
+    decode instance (cluster/kv_stream.py), the KVCache pool (cluster/instance/pool_io.py).
 
     ``layer_done`` runs on the engine thread after each layer of a step in which ``seqs`` compute
     their last prompt tokens; it must not block on the transfer (the next layer is waiting).
@@ -101,7 +102,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
-        self.kv_sink: KVSink | None = None
+        self.kv_sinks: list[KVSink] = []  # each gets the layers of the prompts it wants
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -159,18 +160,17 @@ class LLMEngine:
         if not batch:
             return []
         on_layer = None
-        sink = self.kv_sink
-        if sink is not None:
+        if self.kv_sinks:
             # Sequences computing their last prompt tokens now: their KV is complete layer by layer.
-            done = [
-                s.seq for s in batch
-                if s.samples and s.seq.num_output_tokens == 0 and sink.wants(s.seq.request_id)
-            ]
-            if done:
+            finishing = [s.seq for s in batch if s.samples and s.seq.num_output_tokens == 0]
+            wanted = [(sink, [q for q in finishing if sink.wants(q.request_id)]) for sink in self.kv_sinks]
+            wanted = [(sink, seqs) for sink, seqs in wanted if seqs]
+            if wanted:
                 kv_cache = self.runner.kv_cache
 
                 def send_layer(layer: int) -> None:
-                    sink.layer_done(layer, kv_cache, done)
+                    for sink, seqs in wanted:
+                        sink.layer_done(layer, kv_cache, seqs)
 
                 on_layer = send_layer
         loading = [s.seq for s in batch if s.seq.kv_load is not None]

@@ -69,19 +69,25 @@ def test_quick_throughput_run(tmp_path):
     cmd = [sys.executable, "-m", "bench.pool", "--quick", "--only", "throughput", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {}
+    rows: dict[tuple[str, ...], list[float]] = {}
+    section = None
     for line in proc.stdout.splitlines():
+        if line.endswith("object per call:") or " objects per call " in line:
+            section = line.split()[0]  # "one", or the batch size
         m = re.fullmatch(rf"\s*(ours|mooncake store)\s+(shm|tcp)\s+(\d+ [KM]iB)\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})"
                          rf"\s+({NUMBER})\s*", line)
         if m:
-            rows[m.group(1), m.group(2), m.group(3)] = [float(v) for v in m.groups()[3:]]
+            rows[section, m.group(1), m.group(2), m.group(3)] = [float(v) for v in m.groups()[3:]]
     sizes = ("64 KiB", "1 MiB", "384 KiB")
-    for transport in ("shm", "tcp"):  # "auto" is shared memory between two processes of one host
-        for size in sizes:
-            assert all(v > 0 for v in rows[("ours", transport, size)]), proc.stdout
+    for section in ("one", "16"):  # single-object calls, then calls of 16 objects
+        for transport in ("shm", "tcp"):  # "auto" is shared memory between two processes of one host
+            for size in sizes:
+                assert all(v > 0 for v in rows[(section, "ours", transport, size)]), proc.stdout
     if bp.mooncake_unavailable() is not None:  # not a test dependency: its row says why
         assert "mooncake store: " in proc.stdout and "Mooncake Store (same transport): not checked" in proc.stdout
         return
-    for size in sizes:
-        assert all(v > 0 for v in rows[("mooncake store", "tcp", size)]), proc.stdout + proc.stderr[-3000:]
-    assert re.search(r"Target ours >= Mooncake Store on the same transport \(tcp\): (MET|MISSED)", proc.stdout)
+    for section in ("one", "16"):
+        for size in sizes:
+            assert all(v > 0 for v in rows[(section, "mooncake store", "tcp", size)]), proc.stdout + proc.stderr[-3000:]
+    verdicts = re.findall(r"Target ours >= Mooncake Store on the same transport \(tcp\): (MET|MISSED)", proc.stdout)
+    assert len(verdicts) == 2, proc.stdout

@@ -44,7 +44,7 @@ def pair(request, model):
     layout = KVLayout.of_cache(prefill.runner.kv_cache)
     send, recv = StagingArea(tp, 1 << 22), StagingArea(td, 1 << 22)
     sender = KVSender(tp, send, layout)
-    prefill.kv_sink = sender
+    prefill.kv_sinks.append(sender)
     yield prefill, decode, sender, recv, td, layout
     for e in (prefill, decode):
         assert not e.has_unfinished() and not e.seqs

@@ -255,6 +255,9 @@ def _asked_on_the_other_instance(cluster: PoolCluster, colocated: LLM, prefix: s
 def test_a_prefix_computed_on_one_instance_is_loaded_by_the_other(cluster, colocated):
     cluster.start_node()
     prefix, holder = _stored_from_one_instance(cluster, "shared")
+    # The prefill instance wrote its four objects layer by layer during the prompt's step.
+    _until(lambda: cluster.instance_stats(holder)["pool_client"]["stored_layerwise"] >= 4, 30,
+           "the holder's layer-wise store of its four objects")
     before, migrations = cluster.pool_counters(), cluster.stats()["migrations"]
     computed = cluster.computed()
     got = _asked_on_the_other_instance(cluster, colocated, prefix, holder)

@@ -8,10 +8,17 @@
   computing: prefill time ~ max(load, compute). A miss or a lease refused only shortens the
   prefix; a read or checksum failure mid-way ends the attempt (``kv_load_failed``) and the
   caller computes the prompt without the pool.
-* ``store`` (after a prompt, or a whole conversation turn, is done): the full pool blocks the
-  pool lacks are packed from the engine's cached blocks in one engine-thread call and put.
-  Stores run in the background, a few at a time; one that finds its blocks evicted already
-  stores the ones before.
+* ``plan_store`` + the engine's ``KVSink`` calls + ``finish_store_later`` (a prompt on a prefill
+  instance): before the prompt runs, the pool objects it will complete and the pool lacks are
+  allocated on the segments (``PoolClient.reserve``); after each layer of the step that
+  computes its last tokens, that layer of every such object is packed into this instance's
+  pool staging and its write started (``PoolWrite.write(part)``), beside the layer's KV stream
+  to the decode instance; once the prompt is done the writes are awaited and sealed in the
+  background (checksums computed then), or aborted if the prompt failed.
+* ``store`` (after a whole conversation turn, or a prompt the layer-wise store could not take):
+  the full pool blocks the pool lacks are packed from the engine's cached blocks in one
+  engine-thread call and put. Stores run in the background, a few at a time; one that finds
+  its blocks evicted already stores the ones before.
 """
 
 from __future__ import annotations
@@ -21,16 +28,19 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from cluster.pool.client import PoolClient, PoolRead
+from cluster.pool.client import NewObject, PoolClient, PoolRead, PoolWrite
 from cluster.pool.objects import PoolGeometry, part_checksums
-from cluster.staging import StagingArea, StagingRange, when_free
+from cluster.staging import StagingArea, StagingFull, StagingRange, when_free
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
+from engine.kv_layout import pack
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,12 @@ class PoolIO:
         self._stores: set[asyncio.Task] = set()
         self._max_stores = max_background_stores
         self.stores_skipped = 0  # the background store queue was full: those blocks stay local
+        self.stored_layerwise = 0  # objects sealed from a layer-wise store
+        # Layer-wise stores by request: planned on the event loop, filled on the engine thread
+        # (under the lock, so once ``finish_store_later`` has popped one no copy into its
+        # staging can still start).
+        self._writing: dict[str, _LayerwiseStore] = {}
+        self._writing_lock = threading.Lock()
         # Closing a read waits for its transfers to let go of the staging: never on the engine thread.
         self._closer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pool-close")
 
@@ -103,6 +119,101 @@ class PoolIO:
         read.close(used)  # waits until no transfer writes into the range any more
         self._area.release(r)
 
+    # -- storing layer by layer (a KVSink of the engine) ---------------------------------------------
+    async def plan_store(self, request_id: str, token_ids: list[int]) -> bool:
+        """Allocate the pool objects ``token_ids`` will complete and the pool lacks, to be
+        written layer by layer as the prompt's last step computes them. False (nothing planned)
+        when the pool holds them all, has no room for every one of them now, or this instance's
+        pool staging is busy: then ``store_later`` is the way."""
+        g = self.geometry
+        keys = g.object_keys(token_ids, len(token_ids))
+        if not keys:
+            return False
+        loop = asyncio.get_running_loop()
+        holders = await loop.run_in_executor(None, self.pool.holders, keys)
+        missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // g.nbytes]
+        if not missing:
+            return False
+        try:
+            r = self._area.allocate(len(missing) * g.nbytes)
+        except StagingFull:
+            return False
+        try:
+            # Tail first, as ``store`` puts them.
+            objects = [NewObject(keys[i], r.offset + j * g.nbytes, g.nbytes, g.part_bytes)
+                       for j, i in reversed(list(enumerate(missing)))]
+            write = await loop.run_in_executor(None, self.pool.reserve, self._area.handle, objects)
+        except BaseException:
+            self._area.release(r)
+            raise
+        if write.num_placed < len(objects):
+            # Some went nowhere (the pool is busy or full): rather than leave them out, store
+            # them all from the prefix cache after the prompt, as the pool's LRU allows then.
+            self._closer.submit(self._abort_plan, write, r)
+            return False
+        store = _LayerwiseStore(write, r, [i * g.blocks_per_object for i in reversed(missing)], keys, holders)
+        with self._writing_lock:
+            duplicate = request_id in self._writing
+            if not duplicate:
+                self._writing[request_id] = store
+        if duplicate:
+            self._closer.submit(self._finish_store, store, False)
+            raise ValueError(f"request {request_id!r} is already being stored")
+        return True
+
+    def _abort_plan(self, write: PoolWrite, r: StagingRange) -> None:
+        try:
+            write.abort()
+        finally:
+            self._area.release(r)
+
+    def wants(self, request_id: str) -> bool:
+        return request_id in self._writing
+
+    def layer_done(self, layer: int, kv_cache: torch.Tensor, seqs: list[Sequence]) -> None:
+        g = self.geometry
+        bpo, layout = g.blocks_per_object, g.layout
+        with self._writing_lock:
+            for seq in seqs:
+                store = self._writing.get(seq.request_id)
+                if store is None:
+                    continue
+                ids = seq.block_table.block_ids
+                for obj, place, first in zip(store.write.objects, store.write.places, store.first_blocks):
+                    if place is None:
+                        continue
+                    view = self._area.view(StagingRange(obj.offset, g.nbytes), layout.torch_dtype, layout.shape(bpo))
+                    pack(kv_cache, ids[first : first + bpo], range(layer, layer + 1), view[layer : layer + 1])
+                store.write.write(part=layer)
+                store.layers += 1
+
+    def finish_store_later(self, request_id: str, commit: bool) -> None:
+        """End a planned layer-wise store in the background: seal what was written when
+        ``commit`` (the prompt computed every layer of its last step), else abort it."""
+        with self._writing_lock:
+            store = self._writing.pop(request_id, None)
+        if store is not None:
+            self._closer.submit(self._finish_store, store, commit)
+
+    def _finish_store(self, store: _LayerwiseStore, commit: bool) -> None:
+        g = self.geometry
+        try:
+            if commit and store.layers == g.num_parts:
+                sums = [part_checksums(self._memory[o.offset : o.offset + g.nbytes], g.part_bytes)
+                        for o in store.write.objects]
+                stored = sum(s is not None for s in store.write.seal(sums))
+                with self._writing_lock:
+                    self.stored_layerwise += stored
+                # As ``store`` does: what the pool held was used again, and after the seals.
+                self.pool.touch(store.keys, store.holders)
+            else:
+                store.write.abort()
+        except Exception:  # a failed store only costs a later request its hit
+            log.exception("pool: layer-wise store failed")
+        finally:
+            self._area.release(store.staging)  # seal and abort return once no write reads it
+
+    # -- storing from the prefix cache --------------------------------------------------------------
     def store_later(self, token_ids: list[int], computed_tokens: int) -> None:
         """Store the full pool blocks of ``token_ids[:computed_tokens]`` in the background."""
         if not self.geometry.object_keys(token_ids, computed_tokens):
@@ -157,20 +268,26 @@ class PoolIO:
             packed = await self._client.call(export)
 
             def put_all() -> int:
-                stored = 0
                 # Tail first: a node seals the head last, so its LRU evicts the chain from the end,
                 # and readers (who need the head) see the prefix only once it is all there.
-                for j in reversed(range(packed)):
-                    off = r.offset + j * g.nbytes
-                    data = self._memory[off : off + g.nbytes]
-                    sums = part_checksums(data, g.part_bytes)
-                    if self.pool.put(keys[missing[j]], self._area.handle, off, g.nbytes, g.part_bytes, sums):
-                        stored += 1
-                return stored
+                order = range(packed - 1, -1, -1)
+                objects = [NewObject(keys[missing[j]], r.offset + j * g.nbytes, g.nbytes, g.part_bytes) for j in order]
+                sums = [part_checksums(self._memory[o.offset : o.offset + g.nbytes], g.part_bytes) for o in objects]
+                return sum(s is not None for s in self.pool.put_many(self._area.handle, objects, sums))
 
             return await loop.run_in_executor(None, put_all)
         finally:
             self._area.release(r)
+
+
+@dataclass
+class _LayerwiseStore:
+    write: PoolWrite  # the objects in the order sealed (tail first), with their places
+    staging: StagingRange
+    first_blocks: list[int]  # each object's first engine block in the prompt
+    keys: list[str]  # all the prompt's objects, and where the pool held them at planning
+    holders: list[list[str]]
+    layers: int = 0  # layers written so far
 
 
 class PoolLoad:

@@ -128,7 +128,7 @@ class InstanceService:
             if cfg.role in ("prefill", "both"):
                 self.send = StagingArea(transfer, staging)
                 sender = KVSender(transfer, self.send, layout, write_window_s=cfg.transfer_timeout_s)
-                await self.client.call(lambda _: handoff.set_sink(sender))
+                await self.client.call(lambda _: handoff.add_sink(sender))
             # Every role receives: decode instances a prompt's KV, prefill ones pulled hot prefixes.
             self.recv = StagingArea(transfer, staging)
             self.receiver = Receiver(self.client, handoff, self.recv, transfer.address,
@@ -137,6 +137,9 @@ class InstanceService:
                                          cfg.transfer_timeout_s)
             if cfg.pool.enabled:
                 self.pool = await loop.run_in_executor(None, self._join_pool, transfer, handoff, facts)
+                if sender is not None:  # a prefill instance stores its prompts layer by layer
+                    pool_io = self.pool
+                    await self.client.call(lambda _: handoff.add_sink(pool_io))
                 # What the Conductor needs to name a prompt's pool objects itself.
                 facts["pool"] = {"namespace": self.pool.geometry.namespace,
                                  "blocks_per_object": self.pool.geometry.blocks_per_object}
@@ -236,7 +239,8 @@ class InstanceService:
                 s[f"staging_{name}_bytes"] = area.nbytes
                 s[f"staging_{name}_ranges"] = area.num_allocated
         if self.pool is not None:
-            s["pool_client"] = dict(self.pool.pool.counters, stores_skipped=self.pool.stores_skipped)
+            s["pool_client"] = dict(self.pool.pool.counters, stores_skipped=self.pool.stores_skipped,
+                                    stored_layerwise=self.pool.stored_layerwise)
             s["staging_pool_ranges"] = self.pool.staging_ranges
         if self.pool_service is not None:
             s["pool_segment"] = self.pool_service.segment.stats()

@@ -1,15 +1,16 @@
 """The requests an instance serves for the Conductor.
 
 * ``prefill`` (prefill role): announce the KV stream to the sender (a send-staging range), run
-  the prompt in the engine like any other request; the engine's ``KVSink`` streams each layer
-  into the decode instance's reservation as it is computed, and the prefill-role engine ends the
-  request at its first token (``handoff``). Answered once every layer's write has completed.
+  the prompt in the engine like any other request; the engine's ``KVSink``s stream each layer
+  into the decode instance's reservation (and, with a pool, into the pool objects planned for
+  it) as it is computed, and the prefill-role engine ends the request at its first token
+  (``handoff``). Answered once every layer's write to the decode instance has completed.
 * ``continue_decode`` (decode role): take over a reservation whose KV has landed and stream the
   rest of the request.
 * ``whole`` (both role): a whole request, prompt to last token, in this one engine.
 
 With a KVCache pool (``PoolIO``), a prompt first loads whatever prefix the pool has beyond the
-local cache, and what was computed goes back to the pool afterwards: the prompt's blocks once
+local cache, and what was computed goes back to the pool: the prompt's blocks layer by layer as
 it is prefilled, the prompt's and the output's once a request finishes decoding (the next turn
 of a conversation starts with both).
 """
@@ -57,13 +58,35 @@ class Serving:
         if dest.skip_blocks + dest.num_blocks != -(-len(token_ids) // block_size):
             raise ValueError("destination block count does not match the prompt")
         load = await self._prepare_load(token_ids)
-        output = await self._prefill_once(request_id, token_ids, params, dest, load)
-        if output.finish_reason == "kv_load_failed":
-            # What the pool sent broke mid-way: compute the whole prompt here, streaming it again.
-            output = await self._prefill_once(request_id, token_ids, params, dest, None)
-        if self._pool is not None and output.finish_reason != "abort":
+        storing = await self._plan_store(request_id, token_ids, load)
+        try:
+            output = await self._prefill_once(request_id, token_ids, params, dest, load)
+            if output.finish_reason == "kv_load_failed":
+                # Layers past the failed one were computed from garbage: nothing of it is stored.
+                self._pool.finish_store_later(request_id, commit=False)
+                storing = False
+                # What the pool sent broke mid-way: compute the whole prompt here, streaming it again.
+                output = await self._prefill_once(request_id, token_ids, params, dest, None)
+        except BaseException:
+            if storing:
+                self._pool.finish_store_later(request_id, commit=False)
+            raise
+        if storing:
+            self._pool.finish_store_later(request_id, commit=output.finish_reason != "abort")
+        elif self._pool is not None and output.finish_reason != "abort":
             self._pool.store_later(token_ids, len(token_ids))
         return output
+
+    async def _plan_store(self, request_id: str, token_ids: list[int], load: PoolLoad | None) -> bool:
+        """Whether the prompt's new pool objects are stored layer by layer as its last step runs."""
+        if self._pool is None:
+            return False
+        try:
+            return await self._pool.plan_store(request_id, token_ids)
+        except BaseException:
+            if load is not None:
+                load.close(used=False)
+            raise
 
     async def _prefill_once(self, request_id: str, token_ids: list[int], params: SamplingParams,
                             dest: KVDestination, load: PoolLoad | None) -> RequestOutput:

@@ -8,10 +8,11 @@ and counters, refreshed every heartbeat). The bytes never pass through the metad
 
 * ``get``: the longest run of consecutive keys present; for each object the least-loaded
   replica; one lease request per segment (``SegmentService``), then one-sided Messenger reads
-  straight into the caller's buffer, then every part's checksum. A replica that vanished,
+  straight into the caller's buffer, then every part's checksum, then a release (not waited for). A replica that vanished,
   failed its read or its checksum ends the run there: the caller computes the rest.
-* ``put``: write-then-publish on the segment with the most free DRAM (Mooncake Store's
-  ``free_ratio_first``): allocate, write, seal (the owner checks the checksums and publishes).
+* ``put`` / ``put_many``: write-then-publish on the segment with the most free DRAM (Mooncake
+  Store's ``free_ratio_first``): allocate, write, seal (the owner checks the checksums and
+  publishes), each one round trip for all the objects a segment takes.
 """
 
 from __future__ import annotations
@@ -212,10 +213,12 @@ class PoolClient:
         for s, grant in grants.values():
             by_segment.setdefault(s, []).append([grant["key"], grant["lease"]])
         for s, leases in by_segment.items():
+            # Not waited for: the reader is done with the bytes, and a release that never
+            # arrives only keeps the objects pinned until their leases expire.
             try:
-                self._transfer.call(segments[s].address, {"op": "release", "leases": leases})
+                self._transfer.notify(segments[s].address, {"op": "release", "leases": leases})
             except TransferError:
-                pass  # the leases expire by themselves
+                pass
 
     def touch(self, keys: Sequence[str], holders: Sequence[Sequence[str]]) -> None:
         """Tell the segments holding ``keys`` (a prefix, in order; ``holders[i]``: the replicas
@@ -239,38 +242,162 @@ class PoolClient:
             exclude: Sequence[str] = ()) -> str | None:
         """Store one object from ``src``; returns the segment that now holds it, or None when no
         segment took it (full, unreachable, or it is stored there already)."""
+        return self.put_many(src, [NewObject(key, offset, nbytes, part_bytes)], [checksums], exclude)[0]
+
+    def put_many(self, src: RegionHandle, objects: Sequence[NewObject], checksums: Sequence[list[int]],
+                 exclude: Sequence[str] = ()) -> list[str | None]:
+        """Store ``objects`` (their bytes in ``src`` already, ``checksums[i]`` those of object
+        ``i``'s parts); for each, the segment that now holds it, or None (no segment took it,
+        or it was stored there already). Three round trips per segment, whatever the number of
+        objects: ``reserve``, one write, ``PoolWrite.seal``."""
+        write = self.reserve(src, objects, exclude)
+        write.write()
+        return write.seal(checksums)
+
+    def reserve(self, src: RegionHandle, objects: Sequence[NewObject], exclude: Sequence[str] = ()) -> PoolWrite:
+        """Allocate ``objects`` on the segments with the most free DRAM (Mooncake Store's
+        ``free_ratio_first``), one ``alloc`` per segment: what one has no room for goes on to the
+        next. Each segment allocates, and later seals and publishes, its share in the order
+        given (a prefix goes tail first, so readers see its head last). The caller writes the
+        bytes into ``src`` (before or between ``PoolWrite.write`` calls), then seals or aborts."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
+        places: list[tuple[SegmentInfo, int] | None] = [None] * len(objects)
+        if not objects:
+            return PoolWrite(self, src, objects, places)
         segments = self.segments()
+        largest = max(o.nbytes for o in objects)
         with self._lock:
             free = {s.segment_id: (s.stats.get("dram_free_bytes", 0) - self._placed[s.segment_id])
                     / max(1, s.stats.get("dram_bytes", 1)) for s in segments.values()}
         candidates = sorted((s for s in segments.values()
-                             if s.segment_id not in exclude and s.stats.get("dram_bytes", 0) >= nbytes),
+                             if s.segment_id not in exclude and s.stats.get("dram_bytes", 0) >= largest),
                             key=lambda s: -free[s.segment_id])
+        todo = list(range(len(objects)))
         for seg in candidates:
+            if not todo:
+                break
             try:
-                status, answer = self._transfer.call(seg.address, {"op": "alloc", "key": key, "nbytes": nbytes,
-                                                                   "part_bytes": part_bytes})
-                if status != Status.OK:
-                    continue  # full: the next segment may have room
-                if answer.get("offset") is None:
-                    return None  # already stored there
-                try:
-                    self._transfer.write_sync(seg.address, [(src, offset, seg.handle, answer["offset"], nbytes)],
-                                              timeout=self._timeout_s)
-                except (TransferError, TimeoutError):
-                    self._transfer.call(seg.address, {"op": "abort", "key": key})
-                    raise
-                status, answer = self._transfer.call(seg.address, {"op": "seal", "key": key, "checksums": checksums})
-                if status == Status.OK and answer.get("ok"):
+                status, answer = self._transfer.call(seg.address, {
+                    "op": "alloc", "objects": [[objects[i].key, objects[i].nbytes, objects[i].part_bytes] for i in todo]})
+            except TransferError as exc:
+                log.info("pool: alloc of %d objects on segment %s failed: %s", len(todo), seg.segment_id, exc)
+                continue
+            if status != Status.OK:
+                continue  # full: the next segment may have room
+            offsets = answer["offsets"]  # one per object up to the first that did not fit
+            for i, off in zip(todo, offsets):
+                if off is not None:  # None: stored there already
+                    places[i] = (seg, off)
                     with self._lock:
-                        self.counters["stores"] += 1
-                        self._placed[seg.segment_id] += nbytes
-                    return seg.segment_id
+                        self._placed[seg.segment_id] += objects[i].nbytes
+            todo = todo[len(offsets):]
+        return PoolWrite(self, src, objects, places)
+
+
+@dataclass(frozen=True)
+class NewObject:
+    """An object to put: ``nbytes`` at ``offset`` of the source region, in parts of
+    ``part_bytes`` (one per layer)."""
+
+    key: str
+    offset: int
+    nbytes: int
+    part_bytes: int
+
+
+class PoolWrite:
+    """Objects allocated on segments (``PoolClient.reserve``), written and then sealed or
+    aborted: ``write`` (any number of times, the whole objects or one part at a time, without
+    waiting), then exactly one of ``seal`` or ``abort``. An object the pool held already, or had
+    no room for, has no place and is skipped throughout."""
+
+    def __init__(self, client: PoolClient, src: RegionHandle, objects: Sequence[NewObject],
+                 places: list[tuple[SegmentInfo, int] | None]) -> None:
+        self._client = client
+        self._src = src
+        self.objects = list(objects)
+        self.places = places
+        self._batches: list[tuple[str, Batch]] = []
+        self._done = False
+
+    @property
+    def num_placed(self) -> int:
+        return sum(p is not None for p in self.places)
+
+    def _by_segment(self) -> dict[str, tuple[SegmentInfo, list[int]]]:
+        groups: dict[str, tuple[SegmentInfo, list[int]]] = {}
+        for i, place in enumerate(self.places):
+            if place is not None:
+                groups.setdefault(place[0].segment_id, (place[0], []))[1].append(i)
+        return groups
+
+    def write(self, part: int | None = None) -> None:
+        """Start writing part ``part`` of every placed object (None: the whole objects), one
+        batch per segment; returns at once (safe on the engine thread)."""
+        transfer = self._client._transfer
+        for seg, idx in self._by_segment().values():
+            entries = []
+            for i in idx:
+                o, off = self.objects[i], self.places[i][1]
+                start, size = (0, o.nbytes) if part is None else (part * o.part_bytes, o.part_bytes)
+                entries.append((self._src, o.offset + start, seg.handle, off + start, size))
+            self._batches.append((seg.segment_id, transfer.write(seg.address, entries)))
+
+    def seal(self, checksums: Sequence[list[int]]) -> list[str | None]:
+        """Wait for the writes, then have each segment check and publish its objects; for each
+        object, the segment that now holds it, or None. A segment whose write failed gets its
+        objects aborted instead."""
+        client, transfer = self._client, self._client._transfer
+        self._done = True
+        failed = self._settle()
+        placed: list[str | None] = [None] * len(self.objects)
+        for segment_id, (seg, idx) in self._by_segment().items():
+            keys = [self.objects[i].key for i in idx]
+            try:
+                if segment_id in failed:
+                    transfer.call(seg.address, {"op": "abort", "keys": keys})
+                    continue
+                status, answer = transfer.call(seg.address, {"op": "seal", "objects": [
+                    [self.objects[i].key, list(checksums[i])] for i in idx]})
+            except TransferError as exc:
+                log.info("pool: seal on segment %s failed: %s", segment_id, exc)
+                continue
+            sealed = answer.get("ok", []) if status == Status.OK else []
+            with client._lock:
+                for i, ok in zip(idx, sealed):
+                    if ok:
+                        placed[i] = segment_id
+                        client.counters["stores"] += 1
+        return placed
+
+    def abort(self) -> None:
+        """Give the allocations back (best effort: a segment reclaims an unsealed put after its
+        timeout anyway), once no write reads ``src`` any more."""
+        if self._done:
+            return
+        self._done = True
+        self._settle()
+        for seg, idx in self._by_segment().values():
+            try:
+                self._client._transfer.call(seg.address, {"op": "abort", "keys": [self.objects[i].key for i in idx]})
+            except TransferError as exc:
+                log.info("pool: abort on segment %s failed: %s", seg.segment_id, exc)
+
+    def _settle(self) -> set[str]:
+        """Wait for every write; the segments one failed on."""
+        failed = set()
+        for segment_id, batch in self._batches:
+            try:
+                batch.wait(self._client._timeout_s)
             except (TransferError, TimeoutError) as exc:
-                log.info("pool: put of %s on segment %s failed: %s", key, seg.segment_id, exc)
-        return None
+                log.info("pool: write to segment %s failed: %s", segment_id, exc)
+                failed.add(segment_id)
+                try:
+                    batch.exception(self._client._timeout_s)  # let go of ``src`` before it is reused
+                except Exception:  # noqa: BLE001 -- timed out or cancelled: the transport gave up
+                    pass
+        return failed
 
 
 class PoolRead:

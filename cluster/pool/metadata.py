@@ -26,6 +26,7 @@ Every store is synchronous and safe to share between threads. Four implementatio
 from __future__ import annotations
 
 import base64
+import http.client
 import bisect
 import json
 import logging
@@ -42,11 +43,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import etcd3gw
-import httpx
 from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease as EtcdLease
 
-from cluster.control_auth import ControlAuth, ControlAuthError, ControlVerifier, derive_key
+from cluster.control_auth import ControlAuthError, ControlVerifier, derive_key, sign
 
 log = logging.getLogger(__name__)
 
@@ -432,31 +432,75 @@ class MetadataServer:
 
 class HttpMetadata(MetadataStore):
     """The client of a ``MetadataServer`` at ``url`` (``http(s)://HOST[:PORT]``). Each call is one
-    signed request, bounded by ``timeout_s`` for each of connecting, sending and answering."""
+    signed request on a kept-alive connection, bounded by ``timeout_s`` for each of connecting,
+    sending and answering.
+
+    ``http.client`` rather than httpx: a pool lookup sits on every read's critical path, and
+    httpx's per-request machinery cost about twice the round trip itself here (918 vs 475 us
+    for one ``get_prefixes`` on loopback). Connections are pooled, one per concurrent caller."""
 
     def __init__(self, url: str, secret: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = _base_url(url, ("http", "https"), None)
-        self._client = httpx.Client(base_url=self.url, auth=ControlAuth(derive_key(secret, METADATA_PURPOSE)),
-                                    timeout=timeout_s)
+        parts = urlsplit(self.url)
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, parts.port
+        self._timeout_s = timeout_s
+        self._key = derive_key(secret, METADATA_PURPOSE)
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection and whether it was used before (so may have been closed by the server)."""
+        with self._lock:
+            if self._closed:
+                raise MetadataUnavailable(f"metadata client for {self.url} is closed")
+            if self._idle:
+                return self._idle.pop(), True
+        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return kind(self._host, self._port, timeout=self._timeout_s), False
+
+    def _exchange(self, operation: str, body: bytes) -> tuple[int, bytes]:
+        target = "/" + operation
+        while True:
+            connection, reused = self._connection()
+            headers = {**sign(self._key, "POST", target, body), "Content-Type": "application/json"}
+            try:
+                connection.request("POST", target, body, headers)
+                response = connection.getresponse()
+                data = response.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                connection.close()
+                if reused:  # the server dropped an idle kept-alive connection: once more, anew
+                    continue
+                raise MetadataUnavailable(f"metadata server {self.url}: {operation}: {exc!r}") from exc
+            except (OSError, http.client.HTTPException) as exc:  # refused, timed out, garbled
+                connection.close()
+                raise MetadataUnavailable(f"metadata server {self.url}: {operation}: {exc!r}") from exc
+            if response.will_close:
+                connection.close()
+            else:
+                with self._lock:
+                    if self._closed:
+                        connection.close()
+                    else:
+                        self._idle.append(connection)
+            return response.status, data
 
     def _call(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+        status, data = self._exchange(operation, json.dumps(body).encode())
         try:
-            response = self._client.post("/" + operation, json=body)
-        except httpx.HTTPError as exc:  # refused, reset, timed out
-            raise MetadataUnavailable(f"metadata server {self.url}: {operation}: {exc!r}") from exc
-        try:
-            answer = response.json()
+            answer = json.loads(data)
             error = answer.get("error") if isinstance(answer, dict) else None
         except ValueError:  # not JSON: something else answers at this address
-            answer, error = None, response.text[:200]
-        if response.status_code == _LEASE_GONE_STATUS:
+            answer, error = None, data[:200].decode(errors="replace")
+        if status == _LEASE_GONE_STATUS:
             raise LeaseGone(error)
-        if response.status_code == 400:  # the arguments were wrong, not the server
+        if status == 400:  # the arguments were wrong, not the server
             raise ValueError(f"metadata server {self.url} refused {operation}: {error}")
-        if response.status_code != 200 or not isinstance(answer, dict):
-            hint = " (is the cluster secret the same?)" if response.status_code == 401 else ""
-            raise MetadataUnavailable(f"metadata server {self.url}: {operation} answered "
-                                      f"{response.status_code}: {error}{hint}")
+        if status != 200 or not isinstance(answer, dict):
+            hint = " (is the cluster secret the same?)" if status == 401 else ""
+            raise MetadataUnavailable(f"metadata server {self.url}: {operation} answered {status}: {error}{hint}")
         return answer
 
     def grant_lease(self, ttl_s: float) -> int:
@@ -490,7 +534,11 @@ class HttpMetadata(MetadataStore):
         return self._call("delete_prefix", {"prefix": prefix})["deleted"]
 
     def close(self) -> None:
-        self._client.close()
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
 
 
 # -- etcd -----------------------------------------------------------------------------------------

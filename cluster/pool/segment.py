@@ -77,12 +77,18 @@ class SegmentConfig:
     lease_ttl_s: float = 10.0  # Mooncake Store's default_kv_lease_ttl
     put_timeout_s: float = 30.0
     hot_window_s: float = 10.0
+    # Puts being written may hold at most this share of DRAM: a writer allocates before its
+    # prefill and seals after it (seconds), and a segment filled with unsealed objects could
+    # neither evict nor promote anything for its readers meanwhile.
+    max_pending_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
             raise ValueError(f"dram_bytes must be positive, got {self.dram_bytes}")
         if not 0 < self.high_watermark <= 1:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        if not 0 < self.max_pending_fraction <= 1:
+            raise ValueError(f"max_pending_fraction must be in (0, 1], got {self.max_pending_fraction}")
         for name in ("lease_ttl_s", "put_timeout_s", "hot_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
@@ -133,6 +139,9 @@ class Segment:
             self._reclaim_abandoned(now)
             if key in self._objects:
                 return None
+            pending = sum(o.nbytes for o in self._pending.values())
+            if pending and pending + nbytes > self.config.max_pending_fraction * self.config.dram_bytes:
+                raise PoolFull(f"segment busy: {pending} bytes of puts being written already")
             r = self._make_room(nbytes, now)
             obj = self._objects[key] = _Object(nbytes, part_bytes, r, deadline=now + self.config.put_timeout_s)
             self._pending[key] = obj

@@ -123,16 +123,21 @@ class SegmentService:
             for key, lease in request["leases"]:
                 seg.release(str(key), int(lease))
             return Status.OK, {}
-        if op == "alloc":
-            try:
-                offset = seg.allocate(str(request["key"]), int(request["nbytes"]), int(request["part_bytes"]))
-            except PoolFull as exc:
-                return Status.UNSUPPORTED, {"reason": str(exc)}
-            return Status.OK, {"offset": offset}
-        if op == "seal":
-            return Status.OK, {"ok": seg.seal(str(request["key"]), [int(c) for c in request["checksums"]])}
+        if op == "alloc":  # objects: [[key, nbytes, part_bytes], ...], allocated in order
+            offsets: list[int | None] = []
+            for key, nbytes, part_bytes in request["objects"]:
+                try:
+                    offsets.append(seg.allocate(str(key), int(nbytes), int(part_bytes)))
+                except PoolFull as exc:
+                    if not offsets:
+                        return Status.UNSUPPORTED, {"reason": str(exc)}
+                    break  # the writer takes the rest elsewhere
+            return Status.OK, {"offsets": offsets}
+        if op == "seal":  # objects: [[key, checksums], ...], published in order
+            return Status.OK, {"ok": [seg.seal(str(key), [int(c) for c in sums]) for key, sums in request["objects"]]}
         if op == "abort":
-            seg.abort(str(request["key"]))
+            for key in request["keys"]:
+                seg.abort(str(key))
             return Status.OK, {}
         return Status.BAD_REQUEST, {"reason": f"unknown pool request {op!r}"}
 

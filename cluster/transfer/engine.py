@@ -159,6 +159,14 @@ class TransferEngine:
         status, _, payload = self._link(peer).control.call(Op.SERVICE, encode_json(body))
         return Status(status), (decode_json(payload) if payload else {})
 
+    def notify(self, peer: str, body: dict) -> None:
+        """``call`` without waiting for the answer, for a request whose outcome changes nothing
+        for the sender (a release). Raises ``TransferError`` only when ``peer`` cannot be
+        reached now; a refusal or a lost answer goes unnoticed."""
+        if self._closed:
+            raise TransferError("engine is closed")
+        self._link(peer).control.request(Op.SERVICE, encode_json(body))
+
     def transport_for(self, peer: str, remote: Sequence[RegionHandle] = ()) -> str:
         """The transport a batch to ``peer`` touching ``remote`` regions would use."""
         return self._choose(self._link(peer), remote, None)
