@@ -1,10 +1,12 @@
 """Layer-wise KV streaming from a prefill instance to a decode instance (FAST'25 §4.1, Fig. 4).
 
 The decode instance reserves blocks and a range of its receive staging (``KVDestination``); the
-prefill instance's engine calls ``KVSender.layer_done`` after each layer of the step that
-finishes a prompt: the layer's pages are packed by ``kernels.gather_kv`` into the send staging
-and handed to the Messenger (``TransferEngine.write``), which copies them into the decode
-instance's range while the next layer computes. The decode instance then unpacks the whole
+prefill instance's engine calls ``KVSender.layer_done`` after each layer of every step that
+computes a chunk of the prompt: that layer of the blocks the chunk completed is packed by
+``kernels.gather_kv`` into the send staging and handed to the Messenger
+(``TransferEngine.write``), which copies it into the decode instance's range while the next
+layer computes. A long prompt's KV thus leaves chunk by chunk as it is computed; only the last
+chunk's is still in flight when the prompt is done. The decode instance then unpacks the whole
 buffer into its pages with ``kernels.scatter_kv`` (``engine.disaggregation.KVHandoff.admit``).
 The wire layout of a request's KV in staging is ``engine.kv_layout.KVLayout``.
 """
@@ -22,7 +24,7 @@ import torch
 from cluster.staging import StagingArea, StagingRange
 from cluster.transfer import Batch, RegionHandle, TransferEngine, TransferError
 from engine.kv_layout import KVLayout, pack
-from engine.sequence import Sequence
+from engine.llm_engine import PromptChunk
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,29 @@ class KVDestination:
             raise ValueError(f"malformed KV destination: {e}") from None
 
 
+@dataclass(frozen=True)
+class SendReport:
+    """A request's KV stream: the bytes sent, and how many of them were still on their way when
+    the prompt's last layer had been computed and handed over (what the stream adds to TTFT)."""
+
+    bytes_sent: int
+    in_flight_at_end: int
+
+
 class _Outgoing:
-    __slots__ = ("dest", "staging", "batches", "error", "write_by")
+    __slots__ = ("dest", "staging", "batches", "error", "write_by", "sent", "sending", "bytes_sent",
+                 "in_flight_at_end")
 
     def __init__(self, dest: KVDestination, staging: StagingRange | None):
         self.dest = dest
         self.staging = staging
         self.write_by: float | None = None  # the next layer's write is refused after this
-        self.batches: list[Batch] = []
+        self.batches: list[tuple[Batch, int]] = []  # each write and its bytes
         self.error: str | None = None
+        self.sent = dest.skip_blocks  # blocks before this went out through every layer
+        self.sending = (self.sent, self.sent)  # the blocks this step's chunk sends, layer by layer
+        self.bytes_sent = 0
+        self.in_flight_at_end: int | None = None  # bytes not yet landed when the last layer was handed over
 
 
 class KVSender:
@@ -96,51 +112,78 @@ class KVSender:
         out = self._out.get(request_id)
         return out is not None and out.staging is not None
 
-    def layer_done(self, layer: int, kv_cache: torch.Tensor, seqs: list[Sequence]) -> None:
-        lb = self.layout.layer_bytes
+    def layer_done(self, layer: int, kv_cache: torch.Tensor, chunks: list[PromptChunk]) -> None:
+        """Send layer ``layer`` of the blocks each chunk completed (with the blocks before them
+        not sent yet: a cached prefix goes with the first chunk), or with the prompt's last
+        chunk every block left, the partial last one included."""
+        layout = self.layout
+        last_layer = layer == layout.num_layers - 1
         with self._lock:
-            for seq in seqs:
-                out = self._out.get(seq.request_id)
+            for chunk in chunks:
+                out = self._out.get(chunk.seq.request_id)
                 if out is None or out.staging is None or out.error is not None:
                     continue
+                d = out.dest
                 now = time.monotonic()
+                if layer == 0:
+                    # A new step: the chunk before may have ended long ago (the prompt waited
+                    # for its turn), which the window does not cover.
+                    end = -(-chunk.end // layout.block_size) if chunk.last else chunk.end // layout.block_size
+                    out.sending = (out.sent, max(out.sent, end))
+                    out.write_by = None
                 if out.write_by is not None and now > out.write_by:
                     out.error = f"too late to write: more than {self.write_window_s:g} s after the layer before"
                     continue
                 out.write_by = now + self.write_window_s
-                d = out.dest
-                ids = seq.block_table.block_ids[d.skip_blocks :]
-                if len(ids) != d.num_blocks:
-                    out.error = f"prefill holds {len(ids)} blocks after the skipped ones, decode expects {d.num_blocks}"
+                first, end = out.sending
+                ids = chunk.seq.block_table.block_ids
+                if chunk.last and len(ids) != d.skip_blocks + d.num_blocks:
+                    out.error = f"prefill holds {len(ids)} blocks, decode expects {d.skip_blocks} + {d.num_blocks}"
                     continue
-                buf = self.staging.view(out.staging, kv_cache.dtype, self.layout.shape(d.num_blocks))
-                pack(kv_cache, ids, range(layer, layer + 1), buf[layer : layer + 1])
-                nbytes = lb(d.num_blocks)
-                entry = (self.staging.handle, out.staging.offset + layer * nbytes, d.region,
-                         d.offset + layer * nbytes, nbytes)
-                out.batches.append(self.transfer.write(d.address, [entry]))
+                if end > first:
+                    self._send(out, kv_cache, ids[first:end], layer, first - d.skip_blocks)
+                if last_layer:
+                    out.sent = end
+                    if chunk.last:
+                        out.in_flight_at_end = sum(n for b, n in out.batches if not b.done())
 
-    async def finish(self, request_id: str, timeout_s: float) -> None:
+    def _send(self, out: _Outgoing, kv_cache: torch.Tensor, block_ids: list[int], layer: int, at: int) -> None:
+        """Pack layer ``layer`` of ``block_ids`` into the request's send staging at block ``at``
+        of its wire layout and write it to the same place in the decode instance's range: the
+        K pages and the V pages of those blocks, two contiguous ranges."""
+        d, n, page = out.dest, len(block_ids), self.layout.page_bytes
+        buf = self.staging.view(out.staging, kv_cache.dtype, self.layout.shape(d.num_blocks))
+        pack(kv_cache, block_ids, range(layer, layer + 1), buf[layer : layer + 1, :, at : at + n])
+        layer_off = layer * self.layout.layer_bytes(d.num_blocks)
+        entries = [(self.staging.handle, out.staging.offset + off, d.region, d.offset + off, n * page)
+                   for off in (layer_off + at * page, layer_off + (d.num_blocks + at) * page)]
+        out.batches.append((self.transfer.write(d.address, entries), 2 * n * page))
+        out.bytes_sent += 2 * n * page
+
+    async def finish(self, request_id: str, timeout_s: float) -> SendReport:
         """Wait for every write of the request, then free its staging. Raises ``TransferError``
         if a write failed or the KV was never fully sent (unless nothing was to be sent)."""
         with self._lock:
             out = self._out.pop(request_id, None)
         if out is None:
-            return
+            return SendReport(0, 0)
         try:
-            for batch in out.batches:
+            for batch, _ in out.batches:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(batch)), timeout_s)
         except asyncio.TimeoutError:
             raise TransferError(f"KV write to {out.dest.address} did not complete in {timeout_s} s") from None
         finally:
             if out.staging is not None:
                 # A write that timed out may still read the range: wait for the transport to let go.
-                await asyncio.get_running_loop().run_in_executor(None, settle, out.batches, timeout_s)
+                batches = [b for b, _ in out.batches]
+                await asyncio.get_running_loop().run_in_executor(None, settle, batches, timeout_s)
                 self.staging.release(out.staging)
         if out.error is not None:
             raise TransferError(out.error)
-        if out.staging is not None and len(out.batches) != self.layout.num_layers:
-            raise TransferError(f"only {len(out.batches)} of {self.layout.num_layers} layers were sent")
+        expected = out.dest.num_blocks * self.layout.layer_bytes(1) * self.layout.num_layers
+        if out.staging is not None and out.bytes_sent != expected:
+            raise TransferError(f"only {out.bytes_sent} of the prompt's {expected} KV bytes were sent")
+        return SendReport(out.bytes_sent, out.in_flight_at_end or 0)
 
 
 def settle(batches: list[Batch], timeout_s: float) -> None:

@@ -58,8 +58,10 @@ class KVLayout:
 
 
 def pack(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None, out: torch.Tensor) -> None:
-    """``kernels.gather_kv`` into ``out`` (host staging), through device memory when the KV is on a GPU."""
-    if kv_cache.device == out.device:
+    """``kernels.gather_kv`` into ``out`` (host staging), through device memory when the KV is on
+    a GPU, and through a packed copy when ``out`` is not contiguous (some of a request's blocks
+    in its wire layout: their K pages and V pages lie apart)."""
+    if kv_cache.device == out.device and out.is_contiguous():
         kernels.gather_kv(kv_cache, block_ids, layers, out=out)
     else:
         out.copy_(kernels.gather_kv(kv_cache, torch.tensor(block_ids, device=kv_cache.device), layers))

@@ -50,17 +50,34 @@ class RequestOutput:
     sampler_state: bytes | None = None
 
 
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt tokens ``[start, end)`` of ``seq`` computed in this step (``start`` past its
+    cached prefix on the first chunk). ``last``: the chunk that completes the prompt."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.seq.num_prompt_tokens
+
+
 class KVSink(Protocol):
-    """Where a prefill instance's engine sends the KV of prompts it finishes: the stream to a
+    """Where a prefill instance's engine sends the KV of the prompts it computes: the stream to a
     decode instance (cluster/kv_stream.py), the KVCache pool (cluster/instance/pool_io.py).
 
-    ``layer_done`` runs on the engine thread after each layer of a step in which ``seqs`` compute
-    their last prompt tokens; it must not block on the transfer (the next layer is waiting).
+    ``layer_done`` runs on the engine thread after each layer of every step in which prompts the
+    sink ``wants`` compute a chunk (``chunks``: the step's chunks of those prompts, before any
+    output token; a prompt preempted meanwhile starts over from its cached prefix); once it
+    returns for layer ``l``, layer ``l`` of every block up to ``chunk.end`` is final. It must not block on the
+    transfer (the next layer is waiting).
     """
 
     def wants(self, request_id: str) -> bool: ...
 
-    def layer_done(self, layer: int, kv_cache: torch.Tensor, seqs: list[Sequence]) -> None: ...
+    def layer_done(self, layer: int, kv_cache: torch.Tensor, chunks: list[PromptChunk]) -> None: ...
 
 
 @dataclass
@@ -161,16 +178,17 @@ class LLMEngine:
             return []
         on_layer = None
         if self.kv_sinks:
-            # Sequences computing their last prompt tokens now: their KV is complete layer by layer.
-            finishing = [s.seq for s in batch if s.samples and s.seq.num_output_tokens == 0]
-            wanted = [(sink, [q for q in finishing if sink.wants(q.request_id)]) for sink in self.kv_sinks]
-            wanted = [(sink, seqs) for sink, seqs in wanted if seqs]
+            # Prompts computing a chunk now: its KV is final layer by layer as the step runs.
+            chunks = [PromptChunk(s.seq, s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
+                      for s in batch if s.seq.num_output_tokens == 0]
+            wanted = [(sink, [c for c in chunks if sink.wants(c.seq.request_id)]) for sink in self.kv_sinks]
+            wanted = [(sink, mine) for sink, mine in wanted if mine]
             if wanted:
                 kv_cache = self.runner.kv_cache
 
                 def send_layer(layer: int) -> None:
-                    for sink, seqs in wanted:
-                        sink.layer_done(layer, kv_cache, seqs)
+                    for sink, mine in wanted:
+                        sink.layer_done(layer, kv_cache, mine)
 
                 on_layer = send_layer
         loading = [s.seq for s in batch if s.seq.kv_load is not None]

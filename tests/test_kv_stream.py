@@ -67,23 +67,38 @@ def _handoff(prefill, decode, sender, recv, td, layout, rid, prompt, params):
     prefill_blocks = []
     original = sender.layer_done
 
-    def spy(layer, kv_cache, seqs):
+    def spy(layer, kv_cache, chunks):
+        (chunk,) = chunks
         if layer == 0:
-            prefill_blocks.extend(seqs[0].block_table.block_ids)
-        original(layer, kv_cache, seqs)
+            chunk_log.append((chunk.start, chunk.end))
+        if chunk.last and layer == 0:
+            prefill_blocks.extend(chunk.seq.block_table.block_ids)
+        original(layer, kv_cache, chunks)
+        written.append(len(sender._out[rid].batches))
 
+    chunk_log: list[tuple[int, int]] = []
+    written: list[int] = []
     sender.layer_done = spy
     outs = []
     while prefill.has_unfinished():
         outs.extend(prefill.step())
     sender.layer_done = original
-    asyncio.run(sender.finish(rid, 10.0))
+    report = asyncio.run(sender.finish(rid, 10.0))
+    assert report.bytes_sent == layout.nbytes(n)
     (out,) = outs
     assert out.finished and out.finish_reason == "handoff" and len(out.new_token_ids) == 1
     kv = recv.view(staging, decode.runner.kv_cache.dtype, layout.shape(n)) if staging else None
     KVHandoff(decode).admit(rid, kv, out.new_token_ids[0], out.sampler_state, out.num_cached_tokens)
     if staging:
         recv.release(staging)
+    steps = len(written) // layout.num_layers
+    # One or more writes in each step that completed a block, from the first (a cached prefix
+    # goes with it) to the last, not all at the end.
+    per_step = [written[(i + 1) * layout.num_layers - 1] - (written[i * layout.num_layers - 1] if i else 0)
+                for i in range(steps)]
+    for (start, end), w in zip(chunk_log, per_step):
+        completes = end == len(prompt) or end // 16 > max(start // 16, res.cached_blocks)
+        assert (w > 0) == (completes and n > 0), (chunk_log, per_step)
     return out, prefill_blocks, res
 
 
@@ -95,21 +110,59 @@ def _run(engine):
     return tokens
 
 
+def _assert_landed(prefill, decode, rid, prompt, p_blocks):
+    """The KV that landed equals the KV the prefill computed, block by block, every layer."""
+    d_blocks = decode.seqs[rid].block_table.block_ids
+    pk, dk = prefill.runner.kv_cache, decode.runner.kv_cache
+    full = len(prompt) // 16
+    torch.testing.assert_close(dk[:, :, d_blocks[:full]], pk[:, :, p_blocks[:full]], rtol=0, atol=0)
+    tail = len(prompt) % 16  # the partial block: only its first `tail` slots are the prompt's
+    if tail:
+        torch.testing.assert_close(dk[:, :, d_blocks[full], :, :tail], pk[:, :, p_blocks[full], :, :tail],
+                                   rtol=0, atol=0)
+
+
 def test_received_kv_equals_computed_and_output_matches_colocated(pair, model):
     prefill, decode, sender, recv, td, layout = pair
     prompt = list(range(5, 5 + 53))  # 3 full blocks of 16 and a partial one
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out, p_blocks, res = _handoff(prefill, decode, sender, recv, td, layout, "r1", prompt, params)
     assert res.cached_blocks == 0 and len(res.block_ids) == 4
-    # The KV that landed equals the KV the prefill computed, block by block, every layer.
-    d_blocks = decode.seqs["r1"].block_table.block_ids
-    pk, dk = prefill.runner.kv_cache, decode.runner.kv_cache
-    full = len(prompt) // 16
-    torch.testing.assert_close(dk[:, :, d_blocks[:full]], pk[:, :, p_blocks[:full]], rtol=0, atol=0)
-    tail = len(prompt) % 16  # the partial block: only its first `tail` slots are the prompt's
-    torch.testing.assert_close(dk[:, :, d_blocks[full], :, :tail], pk[:, :, p_blocks[full], :, :tail], rtol=0, atol=0)
+    _assert_landed(prefill, decode, "r1", prompt, p_blocks)
 
     decoded = [out.new_token_ids[0]] + _run(decode)["r1"]
+    colocated = _engine(model, "both")
+    colocated.add_request(prompt, params, request_id="c")
+    assert decoded == _run(colocated)["c"]
+
+
+@pytest.mark.parametrize("length", [63, 64, 65, 150, 256])
+def test_a_long_prompt_streams_chunk_by_chunk_and_lands_bit_equal(pair, model, length):
+    # The step budget is 64 tokens: one chunk, exactly one, one and a token, three, four.
+    prefill, decode, sender, recv, td, layout = pair
+    prompt = [(7 * i + length) % 250 + 3 for i in range(length)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out, p_blocks, _ = _handoff(prefill, decode, sender, recv, td, layout, "long", prompt, params)
+    _assert_landed(prefill, decode, "long", prompt, p_blocks)
+    decoded = [out.new_token_ids[0]] + _run(decode)["long"]
+    colocated = _engine(model, "both")
+    colocated.add_request(prompt, params, request_id="c")
+    assert decoded == _run(colocated)["c"]
+
+
+def test_chunks_after_prefix_hits_on_both_sides_land_bit_equal(pair, model):
+    # The prefill instance caches 80 tokens of the prompt (5 blocks) and the decode instance 48
+    # (3 blocks): the first chunk starts at token 80 and sends blocks 3 and 4 with its own.
+    prefill, decode, sender, recv, td, layout = pair
+    prompt = [(11 * i) % 240 + 5 for i in range(230)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prefill.add_request(prompt[:81], SamplingParams(max_tokens=1), request_id="warm-p")
+    decode.add_request(prompt[:49], SamplingParams(max_tokens=1), request_id="warm-d")
+    _run(prefill), _run(decode)
+    out, p_blocks, res = _handoff(prefill, decode, sender, recv, td, layout, "hit", prompt, params)
+    assert res.cached_blocks == 3 and out.num_cached_tokens == 80
+    _assert_landed(prefill, decode, "hit", prompt, p_blocks)
+    decoded = [out.new_token_ids[0]] + _run(decode)["hit"]
     colocated = _engine(model, "both")
     colocated.add_request(prompt, params, request_id="c")
     assert decoded == _run(colocated)["c"]

@@ -38,9 +38,8 @@ from cluster.staging import StagingArea, StagingFull, StagingRange, when_free
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
 from engine.kv_layout import pack
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, PromptChunk
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +169,15 @@ class PoolIO:
     def wants(self, request_id: str) -> bool:
         return request_id in self._writing
 
-    def layer_done(self, layer: int, kv_cache: torch.Tensor, seqs: list[Sequence]) -> None:
+    def layer_done(self, layer: int, kv_cache: torch.Tensor, chunks: list[PromptChunk]) -> None:
         g = self.geometry
         bpo, layout = g.blocks_per_object, g.layout
         with self._writing_lock:
-            for seq in seqs:
-                store = self._writing.get(seq.request_id)
-                if store is None:
+            for chunk in chunks:
+                store = self._writing.get(chunk.seq.request_id)
+                if store is None or not chunk.last:  # every object is final in the last chunk's layer
                     continue
-                ids = seq.block_table.block_ids
+                ids = chunk.seq.block_table.block_ids
                 for obj, place, first in zip(store.write.objects, store.write.places, store.first_blocks):
                     if place is None:
                         continue
