@@ -4,6 +4,7 @@
     python -m bench.simulate hitrate      # FAST'25 Fig. 9: hit rate vs cache capacity
     python -m bench.simulate global       # FAST'25 Fig. 10: local vs global KV cache (and a pool)
     python -m bench.simulate overload     # arXiv Table 3, Fig. 9/10: admission under 2x load
+    python -m bench.simulate cpp          # arXiv §5.1: long prompts' TTFT with chunked pipeline parallel groups
 
 Each prints a table beside the paper's numbers and writes ``NAME.json`` and PNG plots to
 ``--out`` (default ``out/simulate/NAME``). ``--trace FILE`` replays another trace in the
@@ -20,11 +21,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from bench.sim.config import ARXIV_OVERLOAD_HARDWARE, SimConfig
 from bench.sim.hitrate import lru_hit_rate
-from bench.sim.metrics import summarize
+from bench.sim.metrics import distribution, summarize
 from bench.sim.plots import plot_bars, plot_hit_curves, plot_latency_cdfs, plot_loads
-from bench.sim.simulator import SimResult, simulate
+from bench.sim.simulator import COMPLETED, SimResult, simulate
 from bench.trace import TraceEntry, load_trace
 
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces"
@@ -192,11 +195,44 @@ def exp_overload(args: argparse.Namespace, out: Path) -> None:
     plot_latency_cdfs(results, out / "overload_cdf.png")
 
 
+LONG_PROMPT_TOKENS = 32768
+
+
+def exp_cpp(args: argparse.Namespace, out: Path) -> None:
+    entries = load_trace(str(args.trace or trace_path("conversation")))
+    long = [e.input_length >= LONG_PROMPT_TOKENS for e in entries]
+    # 8 prefill nodes as 8 instances, 4 groups of 2 stages, 2 groups of 4; chunks of 4,096 tokens,
+    # prompts under 8,192 uncached tokens as one chunk.
+    base = SimConfig(seed=args.seed, cpp_min_tokens=8192)
+    configs = {f"X={x}": replace(base, cpp_stages=x) for x in (1, 2, 4)}
+    results = run_all(configs, entries)
+    rows, payload = [], {}
+    mask = np.array(long)
+    for name, r in results.items():
+        s = summarize(r)
+        done = r.status == COMPLETED
+        t_long = distribution(np.where(done & mask, r.ttft_s, np.nan))
+        p_long = distribution(np.where(done & mask, r.prefill_s, np.nan))
+        t_short = distribution(np.where(done & ~mask, r.ttft_s, np.nan))
+        rows.append([name, r.config.n_prefill_groups, s["ttft_s"]["mean"], s["ttft_s"]["p90"], t_long["mean"],
+                     t_long["p90"], p_long["mean"], t_short["mean"], s["slo_attainment"], s["prefix_hit_rate"]])
+        payload[name] = {**s, "long_ttft_s": t_long, "long_prefill_s": p_long, "short_ttft_s": t_short}
+    n_long = sum(long)
+    print(f"\nChunked pipeline parallel prefill: 8 prefill nodes as X-stage groups (conversation trace, "
+          f"{n_long} of {len(entries)} prompts >= {LONG_PROMPT_TOKENS} tokens; chunks of {base.prefill_chunk}, "
+          f"one chunk under {base.cpp_min_tokens} uncached tokens)")
+    print_table(["stages", "groups", "TTFT s", "p90 s", "long TTFT s", "long p90 s", "long prefill s",
+                 "short TTFT s", "SLO met", "hit rate"], rows)
+    save_json(out, "cpp", payload)
+    plot_latency_cdfs(results, out / "cpp_cdf.png")
+
+
 EXPERIMENTS: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "schedulers": exp_schedulers,
     "hitrate": exp_hitrate,
     "global": exp_global,
     "overload": exp_overload,
+    "cpp": exp_cpp,
 }
 
 

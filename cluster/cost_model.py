@@ -16,7 +16,7 @@ LLaMA3-70B in bf16, FAST'25 §2.2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -136,6 +136,59 @@ class PrefillCostModel:
         coef, *_ = np.linalg.lstsq(features / scale, np.ones_like(t), rcond=None)
         coef = np.clip(coef / scale, 0.0, None)
         return cls(*(float(c) for c in coef))
+
+
+class PrefillTime(Protocol):
+    """What the Conductor predicts a prefill instance's time with: one node's
+    ``PrefillCostModel``, or a CPP group's ``PipelinedPrefillCost``."""
+
+    def seconds(self, input_length: int, prefix_length: int = 0) -> float: ...
+
+
+@dataclass(frozen=True)
+class PipelinedPrefillCost:
+    """A chunked-pipeline-parallel (CPP) group's prefill time (arXiv §5.1, FAST'25 §4.1).
+
+    ``stages`` nodes each hold ``1/stages`` of the layers. The uncached tokens are cut into
+    chunks of ``chunk_tokens`` (one chunk when fewer than ``min_tokens``); chunk ``j`` runs on
+    stage ``i`` while chunk ``j+1`` runs on stage ``i-1``. On one stage a chunk costs its share
+    of what ``base`` (one node running every layer) charges for it against the prefix before it,
+    plus ``boundary_s_per_token`` for its hidden states crossing into the next stage. The FLOP
+    model telescopes over chunks, so the stages' work adds up to ``base``'s; what the pipeline
+    adds is filling and draining, ``(stages - 1)`` times the slowest (last) chunk's stage time.
+    With one stage this is ``base`` exactly.
+    """
+
+    base: PrefillCostModel
+    stages: int = 1
+    chunk_tokens: int = 4096
+    min_tokens: int = 0
+    boundary_s_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.chunk_tokens < 1 or self.min_tokens < 0 or self.boundary_s_per_token < 0:
+            raise ValueError(f"invalid pipeline: {self}")
+
+    def chunk_stage_seconds(self, input_length: int, prefix_length: int = 0) -> list[float]:
+        """Seconds each chunk of the uncached tokens spends on one stage, in order."""
+        p = min(max(prefix_length, 0), input_length)
+        u = input_length - p
+        if u <= 0:
+            return []
+        one = self.stages == 1 or u < self.min_tokens
+        sizes = [u] if one else [min(self.chunk_tokens, u - start) for start in range(0, u, self.chunk_tokens)]
+        b, out, done = self.base, [], p
+        for c in sizes:
+            full = (b.c_uu * c + b.c_up * done + b.c_u) * c  # every layer, this chunk, its prefix cached
+            hand_over = self.boundary_s_per_token * c if self.stages > 1 else 0.0
+            out.append(full / self.stages + hand_over)
+            done += c
+        return out
+
+    def seconds(self, input_length: int, prefix_length: int = 0) -> float:
+        """Time to prefill on an idle group: every chunk through every stage, in order."""
+        chunks = self.chunk_stage_seconds(input_length, prefix_length)
+        return self.base.c_0 + sum(chunks) + (self.stages - 1) * max(chunks, default=0.0)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.cost_model import DecodeStepModel, PrefillCostModel, TransferModel
+from cluster.cost_model import DecodeStepModel, PrefillTime, TransferModel
 from cluster.instance_state import DecodeInstanceState, PrefillInstanceState, RequestInfo
 from cluster.prefix_index import prefix_tokens
 
@@ -57,7 +57,7 @@ class PrefillPlan:
 class PrefillEstimator:
     """The Conductor's predictions: fitted prefill time and KV transfer time."""
 
-    cost: PrefillCostModel
+    cost: PrefillTime
     transfer: TransferModel
     block_size: int = 512
 

@@ -14,7 +14,9 @@ from bench.sim.metrics import summarize
 from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, simulate
 from bench.simulate import main
 from bench.trace import TraceEntry, load_trace
-from cluster.cost_model import DecodeStepModel
+from cluster.cost_model import DecodeStepModel, PipelinedPrefillCost
+from bench.sim.prefill import PrefillInstance
+from cluster.prefix_index import LRUBlockCache
 
 BS = 512
 
@@ -371,3 +373,49 @@ def test_cli_global_pool_capacity_flag(tmp_path):
         assert data["pool_capacity_tokens"] == capacity and data["pool"]["config"]["pool_capacity_tokens"] == capacity
     with pytest.raises(SystemExit):
         main(["global", "--trace", str(trace), "--out", str(tmp_path / "x"), "--pool-tokens", "0"])
+
+
+def test_a_pipelined_group_is_one_node_with_one_stage_and_faster_on_long_prompts():
+    node = SimConfig().prefill_model()
+    one = PipelinedPrefillCost(node, 1, 4096)
+    assert one.seconds(50_000, 10_000) == pytest.approx(node.seconds(50_000, 10_000))
+    two = PipelinedPrefillCost(node, 2, 4096, min_tokens=8192)
+    # Under the minimum: one chunk through both stages, no faster than one node.
+    assert two.seconds(5000) == pytest.approx(node.seconds(5000))
+    # The chunks' work telescopes to the node's; the pipeline adds one last chunk's stage time.
+    chunks = two.chunk_stage_seconds(65_536, 8192)
+    assert len(chunks) == 14 and chunks == sorted(chunks)  # later chunks attend to more context
+    assert 2 * sum(chunks) == pytest.approx(node.seconds(65_536, 8192) - node.c_0)
+    assert two.seconds(65_536, 8192) == pytest.approx(node.c_0 + sum(chunks) + chunks[-1])
+    assert node.seconds(65_536, 8192) / two.seconds(65_536, 8192) > 1.8
+
+
+def test_a_group_takes_the_next_prompt_as_soon_as_its_first_stage_is_free():
+    group = PrefillInstance(0, LRUBlockCache(None), stages=2)
+    first = group.run(0.0, [1.0, 1.0, 1.0], 0.0)  # stage 0 busy until 3, stage 1 until 4
+    assert first == pytest.approx(4.0) and group.queue_s(0.0) == pytest.approx(3.0)
+    second = group.run(0.5, [2.0], 0.0)  # stage 0 from 3 to 5, stage 1 from 5 to 7
+    assert second == pytest.approx(7.0)
+    single = PrefillInstance(1, LRUBlockCache(None))
+    assert single.run(1.0, [2.0], 2.5, overhead_s=0.5) == pytest.approx(5.0)
+
+
+def test_cpp_groups_cut_long_prompts_ttft_in_the_simulator():
+    trace = [TraceEntry(i * 200_000, 64 * BS, 2, list(range(100 * i, 100 * i + 64))) for i in range(3)]
+    flat = simulate(SimConfig(n_prefill=2, n_decode=1), trace)
+    piped = simulate(SimConfig(n_prefill=2, n_decode=1, cpp_stages=2, cpp_min_tokens=8192), trace)
+    assert (piped.status == COMPLETED).all()
+    assert np.all(piped.ttft_s < 0.6 * flat.ttft_s)
+    with pytest.raises(ValueError):
+        SimConfig(n_prefill=3, cpp_stages=2)
+
+
+def test_cli_cpp(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": e.timestamp_ms, "input_length": e.input_length,
+                                            "output_length": e.output_length, "hash_ids": e.hash_ids})
+                                for e in random_trace(60, seed=2)))
+    main(["cpp", "--trace", str(trace), "--out", str(tmp_path / "out")])
+    data = json.loads((tmp_path / "out" / "cpp.json").read_text())
+    assert set(data) == {"X=1", "X=2", "X=4"} and all(d["completed"] == 60 for d in data.values())
+    assert "long TTFT s" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from cluster.cost_model import (
     DecodeStepModel,
     HardwareSpec,
     ModelSpec,
+    PipelinedPrefillCost,
     PrefillCostModel,
     TransferModel,
 )
@@ -60,6 +61,11 @@ class SimConfig:
     tbt_target: float = 1.0  # decode instances admit up to this fraction of the TBT SLO
     speed: float = 1.0  # trace timestamps are divided by this
     prefill_chunk: int = 4096  # KV streams to decode per chunk; the last chunk's transfer trails prefill
+    # Chunked pipeline parallelism: prefill nodes in groups of this many stages (n_prefill of them
+    # make n_prefill / cpp_stages groups); prompts with fewer uncached tokens than cpp_min_tokens
+    # go through a group as one chunk, longer ones in chunks of prefill_chunk.
+    cpp_stages: int = 1
+    cpp_min_tokens: int = 0
     output_tokens: int | None = None  # force every output to this length (FAST'25 Fig. 10 uses 1)
     profile_noise: float = 0.03  # relative error of the profiled prefill times the Conductor fits
     sample_interval_s: float = 5.0
@@ -80,6 +86,9 @@ class SimConfig:
             raise ValueError(f"a KVCache pool needs scheduler 'global', got {self.scheduler!r}")
         if self.block_size <= 0 or self.prefill_chunk <= 0:
             raise ValueError("block_size and prefill_chunk must be positive")
+        if self.cpp_stages < 1 or self.n_prefill % self.cpp_stages or self.cpp_min_tokens < 0:
+            raise ValueError(f"{self.n_prefill} prefill nodes do not make groups of {self.cpp_stages} stages "
+                             f"(or cpp_min_tokens {self.cpp_min_tokens} < 0)")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.admission not in ADMISSIONS:
@@ -113,9 +122,19 @@ class SimConfig:
             return None
         return self.pool_capacity_tokens // self.block_size
 
+    @property
+    def n_prefill_groups(self) -> int:
+        return self.n_prefill // self.cpp_stages
+
     def prefill_model(self) -> PrefillCostModel:
-        """The true prefill time the simulated instances take."""
+        """The true prefill time one node running every layer takes."""
         return PrefillCostModel.from_flops(self.model, self.hardware)
+
+    def pipelined(self, node: PrefillCostModel) -> PipelinedPrefillCost:
+        """A prefill group's time from one node's (the identity with one stage); a chunk's hidden
+        states and residual cross each stage boundary over the NIC."""
+        hand_over = 2 * self.model.hidden * self.model.elem_bytes / self.hardware.nic_bytes_per_s
+        return PipelinedPrefillCost(node, self.cpp_stages, self.prefill_chunk, self.cpp_min_tokens, hand_over)
 
     def decode_model(self) -> DecodeStepModel:
         return DecodeStepModel.from_specs(self.model, self.hardware)

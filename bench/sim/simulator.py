@@ -133,10 +133,12 @@ class Simulator:
         self.prefill_s = np.zeros(n)
         self.decode_of = np.full(n, -1, dtype=np.int64)
 
-        self.true_prefill = config.prefill_model()
+        node = config.prefill_model()
+        self.true_prefill = config.pipelined(node)
         self.transfer = config.transfer_model()
         step = config.decode_model()
-        predictor = fit_prefill_predictor(self.true_prefill, config.profile_noise, config.seed)
+        # The Conductor predicts a group's time with the same pipeline over the fitted node profile.
+        predictor = config.pipelined(fit_prefill_predictor(node, config.profile_noise, config.seed))
         self.scheduler = make_scheduler(config, predictor)
         # One cluster-wide LRU of block keys; None: no pool.
         self.pool = LRUBlockCache(config.pool_capacity_blocks) if config.pool_enabled else None
@@ -144,8 +146,11 @@ class Simulator:
         self.admission = make_admission(config)
         self.slo = self.admission.slo
         self.step_model = step
+        # A group's stages each hold their layers' share of a token's KV: together as many tokens
+        # as each node's DRAM holds whole.
+        group_blocks = None if config.cache_capacity_blocks is None else config.cache_capacity_blocks * config.cpp_stages
         self.prefill = [
-            PrefillInstance(i, LRUBlockCache(config.cache_capacity_blocks)) for i in range(config.n_prefill)
+            PrefillInstance(i, LRUBlockCache(group_blocks), config.cpp_stages) for i in range(config.n_prefill_groups)
         ]
         self.decode = [DecodeInstance(i, step, self._on_finish) for i in range(config.n_decode)]
         counts = Counter(k for e in self.entries for k in e.hash_ids)
@@ -246,7 +251,8 @@ class Simulator:
             self.pool.insert(entry.hash_ids[:pool_blocks])  # a read is a use
             self.pool_loaded[i] = plan.transfer_tokens
         seconds = self.true_prefill.seconds(n, plan.prefix_tokens)
-        end = inst.run(now, seconds, inputs_ready)
+        chunks = self.true_prefill.chunk_stage_seconds(n, plan.prefix_tokens)
+        end = inst.run(now, chunks, inputs_ready, self.true_prefill.base.c_0)
         inst.cache.insert(entry.hash_ids)
         self.prefix[i] = plan.prefix_tokens
         self.prefill_s[i] = seconds
@@ -257,7 +263,8 @@ class Simulator:
         self.decode[dplan.instance].incoming[i] = (now + plan.ttft_s, n)
         computed = n - plan.prefix_tokens
         last_chunk = computed - (max(computed - 1, 0) // self.config.prefill_chunk) * self.config.prefill_chunk
-        return end + self.transfer.seconds(last_chunk)
+        # Each stage streams its own layers' share: the last stage's share of the last chunk trails.
+        return end + self.transfer.seconds(last_chunk) / self.config.cpp_stages
 
     def _kv_arrives(self, now: float, i: int) -> float | None:
         """The decode side decides; returns when the KV lands elsewhere if it must move first."""

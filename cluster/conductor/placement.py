@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cluster.admission import SLO, AcceptAll, AdmissionPolicy, EarlyRejection, PredictiveEarlyRejection
-from cluster.cost_model import DecodeStepModel, PrefillCostModel, TransferModel
+from cluster.cost_model import DecodeStepModel, PrefillTime, TransferModel
 from cluster.instance_state import DecodeInstanceState, PrefillInstanceState, RequestInfo
 from cluster.scheduling import (
     DecodeLoadBalancer,
@@ -74,7 +74,7 @@ class Refusal:
 class Placer:
     """The Conductor's policies, built from the instances' calibrated models."""
 
-    def __init__(self, config: PlacementConfig, prefill_cost: PrefillCostModel, decode_step: DecodeStepModel | None,
+    def __init__(self, config: PlacementConfig, prefill_cost: PrefillTime, decode_step: DecodeStepModel | None,
                  block_size: int, kv_bytes_per_token: int, seed: int = 0, pool: bool = False) -> None:
         """``pool``: a KVCache pool serves remote prefixes (no pulls between instances)."""
         self.config = config
