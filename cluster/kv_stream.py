@@ -137,7 +137,9 @@ class KVSender:
                 out.write_by = now + self.write_window_s
                 first, end = out.sending
                 ids = chunk.seq.block_table.block_ids
-                if chunk.last and len(ids) != d.skip_blocks + d.num_blocks:
+                if end > d.skip_blocks + d.num_blocks or (chunk.last and len(ids) != d.skip_blocks + d.num_blocks):
+                    # Checked before any write: a write past the reserved blocks would land in
+                    # another request's range.
                     out.error = f"prefill holds {len(ids)} blocks, decode expects {d.skip_blocks} + {d.num_blocks}"
                     continue
                 if end > first:
