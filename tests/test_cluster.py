@@ -121,6 +121,8 @@ PROMPTS = [
     "def fibonacci(n):",
     SHARED + "How do I make pancakes?",  # the whole prompt again: a prefix-cache hit
     "List three colors of the rainbow:",
+    # Over two step budgets (512 tokens): its KV streams to the decode instance chunk by chunk.
+    "Continue the count: " + ", ".join(str(i) for i in range(1, 250)) + ",",
 ]
 
 
