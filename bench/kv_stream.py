@@ -8,11 +8,13 @@ The decode engine reserves the prompt's blocks, the prefill engine computes a pr
 ``--steps`` step budgets (``max_num_batched_tokens``, 8 x 512 tokens) with the ``KVSender`` as
 its sink, and the decode engine admits the KV once ``KVSender.finish`` returns.
 
-Printed per transport: the prompt's KV bytes, one chunk's (a step budget's), the bytes still in
-flight when the last layer of the last chunk had been computed and handed over (the stream sends
-each chunk's finished blocks as the chunk completes, layer by layer), and the wait from the end of
-the prefill until every write had landed (what the stream adds to TTFT). Target (issue 13): in
-flight at the end about one chunk's bytes, not the whole prompt's.
+Printed per transport, for the stream as it is (each chunk's finished blocks sent as the chunk
+completes, layer by layer) and for the baseline in the same run (everything sent layer by layer
+in the last chunk's step, as before; ``KVSender(per_chunk=False)``): the prompt's KV bytes, one
+chunk's (a step budget's), the bytes still in flight when the last layer of the last chunk had
+been computed and handed over, and the wait from the end of the prefill until every write had
+landed (what the stream adds to TTFT). Target (issue 13): in flight at the end about one
+chunk's bytes, not the whole prompt's.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _engine(model: str | None, role: str, budget: int, kv_gib: float) -> LLMEngi
                                   max_num_batched_tokens=budget))
 
 
-def measure(model: str | None, transport: str, steps: int, budget: int, seed: int) -> list[str]:
+def measure(model: str | None, transport: str, steps: int, budget: int, seed: int, per_chunk: bool) -> list[str]:
     """One prompt of ``steps`` budgets from prefill to decode; a table row."""
     tokens = steps * budget
     prefill = _engine(model, "prefill", budget, 0.6)
@@ -57,7 +59,7 @@ def measure(model: str | None, transport: str, steps: int, budget: int, seed: in
         res = KVHandoff(decode).reserve("r", prompt, params)
         n = len(res.block_ids) - res.cached_blocks
         send, recv = StagingArea(tp, layout.nbytes(n)), StagingArea(td, layout.nbytes(n))
-        sender = KVSender(tp, send, layout)
+        sender = KVSender(tp, send, layout, per_chunk=per_chunk)
         prefill.kv_sinks.append(sender)
         staging = recv.allocate(layout.nbytes(n))
         sender.expect("r", KVDestination(td.address, recv.handle, staging.offset, res.cached_blocks, n))
@@ -78,7 +80,7 @@ def measure(model: str | None, transport: str, steps: int, budget: int, seed: in
         tp.close()
         td.close()
     chunk = layout.nbytes(budget // layout.block_size)
-    return [transport, f"{len(prompt) + 1}", f"{computed - started:.1f}", f"{report.bytes_sent / MB:.1f}",
+    return [transport, "per chunk" if per_chunk else "last chunk (before)", f"{len(prompt) + 1}", f"{computed - started:.1f}", f"{report.bytes_sent / MB:.1f}",
             f"{chunk / MB:.1f}", f"{report.in_flight_at_end / MB:.1f}", f"{report.in_flight_at_end / chunk:.2f}",
             f"{report.in_flight_at_end / report.bytes_sent:.3f}", f"{(landed - computed) * 1e3:.0f}"]
 
@@ -94,13 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be positive and --budget a positive multiple of 16")
     print(f"{os.cpu_count()} CPUs; a {args.steps * args.budget}-token prompt in steps of {args.budget} tokens, "
           "prefill and decode engines in this process", flush=True)
-    rows = [measure(args.model, t, args.steps, args.budget, i) for i, t in enumerate(args.transports.split(","))]
-    print(format_table(["transport", "prompt", "prefill s", "KV MB", "1 chunk MB", "in flight at end MB",
+    rows = [measure(args.model, t, args.steps, args.budget, i, per_chunk)
+            for i, t in enumerate(args.transports.split(",")) for per_chunk in (True, False)]
+    print(format_table(["transport", "sent", "prompt", "prefill s", "KV MB", "1 chunk MB", "in flight at end MB",
                         "÷ chunk", "÷ prompt", "tail ms"], rows))
-    worst = max(float(r[6]) for r in rows)
+    worst = max(float(r[7]) for r in rows if r[1] == "per chunk")
     verdict = "MET" if worst <= 1.0 else "MISSED"
     print(f"Target: in flight at the end about one chunk's bytes, not the prompt's: {verdict} "
-          f"(at most {worst:.2f} chunks)")
+          f"(at most {worst:.2f} chunks per chunk; the baseline sends the whole prompt in the last step)")
     return 0
 
 

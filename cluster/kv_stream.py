@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,16 +83,19 @@ class KVSender:
     are streamed layer by layer; ``finish`` waits for the last write and frees the staging."""
 
     def __init__(self, transfer: TransferEngine, staging: StagingArea, layout: KVLayout,
-                 write_window_s: float = float("inf")) -> None:
+                 write_window_s: float = float("inf"), per_chunk: bool = True) -> None:
         """``write_window_s``: no layer of a request is written later than this after the layer
         before it. The receiver gives up on a request after its own timeout and reuses the range
         some time later; an instance that was frozen (or stalled) while streaming must not write
         the rest into it when it wakes up. (A prompt may wait and compute for long before its
-        last chunk, and that step may be long; but one layer of it is not.)"""
+        last chunk, and that step may be long; but one layer of it is not.) ``per_chunk=False``
+        sends everything with the last chunk, as this sender did before it streamed chunk by
+        chunk: the baseline ``bench.kv_stream`` measures against."""
         self.transfer = transfer
         self.staging = staging
         self.layout = layout
         self.write_window_s = write_window_s
+        self.per_chunk = per_chunk
         # expect/finish run on the event loop, layer_done on the engine thread. layer_done holds
         # the lock while it packs and submits, so once finish has popped a request no copy into
         # its staging can still start.
@@ -121,7 +125,7 @@ class KVSender:
         with self._lock:
             for chunk in chunks:
                 out = self._out.get(chunk.seq.request_id)
-                if out is None or out.staging is None or out.error is not None:
+                if out is None or out.staging is None or out.error is not None or not (self.per_chunk or chunk.last):
                     continue
                 d = out.dest
                 now = time.monotonic()
@@ -169,16 +173,20 @@ class KVSender:
             out = self._out.pop(request_id, None)
         if out is None:
             return SendReport(0, 0)
+        batches = [b for b, _ in out.batches]
+        loop = asyncio.get_running_loop()
         try:
-            for batch, _ in out.batches:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(batch)), timeout_s)
-        except asyncio.TimeoutError:
-            raise TransferError(f"KV write to {out.dest.address} did not complete in {timeout_s} s") from None
+            # One wait for all (a long prompt's stream is hundreds of writes), off the event loop.
+            _, pending = await loop.run_in_executor(None, futures.wait, batches, timeout_s)
+            if pending:
+                raise TransferError(f"KV write to {out.dest.address} did not complete in {timeout_s} s")
+            failed = next((b.exception() for b in batches if b.exception() is not None), None)
+            if failed is not None:
+                raise failed
         finally:
             if out.staging is not None:
                 # A write that timed out may still read the range: wait for the transport to let go.
-                batches = [b for b, _ in out.batches]
-                await asyncio.get_running_loop().run_in_executor(None, settle, batches, timeout_s)
+                await loop.run_in_executor(None, settle, batches, timeout_s)
                 self.staging.release(out.staging)
         if out.error is not None:
             raise TransferError(out.error)
