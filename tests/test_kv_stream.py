@@ -220,3 +220,15 @@ def test_staging_allocator_first_fit_merges_and_refuses():
             area.release(type(a)(r, 1))
         area.check()
         assert area.num_free_bytes == 1024 and area.allocate(1024).offset == 0
+
+
+def test_bench_kv_stream_runs_both_ways(model, capsys):
+    from bench.kv_stream import main
+
+    assert main(["--model", model, "--steps", "3", "--budget", "64", "--transports", "shm"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("shm")]
+    assert [r[1] for r in rows] == ["per", "last"]  # streamed per chunk, and the baseline
+    for r in rows:
+        assert r[-8] == "192" and float(r[-3]) >= 0  # prompt tokens; in flight at the end, in chunks
+    assert "Target: in flight at the end about one chunk's bytes" in out
