@@ -147,6 +147,11 @@ def measure(put: Callable[[str, int], None], get: Callable[[str, int], None], si
     return Rates(size, n, best_put, best_get)
 
 
+def _groups(count: int, batch: int) -> list[range]:
+    """Objects ``0..count-1`` in calls of ``batch``."""
+    return [range(first, min(count, first + batch)) for first in range(0, count, batch)]
+
+
 def _answer(reply, proc, timeout_s: float):
     """What a spawned ``proc`` puts on ``reply``; raises at once if it dies first."""
     deadline = time.monotonic() + timeout_s
@@ -253,16 +258,14 @@ class OurClient:
         n = len(self.src) // size
 
         def put(run: str, count: int) -> None:
-            for first in range(0, count, batch):
-                idx = range(first, min(count, first + batch))
+            for idx in _groups(count, batch):
                 objects = [NewObject(f"{prefix}/{run}/{i}", i * size, size, size) for i in idx]
                 sums = [part_checksums(self.src_mem[i * size : (i + 1) * size], size) for i in idx]
                 if None in client.put_many(self.src_h, objects, sums):
                     raise RuntimeError(f"pool put of {size} bytes refused")
 
         def get(run: str, count: int) -> None:
-            for first in range(0, count, batch):
-                idx = range(first, min(count, first + batch))
+            for idx in _groups(count, batch):
                 keys = [f"{prefix}/{run}/{i}" for i in idx]
                 if client.get(keys, self.dst_h, [i * size for i in idx], self.dst_mem) != len(keys):
                     raise RuntimeError(f"pool get of {keys[0]}.. found less than {len(keys)} objects")
@@ -372,32 +375,24 @@ class MooncakeStore:
         n = len(self.src) // size
 
         def put(run: str, count: int) -> None:
-            if batch == 1:
-                for i in range(count):
-                    rc = store.put_from(f"bench/{run}/{i}", src + i * size, size)
-                    if rc != 0:
-                        raise RuntimeError(f"Mooncake put_from of {size} bytes failed (rc={rc})")
-                return
-            for first in range(0, count, batch):
-                idx = range(first, min(count, first + batch))
-                rcs = store.batch_put_from([f"bench/{run}/{i}" for i in idx], [src + i * size for i in idx],
-                                           [size] * len(idx))
+            for idx in _groups(count, batch):
+                keys = [f"bench/{run}/{i}" for i in idx]
+                if batch == 1:  # the single-object call itself, not a batch of one
+                    rcs = [store.put_from(keys[0], src + idx[0] * size, size)]
+                else:
+                    rcs = store.batch_put_from(keys, [src + i * size for i in idx], [size] * len(idx))
                 if any(rc != 0 for rc in rcs):
-                    raise RuntimeError(f"Mooncake batch_put_from of {size} bytes failed (rc={rcs})")
+                    raise RuntimeError(f"Mooncake put of {size}-byte objects failed (rc={rcs})")
 
         def get(run: str, count: int) -> None:
-            if batch == 1:
-                for i in range(count):
-                    got = store.get_into(f"bench/{run}/{i}", dst + i * size, size)
-                    if got != size:
-                        raise RuntimeError(f"Mooncake get_into of bench/{run}/{i} returned {got}")
-                return
-            for first in range(0, count, batch):
-                idx = range(first, min(count, first + batch))
-                got = store.batch_get_into([f"bench/{run}/{i}" for i in idx], [dst + i * size for i in idx],
-                                           [size] * len(idx))
+            for idx in _groups(count, batch):
+                keys = [f"bench/{run}/{i}" for i in idx]
+                if batch == 1:
+                    got = [store.get_into(keys[0], dst + idx[0] * size, size)]
+                else:
+                    got = store.batch_get_into(keys, [dst + i * size for i in idx], [size] * len(idx))
                 if any(g != size for g in got):
-                    raise RuntimeError(f"Mooncake batch_get_into of {size}-byte objects returned {got}")
+                    raise RuntimeError(f"Mooncake get of {size}-byte objects returned {got}")
 
         self.dst.zero_()
         rates = measure(put, get, size, n, repeat, batch=batch)

@@ -122,6 +122,14 @@ def _assert_landed(prefill, decode, rid, prompt, p_blocks):
                                    rtol=0, atol=0)
 
 
+def _continues_like_colocated(model, out, decode, rid, prompt, params):
+    """The decode instance's continuation of ``rid`` is the colocated engine's."""
+    decoded = [out.new_token_ids[0]] + _run(decode)[rid]
+    colocated = _engine(model, "both")
+    colocated.add_request(prompt, params, request_id="c")
+    assert decoded == _run(colocated)["c"]
+
+
 def test_received_kv_equals_computed_and_output_matches_colocated(pair, model):
     prefill, decode, sender, recv, td, layout = pair
     prompt = list(range(5, 5 + 53))  # 3 full blocks of 16 and a partial one
@@ -130,10 +138,7 @@ def test_received_kv_equals_computed_and_output_matches_colocated(pair, model):
     assert res.cached_blocks == 0 and len(res.block_ids) == 4
     _assert_landed(prefill, decode, "r1", prompt, p_blocks)
 
-    decoded = [out.new_token_ids[0]] + _run(decode)["r1"]
-    colocated = _engine(model, "both")
-    colocated.add_request(prompt, params, request_id="c")
-    assert decoded == _run(colocated)["c"]
+    _continues_like_colocated(model, out, decode, "r1", prompt, params)
 
 
 @pytest.mark.parametrize("length", [63, 64, 65, 150, 256])
@@ -144,10 +149,7 @@ def test_a_long_prompt_streams_chunk_by_chunk_and_lands_bit_equal(pair, model, l
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     out, p_blocks, _ = _handoff(prefill, decode, sender, recv, td, layout, "long", prompt, params)
     _assert_landed(prefill, decode, "long", prompt, p_blocks)
-    decoded = [out.new_token_ids[0]] + _run(decode)["long"]
-    colocated = _engine(model, "both")
-    colocated.add_request(prompt, params, request_id="c")
-    assert decoded == _run(colocated)["c"]
+    _continues_like_colocated(model, out, decode, "long", prompt, params)
 
 
 def test_chunks_after_prefix_hits_on_both_sides_land_bit_equal(pair, model):
@@ -162,10 +164,7 @@ def test_chunks_after_prefix_hits_on_both_sides_land_bit_equal(pair, model):
     out, p_blocks, res = _handoff(prefill, decode, sender, recv, td, layout, "hit", prompt, params)
     assert res.cached_blocks == 3 and out.num_cached_tokens == 80
     _assert_landed(prefill, decode, "hit", prompt, p_blocks)
-    decoded = [out.new_token_ids[0]] + _run(decode)["hit"]
-    colocated = _engine(model, "both")
-    colocated.add_request(prompt, params, request_id="c")
-    assert decoded == _run(colocated)["c"]
+    _continues_like_colocated(model, out, decode, "hit", prompt, params)
 
 
 def test_cached_prefix_is_not_resent_and_seeded_sampling_continues(pair, model):
