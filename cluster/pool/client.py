@@ -8,8 +8,9 @@ and counters, refreshed every heartbeat). The bytes never pass through the metad
 
 * ``get``: the longest run of consecutive keys present; for each object the least-loaded
   replica; one lease request per segment (``SegmentService``), then one-sided Messenger reads
-  straight into the caller's buffer, then every part's checksum, then a release (not waited for). A replica that vanished,
-  failed its read or its checksum ends the run there: the caller computes the rest.
+  straight into the caller's buffer, then every part's checksum, then a release (not waited
+  for). A replica that vanished, failed its read or its checksum ends the run there: the
+  caller computes the rest.
 * ``put`` / ``put_many``: write-then-publish on the segment with the most free DRAM (Mooncake
   Store's ``free_ratio_first``): allocate, write, seal (the owner checks the checksums and
   publishes), each one round trip for all the objects a segment takes.
