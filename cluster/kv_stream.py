@@ -83,17 +83,21 @@ class KVSender:
     are streamed layer by layer; ``finish`` waits for the last write and frees the staging."""
 
     def __init__(self, transfer: TransferEngine, staging: StagingArea, layout: KVLayout,
-                 write_window_s: float = float("inf"), per_chunk: bool = True) -> None:
+                 write_window_s: float = float("inf"), per_chunk: bool = True, layers: range | None = None) -> None:
         """``write_window_s``: no layer of a request is written later than this after the layer
         before it. The receiver gives up on a request after its own timeout and reuses the range
         some time later; an instance that was frozen (or stalled) while streaming must not write
         the rest into it when it wakes up. (A prompt may wait and compute for long before its
         last chunk, and that step may be long; but one layer of it is not.) ``per_chunk=False``
         sends everything with the last chunk, as this sender did before it streamed chunk by
-        chunk: the baseline ``bench.kv_stream`` measures against."""
+        chunk: the baseline ``bench.kv_stream`` measures against. ``layers``: the model layers
+        this instance's KV cache holds, a pipeline stage's (its local layer ``i`` is layer
+        ``layers.start + i`` of ``layout``, the wire layout the decode instance receives); None:
+        all of them."""
         self.transfer = transfer
         self.staging = staging
         self.layout = layout
+        self.layers = range(layout.num_layers) if layers is None else layers
         self.write_window_s = write_window_s
         self.per_chunk = per_chunk
         # expect/finish run on the event loop, layer_done on the engine thread. layer_done holds
@@ -104,7 +108,8 @@ class KVSender:
 
     def expect(self, request_id: str, dest: KVDestination) -> None:
         """Stream this request's prompt KV to ``dest`` when it is computed (raises StagingFull)."""
-        staging = self.staging.allocate(self.layout.nbytes(dest.num_blocks)) if dest.num_blocks else None
+        nbytes = len(self.layers) * self.layout.layer_bytes(dest.num_blocks)
+        staging = self.staging.allocate(nbytes) if dest.num_blocks else None
         with self._lock:
             if request_id in self._out:
                 if staging is not None:
@@ -121,10 +126,10 @@ class KVSender:
         not sent yet: a cached prefix goes with the first chunk), or with the prompt's last
         chunk every block left, the partial last one included."""
         layout = self.layout
-        last_layer = layer == layout.num_layers - 1
+        last_layer = layer == len(self.layers) - 1
         with self._lock:
             for chunk in chunks:
-                out = self._out.get(chunk.seq.request_id)
+                out = self._out.get(chunk.request_id)
                 if out is None or out.staging is None or out.error is not None or not (self.per_chunk or chunk.last):
                     continue
                 d = out.dest
@@ -140,7 +145,7 @@ class KVSender:
                     continue
                 out.write_by = now + self.write_window_s
                 first, end = out.sending
-                ids = chunk.seq.block_table.block_ids
+                ids = chunk.block_ids
                 if end > d.skip_blocks + d.num_blocks or (chunk.last and len(ids) != d.skip_blocks + d.num_blocks):
                     # Checked before any write: a write past the reserved blocks would land in
                     # another request's range.
@@ -158,11 +163,13 @@ class KVSender:
         of its wire layout and write it to the same place in the decode instance's range: the
         K pages and the V pages of those blocks, two contiguous ranges."""
         d, n, page = out.dest, len(block_ids), self.layout.page_bytes
-        buf = self.staging.view(out.staging, kv_cache.dtype, self.layout.shape(d.num_blocks))
+        shape = (len(self.layers), *self.layout.shape(d.num_blocks)[1:])
+        buf = self.staging.view(out.staging, kv_cache.dtype, shape)
         pack(kv_cache, block_ids, range(layer, layer + 1), buf[layer : layer + 1, :, at : at + n])
-        layer_off = layer * self.layout.layer_bytes(d.num_blocks)
-        entries = [(self.staging.handle, out.staging.offset + off, d.region, d.offset + off, n * page)
-                   for off in (layer_off + at * page, layer_off + (d.num_blocks + at) * page)]
+        here = out.staging.offset + layer * self.layout.layer_bytes(d.num_blocks)
+        there = d.offset + (self.layers.start + layer) * self.layout.layer_bytes(d.num_blocks)
+        entries = [(self.staging.handle, here + off, d.region, there + off, n * page)
+                   for off in (at * page, (d.num_blocks + at) * page)]
         out.batches.append((self.transfer.write(d.address, entries), 2 * n * page))
         out.bytes_sent += 2 * n * page
 
@@ -190,7 +197,7 @@ class KVSender:
                 self.staging.release(out.staging)
         if out.error is not None:
             raise TransferError(out.error)
-        expected = out.dest.num_blocks * self.layout.layer_bytes(1) * self.layout.num_layers
+        expected = out.dest.num_blocks * self.layout.layer_bytes(1) * len(self.layers)
         if out.staging is not None and out.bytes_sent != expected:
             raise TransferError(f"only {out.bytes_sent} of the prompt's {expected} KV bytes were sent")
         return SendReport(out.bytes_sent, out.in_flight_at_end or 0)

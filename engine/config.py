@@ -130,6 +130,9 @@ class EngineConfig:
     # "both": prefill and decode here (colocated). "prefill": a request ends here after its first
     # token, handed off to a decode instance with its KV (see cluster/instance.py).
     role: str = "both"
+    # Chunked pipeline parallel prefill: (i, X) holds stage i of X, a contiguous range of the
+    # layers (``engine.model.stage_layers``). None: the whole model.
+    stage: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -152,6 +155,12 @@ class EngineConfig:
             self.threads = os.cpu_count() or 1
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.stage is not None:
+            i, n = self.stage
+            if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n):
+                raise ValueError(f"stage must be (i, X) with 0 <= i < X, got {self.stage!r}")
+            if n > 1 and self.role != "prefill":
+                raise ValueError("only prefill instances run as pipeline stages")
 
     @property
     def torch_dtype(self) -> torch.dtype:

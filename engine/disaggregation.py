@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,7 +68,14 @@ class KVHandoff:
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        self.layout = KVLayout.of_cache(engine.runner.kv_cache)
+        # Every layer of the model, as a decode instance receives it (a pipeline stage's cache
+        # holds only its own).
+        self.layout = replace(KVLayout.of_cache(engine.runner.kv_cache), num_layers=engine.model_config.num_layers)
+
+    def _whole_model(self, what: str) -> None:
+        if self._engine.config.stage is not None and self._engine.config.stage[1] > 1:
+            # Its cache holds only this stage's layers: whole-model KV is not here to move.
+            raise ValueError(f"a pipeline stage cannot {what} (its cache holds only its own layers)")
 
     def add_sink(self, sink: KVSink) -> None:
         """One more place the engine streams the KV of prompts it finishes to, layer by layer (a
@@ -128,6 +135,7 @@ class KVHandoff:
         """Keep a reserved prompt's received KV as cached prefix blocks and end the reservation
         (hot-spot replication). Returns the number of blocks now cached under the prompt's keys."""
         with self._releasing_on_error(request_id):
+            self._whole_model("adopt a prefix")
             seq = self._receive(request_id, kv)
             cached = len(seq.block_table.keys)
             self._engine.scheduler.finish(seq, "adopted")  # the blocks stay cached under their keys
@@ -177,6 +185,7 @@ class KVHandoff:
         """Pack the cached blocks ``[skip_blocks, skip_blocks + num_blocks)`` of ``token_ids``'s
         prefix into ``out`` (``layout.shape(num_blocks)``). One engine-thread call, so nothing can
         evict them between lookup and copy. Raises ValueError when they are not all cached."""
+        self._whole_model("export a prefix")
         e = self._engine
         blocks = e.block_manager.pool.lookup(chain_keys(token_ids, self.layout.block_size))
         wanted = blocks[skip_blocks : skip_blocks + num_blocks]

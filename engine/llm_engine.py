@@ -52,16 +52,28 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class PromptChunk:
-    """Prompt tokens ``[start, end)`` of ``seq`` computed in this step (``start`` past its
-    cached prefix on the first chunk). ``last``: the chunk that completes the prompt."""
+    """Prompt tokens ``[start, end)`` of request ``request_id`` computed in this step (``start``
+    past its cached prefix on the first chunk), with the blocks the prompt holds now. Plain data:
+    a pipeline's first stage hands its steps' chunks on to the stages after it. ``last``: the
+    chunk that completes the prompt."""
 
-    seq: Sequence
+    request_id: str
+    block_ids: list[int]
     start: int
     end: int
+    num_prompt_tokens: int
 
     @property
     def last(self) -> bool:
-        return self.end == self.seq.num_prompt_tokens
+        return self.end == self.num_prompt_tokens
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PromptChunk:
+        return cls(str(data["request_id"]), [int(b) for b in data["block_ids"]], int(data["start"]),
+                   int(data["end"]), int(data["num_prompt_tokens"]))
 
 
 class KVSink(Protocol):
@@ -177,11 +189,13 @@ class LLMEngine:
         if not batch:
             return []
         on_layer = None
-        if self.kv_sinks:
+        chunks: list[PromptChunk] = []
+        if self.kv_sinks or self.runner.downstream is not None:
             # Prompts computing a chunk now: its KV is final layer by layer as the step runs.
-            chunks = [PromptChunk(s.seq, s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
+            chunks = [PromptChunk(s.seq.request_id, list(s.seq.block_table.block_ids), s.seq.num_computed_tokens,
+                                  s.seq.num_computed_tokens + s.num_new_tokens, s.seq.num_prompt_tokens)
                       for s in batch if s.seq.num_output_tokens == 0]
-            wanted = [(sink, [c for c in chunks if sink.wants(c.seq.request_id)]) for sink in self.kv_sinks]
+            wanted = [(sink, [c for c in chunks if sink.wants(c.request_id)]) for sink in self.kv_sinks]
             wanted = [(sink, mine) for sink, mine in wanted if mine]
             if wanted:
                 kv_cache = self.runner.kv_cache
@@ -195,7 +209,7 @@ class LLMEngine:
         failed: set[Sequence] = set()
         before_layer = self._loader(loading, failed) if loading else None
 
-        logits, sampling = self.runner.run(batch, on_layer, before_layer)
+        logits, sampling = self.runner.run(batch, on_layer, before_layer, [c.to_dict() for c in chunks])
         outputs = []
         for seq in loading:
             if seq in failed:

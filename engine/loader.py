@@ -28,12 +28,15 @@ def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int, int]]:
     def whole(name: str, p: torch.Tensor) -> None:
         t[name] = (p, 0, p.shape[0])
 
-    whole("model.embed_tokens.weight", model.embed)
-    whole("model.norm.weight", model.norm)
+    if model.embed is not None:
+        whole("model.embed_tokens.weight", model.embed)
+    if model.norm is not None:
+        whole("model.norm.weight", model.norm)
     if model.lm_head is not None:
-        whole("lm_head.weight", model.lm_head)
+        # A tied head is the embedding matrix: a last stage without the embedding loads it as its head.
+        whole("model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight", model.lm_head)
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    for i, layer in enumerate(model.layers):
+    for i, layer in zip(model.layer_range, model.layers):
         pre = f"model.layers.{i}."
         attn = layer.attn
         whole(pre + "input_layernorm.weight", layer.input_norm)
@@ -72,9 +75,24 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
+def _owned_elsewhere(name: str, model: CausalLM) -> bool:
+    """A tensor of the checkpoint that another pipeline stage holds."""
+    if name.startswith("model.layers."):
+        index = name.split(".")[2]
+        # A layer the model has not at all is an unexpected tensor, not another stage's.
+        return index.isdigit() and int(index) < model.cfg.num_layers and int(index) not in model.layer_range
+    if name == "model.embed_tokens.weight":
+        return model.embed is None and not (model.lm_head is not None and model.cfg.tie_word_embeddings)
+    if name == "model.norm.weight" or name == "lm_head.weight":
+        return model.norm is None
+    return False
+
+
 def load_model(
-    folder: str | Path, dtype: torch.dtype, device: str, max_positions: int
+    folder: str | Path, dtype: torch.dtype, device: str, max_positions: int, layers: range | None = None
 ) -> CausalLM:
+    """The model (``layers``: a pipeline stage's, see ``CausalLM``) with every tensor it holds
+    filled from the checkpoint."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     # Parameters are created directly in the target dtype and device: no second full copy.
@@ -82,7 +100,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg, max_positions)
+            model = CausalLM(cfg, max_positions, layers)
     finally:
         torch.set_default_dtype(prev)
     targets = _targets(model)
@@ -92,8 +110,10 @@ def load_model(
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name == "lm_head.weight" and model.lm_head is None:
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # tied embeddings: the head is the embedding matrix
+                if _owned_elsewhere(name, model):
+                    continue
                 if name not in targets:
                     raise ValueError(f"{path}: unexpected tensor {name!r} for {cfg.architecture}")
                 param, row, rows = targets[name]

@@ -174,33 +174,52 @@ class DecoderLayer(nn.Module):
         return F.linear(h, self.down_weight), residual
 
 
+def stage_layers(num_layers: int, stage: int, stages: int) -> range:
+    """The layers pipeline stage ``stage`` of ``stages`` holds: contiguous, as even as can be."""
+    if not 0 <= stage < stages <= num_layers:
+        raise ValueError(f"stage {stage} of {stages} for a model of {num_layers} layers")
+    return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
+
+
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head; ``kv_cache`` is set by the runner.
 
-    ``kv_cache`` has shape ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``
-    (see :mod:`kernels.store_kv` for why heads come before slots).
+    ``kv_cache`` has shape ``[len(layers), 2, num_blocks, num_kv_heads, block_size, head_dim]``
+    (see :mod:`kernels.store_kv` for why heads come before slots). A pipeline stage holds only
+    ``layers`` of them (and its KV only for those): the first stage also the embedding, the last
+    the final norm and the LM head. Layer ``i`` of the model is the stage's local layer
+    ``i - layers.start``, in the KV cache and in the layer hooks alike.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, layers: range | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed = _weight(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = _weight(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _weight(cfg.vocab_size, cfg.hidden_size)
+        self.layer_range = range(cfg.num_layers) if layers is None else layers
+        if self.layer_range.step != 1 or not 0 <= self.layer_range.start < self.layer_range.stop <= cfg.num_layers:
+            raise ValueError(f"layers {self.layer_range} of a model of {cfg.num_layers}")
+        self.first = self.layer_range.start == 0
+        self.last = self.layer_range.stop == cfg.num_layers
+        self.embed = _weight(cfg.vocab_size, cfg.hidden_size) if self.first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, j) for j in range(len(self.layer_range)))
+        self.norm = _weight(cfg.hidden_size) if self.last else None
+        # A last stage without the embedding holds its own copy of a tied head.
+        own_head = self.last and (not cfg.tie_word_embeddings or not self.first)
+        self.lm_head = _weight(cfg.vocab_size, cfg.hidden_size) if own_head else None
         self.register_buffer("cos_sin", rope_cos_sin_cache(cfg, max_positions), persistent=False)
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
         on_layer: Callable[[int], None] | None = None,
         before_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[len(logits_indices), vocab]`` (fp32) for the selected token positions.
+        hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[len(logits_indices), vocab]`` (fp32) for the selected token positions; a
+        stage before the last returns the hidden states and residual ``hidden`` of the next.
 
         ``on_layer(i)`` is called once layer ``i`` has written this step's K/V into the cache:
         a prefill instance starts sending that layer's KV while the next layers compute.
@@ -209,14 +228,20 @@ class CausalLM(nn.Module):
         """
         if self.kv_cache is None:
             raise RuntimeError("the model has no KV cache attached")
-        x = F.embedding(input_ids, self.embed)
-        residual = None
+        if self.first:
+            x, residual = F.embedding(input_ids, self.embed), None
+        elif hidden is None:
+            raise ValueError("a stage after the first takes the hidden states of the one before")
+        else:
+            x, residual = hidden
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
             x, residual = layer(x, residual, positions, self.cos_sin, self.kv_cache, meta)
             if on_layer is not None:
                 on_layer(i)
+        if not self.last:
+            return x, residual
         # Only the tokens that sample need the final norm and the (large) LM head.
         x, _ = kernels.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps, residual[logits_indices])
         head = self.embed if self.lm_head is None else self.lm_head

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
-from engine.model import AttentionMetadata
+from engine.model import AttentionMetadata, stage_layers
 from engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -20,8 +23,14 @@ _GIB = 1 << 30
 
 
 def num_kv_blocks(cfg: ModelConfig, config: EngineConfig) -> int:
-    """How many KV blocks the budget buys (``kv_cache_gib``, or most of free GPU memory)."""
-    block_bytes = config.block_size * cfg.kv_bytes_per_token(config.torch_dtype)
+    """How many KV blocks the budget buys (``kv_cache_gib``, or most of free GPU memory). A
+    pipeline stage counts the layers of the largest stage, so every stage of a group holds the
+    same blocks (the first stage's block ids are every stage's)."""
+    layers = cfg.num_layers
+    if config.stage is not None:
+        _, stages = config.stage
+        layers = max(len(stage_layers(cfg.num_layers, i, stages)) for i in range(stages))
+    block_bytes = config.block_size * cfg.kv_bytes_per_token(config.torch_dtype) * layers // cfg.num_layers
     if config.kv_cache_gib is not None:
         budget = int(config.kv_cache_gib * _GIB)
     elif config.device == "cpu":
@@ -38,20 +47,59 @@ def num_kv_blocks(cfg: ModelConfig, config: EngineConfig) -> int:
     return blocks
 
 
+@dataclass(frozen=True)
+class StageStep:
+    """One step as the pipeline stages after the first run it: what the first stage prepared
+    (``ModelRunner.prepare``), as plain data that can cross to another process. ``rows``: the
+    token rows whose logits the last stage computes (the sequences that sample)."""
+
+    step_id: int
+    positions: list[int]
+    slot_mapping: list[int]
+    num_decodes: int
+    decode_block_tables: list[list[int]]
+    decode_seq_lens: list[int]
+    prefill_block_tables: list[list[int]]
+    prefill_seq_lens: list[int]
+    prefill_query_start_loc: list[int]
+    rows: list[int]
+    chunks: list[dict] = field(default_factory=list)  # the step's prompt chunks (``PromptChunk.to_dict``)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StageStep:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+class StageDownstream(Protocol):
+    """Where the first stage of a pipeline sends each step's hidden states; the stages after it
+    run their layers on them in the order sent. ``send`` returns at once; its future resolves
+    to the logits of ``step.rows`` (fp32, ``[len(rows), vocab]``) once the last stage has them,
+    or to None when no row samples."""
+
+    def send(self, step: StageStep, hidden: tuple[torch.Tensor, torch.Tensor]) -> Future: ...
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, max_model_len: int):
         self.config = config
         self.device = torch.device(config.device)
-        self.model = load_model(model_path, config.torch_dtype, config.device, max_model_len)
+        cfg = ModelConfig.from_folder(Path(model_path))
+        layers = None if config.stage is None else stage_layers(cfg.num_layers, *config.stage)
+        self.model = load_model(model_path, config.torch_dtype, config.device, max_model_len, layers)
         self.model_config = self.model.cfg
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.num_blocks = num_kv_blocks(self.model_config, config)
-        cfg = self.model_config
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, self.num_blocks, cfg.num_kv_heads, config.block_size, cfg.head_dim,
+            len(self.model.layer_range), 2, self.num_blocks, cfg.num_kv_heads, config.block_size, cfg.head_dim,
             dtype=config.torch_dtype, device=self.device,
         )
         self.model.kv_cache = self.kv_cache
+        # A first stage before others: where its steps go on (set by the cluster's stage link).
+        self.downstream: StageDownstream | None = None
+        self._steps = 0
         # Allocated once so decode attention allocates nothing per step (CUDA-graph friendly).
         self.decode_workspace = (
             kernels.DecodeWorkspace(config.max_num_seqs, cfg.num_heads, cfg.head_dim, device=self.device)
@@ -125,12 +173,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, batch: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None,
-        before_layer: Callable[[int], None] | None = None,
+        before_layer: Callable[[int], None] | None = None, chunks: list[dict] | None = None,
     ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns logits for the sequences that sample, and those sequences.
 
         ``on_layer`` and ``before_layer`` are passed to the model (called after each layer's KV
-        is written, and before each layer runs)."""
+        is written, and before each layer runs). A first pipeline stage hands the step on with
+        ``chunks`` (the step's prompt chunks, for the later stages' KV sinks)."""
         input_ids, positions, meta, ordered = self.prepare(batch)
         last, rows, sampling = -1, [], []
         for s in ordered:
@@ -138,5 +187,51 @@ class ModelRunner:
             if s.samples:
                 rows.append(last)
                 sampling.append(s)
-        logits = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64), on_layer, before_layer)
-        return logits, sampling
+        if not self.model.last and self.downstream is None:
+            raise RuntimeError("a first pipeline stage has no stage after it to send its steps to")
+        # Taken before the model runs: the attention kernels may rewrite the metadata in place.
+        step = None if self.model.last else self._stage_step(positions, meta, rows, chunks or [])
+        out = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64), on_layer, before_layer)
+        if step is None:
+            return out, sampling
+        sent = self.downstream.send(step, out)
+        # A step without a sampling sequence does not wait: the next chunk computes here while
+        # the stages after this one take this one.
+        logits = sent.result() if rows else None
+        if logits is None:
+            logits = torch.empty(0, self.model_config.vocab_size, device=self.device)
+        return logits.to(self.device), sampling
+
+    def _stage_step(self, positions: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+                    chunks: list[dict]) -> StageStep:
+        self._steps += 1
+        return StageStep(
+            self._steps, positions.tolist(), meta.slot_mapping.tolist(), meta.num_decodes,
+            meta.decode_block_tables.tolist(), meta.decode_seq_lens.tolist(), meta.prefill_block_tables.tolist(),
+            meta.prefill_seq_lens.tolist(), meta.prefill_query_start_loc.tolist(), rows, chunks)
+
+    @torch.inference_mode()
+    def run_stage(self, step: StageStep, hidden: tuple[torch.Tensor, torch.Tensor],
+                  on_layer: Callable[[int], None] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A stage after the first: run this stage's layers on the hidden states of ``step``;
+        returns the next stage's hidden states, or on the last stage the logits of its rows."""
+        if self.model.first:
+            raise RuntimeError("the first stage runs batches, not steps")
+
+        def tables(rows: list[list[int]], n: int) -> torch.Tensor:
+            width = len(rows[0]) if rows else 0
+            return self._tensor(rows, torch.int32).view(n, width)
+
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+            num_decodes=step.num_decodes,
+            decode_block_tables=tables(step.decode_block_tables, len(step.decode_seq_lens)),
+            decode_seq_lens=self._tensor(step.decode_seq_lens, torch.int32),
+            prefill_block_tables=tables(step.prefill_block_tables, len(step.prefill_seq_lens)),
+            prefill_seq_lens=self._tensor(step.prefill_seq_lens, torch.int32),
+            prefill_query_start_loc=self._tensor(step.prefill_query_start_loc, torch.int32),
+            decode_workspace=self.decode_workspace,
+        )
+        x, residual = (t.to(self.device) for t in hidden)
+        return self.model(None, self._tensor(step.positions, torch.int64), meta,
+                          self._tensor(step.rows, torch.int64), on_layer, None, (x, residual))

@@ -128,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="(Conductor) prefill instances to start on this machine")
     c.add_argument("--decode-instances", type=_non_negative_int, default=1,
                    help="(Conductor) decode instances to start on this machine")
+    c.add_argument("--cpp-stages", type=_positive_int, default=1,
+                   help="chunked pipeline parallel prefill: each prefill instance runs as a group of this many "
+                        "stage processes, each holding a contiguous range of the layers (1: none)")
     c.add_argument("--instance-threads", type=_positive_int, default=None,
                    help="(Conductor) torch threads of each started instance; default: cores / instances")
     c.add_argument("--transfer-timeout-s", type=_positive_float, default=30.0,
@@ -206,6 +209,7 @@ def _engine_config(args: argparse.Namespace, role: str = "both"):
         model=args.model, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, role=role,
+        stage=(0, args.cpp_stages) if role == "prefill" and args.cpp_stages > 1 else None,
     )
     if args.device:
         kwargs["device"] = args.device
@@ -217,8 +221,11 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
     out = ["--log-level", args.log_level, "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--staging-gib", str(args.staging_gib),
            "--transfer-timeout-s", str(args.transfer_timeout_s),
-           "--reservation-lease-s", str(args.reservation_lease_s), "--max-waiting", str(args.max_waiting)]
-    if not args.no_pool:
+           "--reservation-lease-s", str(args.reservation_lease_s), "--max-waiting", str(args.max_waiting),
+           "--cpp-stages", str(args.cpp_stages)]
+    if args.no_pool:
+        out += ["--no-pool"]
+    else:
         out += ["--pool-dram-gib", str(args.pool_dram_gib), "--pool-ssd-gib", str(args.pool_ssd_gib),
                 "--pool-block-tokens", str(args.pool_block_tokens)]
     for flag, value in (("--model", args.model), ("--kv-cache-gib", args.kv_cache_gib),
@@ -271,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
         cluster_secret = read_cluster_secret(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if args.cpp_stages > 1 and not args.no_pool:
+        sys.exit("error: --cpp-stages needs --no-pool for now: pipeline stages do not load their layers "
+                 "from the KVCache pool yet")
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               public_metrics=args.public_metrics)
     if args.role is not None:

@@ -72,7 +72,7 @@ def _handoff(prefill, decode, sender, recv, td, layout, rid, prompt, params):
         if layer == 0:
             chunk_log.append((chunk.start, chunk.end))
         if chunk.last and layer == 0:
-            prefill_blocks.extend(chunk.seq.block_table.block_ids)
+            prefill_blocks.extend(chunk.block_ids)
         original(layer, kv_cache, chunks)
         written.append(len(sender._out[rid].batches))
 

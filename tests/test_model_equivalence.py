@@ -93,11 +93,11 @@ class Harness:
                 self.records[owner[id(state)]].append((context, row.detach().double().clone()))
             return sampler(logits, states)
 
-        def recording_run(batch, on_layer=None, before_layer=None):
+        def recording_run(batch, *hooks):
             self.batches.append(
                 [(s.seq.request_id, s.seq.num_computed_tokens, s.num_new_tokens) for s in batch]
             )
-            return run(batch, on_layer, before_layer)
+            return run(batch, *hooks)
 
         engine.sampler = recording_sampler
         engine.runner.run = recording_run

@@ -174,10 +174,10 @@ class PoolIO:
         bpo, layout = g.blocks_per_object, g.layout
         with self._writing_lock:
             for chunk in chunks:
-                store = self._writing.get(chunk.seq.request_id)
+                store = self._writing.get(chunk.request_id)
                 if store is None or not chunk.last:  # every object is final in the last chunk's layer
                     continue
-                ids = chunk.seq.block_table.block_ids
+                ids = chunk.block_ids
                 for obj, place, first in zip(store.write.objects, store.write.places, store.first_blocks):
                     if place is None:
                         continue

@@ -28,6 +28,7 @@ from cluster.instance.receiver import Receiver
 from cluster.instance.replication import Replicator
 from cluster.instance.serving import Serving
 from cluster.kv_stream import KVSender
+from cluster.stage import StageGroup
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity
 from cluster.pool.metadata import connect_metadata
@@ -90,6 +91,7 @@ class InstanceService:
         self.serving: Serving | None = None
         self.pool: PoolIO | None = None
         self.pool_service: SegmentService | None = None
+        self.stages: StageGroup | None = None  # a first pipeline stage's later stages
         self.mirror = CacheMirror()
         self._facts: dict[str, Any] = {}
         self._tasks: list[asyncio.Task] = []
@@ -105,6 +107,8 @@ class InstanceService:
         if self.pool_service is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.pool_service.close)
         await self.client.shutdown()
+        if self.stages is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.stages.close)
         if self.transfer is not None:
             self.transfer.close()
 
@@ -127,8 +131,18 @@ class InstanceService:
             sender = None
             if cfg.role in ("prefill", "both"):
                 self.send = StagingArea(transfer, staging)
-                sender = KVSender(transfer, self.send, layout, write_window_s=cfg.transfer_timeout_s)
+                layers = await self.client.call(lambda e: e.runner.model.layer_range)
+                sender = KVSender(transfer, self.send, layout, write_window_s=cfg.transfer_timeout_s, layers=layers)
                 await self.client.call(lambda _: handoff.add_sink(sender))
+            if cfg.engine.stage is not None and cfg.engine.stage[1] > 1:
+                # The later pipeline stages: child processes, up before calibration runs through them.
+                # A step's hidden states and residual, or its sampled rows' logits (fp32 at most).
+                buffer = 4 * max(2 * cfg.engine.max_num_batched_tokens * facts["hidden_size"],
+                                 cfg.engine.max_num_seqs * facts["vocab_size"])
+                self.stages = await loop.run_in_executor(None, lambda: StageGroup(
+                    cfg.engine, transfer, cfg.secret, host, buffer, staging, cfg.transfer_timeout_s, self._stage_died))
+                link = self.stages.link
+                await self.client.call(lambda e: setattr(e.runner, "downstream", link))
             # Every role receives: decode instances a prompt's KV, prefill ones pulled hot prefixes.
             self.recv = StagingArea(transfer, staging)
             self.receiver = Receiver(self.client, handoff, self.recv, transfer.address,
@@ -143,7 +157,8 @@ class InstanceService:
                 # What the Conductor needs to name a prompt's pool objects itself.
                 facts["pool"] = {"namespace": self.pool.geometry.namespace,
                                  "blocks_per_object": self.pool.geometry.blocks_per_object}
-            self.serving = Serving(self.client, sender, self.receiver, cfg.transfer_timeout_s, self.pool)
+            self.serving = Serving(self.client, sender, self.receiver, cfg.transfer_timeout_s, self.pool,
+                                   self.stages.link if self.stages is not None else None)
             started = time.perf_counter()
             self.profile = await self.client.call(lambda e: profile(e, cfg.calibration_seed))
             log.info("calibrated in %.1f s: %s", time.perf_counter() - started, self.profile)
@@ -157,6 +172,14 @@ class InstanceService:
         except Exception as e:  # noqa: BLE001 -- reported through /health
             self.error = f"instance failed to start: {type(e).__name__}: {e}"
             log.exception("instance failed to start")
+
+    def _stage_died(self, reason: str) -> None:
+        """A later pipeline stage is gone: this group cannot prefill any more. The process exits
+        (its requests fail, its stages see their stdin close) and the Supervisor starts the
+        group anew; the Conductor marks it down when it stops answering."""
+        log.error("%s: exiting so the group restarts", reason)
+        self.error = reason
+        os._exit(1)
 
     def _join_pool(self, transfer: TransferEngine, handoff: KVHandoff, facts: dict[str, Any]) -> PoolIO:
         """Contribute a segment to the KVCache pool (if configured) and open this instance's way
@@ -186,6 +209,7 @@ class InstanceService:
     @staticmethod
     def _engine_facts(e: LLMEngine) -> dict[str, Any]:
         return {"max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
+                "hidden_size": e.model_config.hidden_size,
                 "num_blocks": e.block_manager.num_blocks, "model_path": str(e.model_path)}
 
     def _publish_cache(self, loop: asyncio.AbstractEventLoop, handoff: KVHandoff) -> None:

@@ -27,6 +27,7 @@ from cluster.instance.pool_io import PoolIO, PoolLoad
 from cluster.instance.receiver import Receiver
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.kv_stream import KVDestination, KVSender
+from cluster.stage import StageLink
 from cluster.staging import when_free
 from cluster.transfer import TransferError
 from engine.async_engine import AsyncLLMEngine
@@ -39,9 +40,12 @@ log = logging.getLogger(__name__)
 
 class Serving:
     def __init__(self, client: AsyncLLMEngine, sender: KVSender | None, receiver: Receiver,
-                 transfer_timeout_s: float, pool: PoolIO | None = None) -> None:
+                 transfer_timeout_s: float, pool: PoolIO | None = None, stages: StageLink | None = None) -> None:
+        """``stages``: a first pipeline stage's link to the later ones, which stream their own
+        layers of each prompt's KV beside ``sender``."""
         self._client = client
         self._sender = sender
+        self._stages = stages
         self._receiver = receiver
         self._timeout_s = transfer_timeout_s
         self._pool = pool
@@ -97,6 +101,15 @@ class Serving:
             if load is not None:
                 load.close(used=False)
             raise
+        if self._stages is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._stages.expect, request_id, dest)
+            except BaseException:
+                # What the stages (and this sender) took for the request goes back.
+                await asyncio.shield(self._finish_quietly(request_id))
+                if load is not None:
+                    load.close(used=False)
+                raise
         output = None
         try:
             async for out in self._client.stream(request_id, self._start(request_id, token_ids, params, load)):
@@ -110,6 +123,8 @@ class Serving:
                 load.close(used=False)  # a no-op unless the engine never took the request
         try:
             await sender.finish(request_id, self._timeout_s)
+            if self._stages is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self._stages.finish, request_id)
         except TransferError:
             if output is not None and output.finish_reason not in ("abort", "kv_load_failed"):
                 raise  # an aborted request stopped streaming on purpose, a failed load will resend
@@ -128,6 +143,11 @@ class Serving:
             await self._sender.finish(request_id, self._timeout_s)
         except TransferError:
             pass  # the request failed anyway; its own error is what the caller reports
+        if self._stages is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._stages.finish, request_id)
+            except TransferError:
+                pass
 
     async def _prepare_load(self, token_ids: list[int]) -> PoolLoad | None:
         if self._pool is None:

@@ -32,6 +32,8 @@ from cluster.transfer.protocol import Status
 
 log = logging.getLogger(__name__)
 
+OPS = ("lease", "touch", "release", "alloc", "seal", "abort")  # what a segment answers
+
 
 class SegmentService:
     def __init__(self, segment: Segment, transfer: TransferEngine, metadata: MetadataStore, client: PoolClient,
@@ -53,7 +55,7 @@ class SegmentService:
         self._lease = self._metadata.grant_lease(lease_ttl_s)
         self._register()
         segment.start_publishing(self.publish)
-        transfer.serve(self._handle)
+        transfer.serve(self._handle, OPS)
         self._thread = threading.Thread(target=self._heartbeat_loop, name="pool heartbeat", daemon=True)
         self._thread.start()
 

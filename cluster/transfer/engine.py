@@ -95,7 +95,8 @@ class TransferEngine:
                 self.rdma_status = str(exc)
                 log.info("transfer: %s", exc)
         self._hello = {"engine_id": self.engine_id, "host": host_identity(), "rdma": self._rdma is not None}
-        self._handlers = {Op.EXPORT: self._export, Op.RDMA_CONNECT: self._rdma_connect}
+        self._services: dict[str, ControlHandler] = {}
+        self._handlers = {Op.EXPORT: self._export, Op.RDMA_CONNECT: self._rdma_connect, Op.SERVICE: self._dispatch}
         self._messenger = Messenger(config, self._table, self._hello, self._handlers)
         self.address = self._messenger.address
         self._links: dict[str, _Link] = {}
@@ -144,12 +145,21 @@ class TransferEngine:
     def read_sync(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None, timeout: float | None = None) -> None:
         self.read(peer, entries, transport=transport).wait(timeout)
 
-    def serve(self, handler: ControlHandler) -> None:
-        """Answer peers' ``call``s with ``handler`` (on the Messenger's connection threads, so it
-        must be thread-safe). One service per engine: the KV pool's segment."""
-        if Op.SERVICE in self._handlers:
-            raise RuntimeError("this engine already serves a service")
-        self._handlers[Op.SERVICE] = handler
+    def serve(self, handler: ControlHandler, ops: Sequence[str]) -> None:
+        """Answer peers' ``call``s whose ``op`` is one of ``ops`` with ``handler`` (on the
+        Messenger's connection threads, so it must be thread-safe). Several services share an
+        engine (a pool segment, a pipeline stage) as long as their ops differ."""
+        with self._lock:
+            taken = sorted(set(ops) & set(self._services))
+            if taken:
+                raise RuntimeError(f"this engine already serves {taken}")
+            self._services.update(dict.fromkeys(ops, handler))
+
+    def _dispatch(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
+        handler = self._services.get(request.get("op"))
+        if handler is None:
+            return Status.BAD_REQUEST, {"reason": f"no service for {request.get('op')!r}"}
+        return handler(request, peer_hello)
 
     def call(self, peer: str, body: dict) -> tuple[Status, dict]:
         """One request to the service of the engine at ``peer``, over the authenticated control
