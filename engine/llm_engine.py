@@ -209,7 +209,9 @@ class LLMEngine:
         failed: set[Sequence] = set()
         before_layer = self._loader(loading, failed) if loading else None
 
-        logits, sampling = self.runner.run(batch, on_layer, before_layer, [c.to_dict() for c in chunks])
+        # Only a first pipeline stage hands its chunks on (to the later stages' KV sinks).
+        handed_on = [c.to_dict() for c in chunks] if self.runner.downstream is not None else None
+        logits, sampling = self.runner.run(batch, on_layer, before_layer, handed_on)
         outputs = []
         for seq in loading:
             if seq in failed:

@@ -189,7 +189,6 @@ class ModelRunner:
                 sampling.append(s)
         if not self.model.last and self.downstream is None:
             raise RuntimeError("a first pipeline stage has no stage after it to send its steps to")
-        # Taken before the model runs: the attention kernels may rewrite the metadata in place.
         step = None if self.model.last else self._stage_step(positions, meta, rows, chunks or [])
         out = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64), on_layer, before_layer)
         if step is None:
