@@ -9,6 +9,10 @@ order on its own thread and hands the result on the same way; the last stage wri
 rows' logits into the first stage's buffer with a ``stage_logits`` call. The first stage waits
 only for steps that sample, so chunk k+1 computes on the first stage while chunk k is on the
 second.
+
+With the KVCache pool, each later stage reads and writes its own layers of the objects the
+first stage leases and reserves (``cluster.stage_pool.StagePool``, driven through the link's
+``pool_*`` calls).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import torch
 
 from cluster.control_auth import MESSENGER, derive_key
 from cluster.kv_stream import KVDestination, KVSender
+from cluster.pool.config import model_identity
+from cluster.pool.objects import PoolGeometry
+from cluster.stage_pool import StagePool
 from cluster.staging import StagingArea
 from cluster.transfer import RegionHandle, TransferConfig, TransferEngine, TransferError
 from cluster.transfer.protocol import Status
@@ -139,6 +146,9 @@ class StageLink:
             self._box.post(self.next, {"op": "stage_step", "step": step.to_dict()}, list(hidden))
         except TransferError as exc:
             self.fail(f"the next stage did not take step {step.step_id}: {exc}")
+            if not future.done():  # a step that does not sample fails too: its chunk is lost
+                future.set_exception(TransferError(self._failed))
+            return future
         if not step.rows:
             future.set_result(None)
         return future
@@ -163,6 +173,52 @@ class StageLink:
                 errors.append(f"{peer.address}: {answer.get('error') or answer.get('reason') or status}")
         if errors:
             raise TransferError("; ".join(errors))
+
+    def pool_load(self, request_id: str, leases: dict) -> list[int]:
+        """Have every later stage read and verify its layers of the objects ``leases`` (a
+        ``PoolRead.leases`` of this stage's read) names; how many objects, from the first, each
+        holds intact. Raises ``TransferError``."""
+        return [int(answer["good"]) for answer in self._ask_followers(
+            {"op": "stage_pool_load", "request_id": request_id, "leases": leases})]
+
+    def pool_unload(self, request_id: str) -> None:
+        """The later stages let go of the request's load, each once it has run every step sent
+        before this (it travels down the pipeline behind them). Not waited for."""
+        try:
+            self._transfer.notify(self.next.address, {"op": "stage_pool_unload", "request_id": request_id})
+        except TransferError:
+            pass  # the stage is gone, and its staging with it
+
+    def pool_store(self, request_id: str, reservation: dict, first_blocks: list[int]) -> None:
+        """Have every later stage write its layers of the objects ``reservation`` (a
+        ``PoolWrite.reservation``) as the prompt's last step computes them. Raises
+        ``TransferError`` (then end it on every stage with ``pool_store_end``)."""
+        for answer in self._ask_followers({"op": "stage_pool_store", "request_id": request_id,
+                                           "reservation": reservation, "first_blocks": first_blocks}):
+            if not answer.get("ok"):
+                raise TransferError("a later stage has no pool staging free")
+
+    def pool_store_end(self, request_id: str, commit: bool) -> list[list[list[int]] | None]:
+        """Once every later stage's writes of the request have settled: per stage, each
+        object's checksums of its parts (None: not all written, or a stage is unreachable)."""
+        out = []
+        for peer in self.followers:
+            try:
+                status, answer = self._transfer.call(peer.address, {"op": "stage_pool_store_end",
+                                                                    "request_id": request_id, "commit": commit})
+            except TransferError:
+                status, answer = Status.INTERNAL, {}
+            out.append(answer.get("checksums") if status == Status.OK else None)
+        return out
+
+    def _ask_followers(self, body: dict) -> list[dict]:
+        answers = []
+        for peer in self.followers:
+            status, answer = self._transfer.call(peer.address, body)
+            if status != Status.OK:
+                raise TransferError(f"stage {peer.address} refused {body['op']}: {answer.get('reason', status)}")
+            answers.append(answer)
+        return answers
 
     def fail(self, reason: str) -> None:
         """Every step waiting fails, and so does every later one: a stage is gone."""
@@ -191,18 +247,24 @@ class StageWorker:
     ``next`` or, from the last stage, to ``first`` (both set before the first step)."""
 
     def __init__(self, runner: ModelRunner, transfer: TransferEngine, nbytes: int, timeout_s: float = 30.0,
-                 sender: KVSender | None = None) -> None:
-        """``sender``: streams this stage's layers of each prompt's KV to its decode instance."""
+                 sender: KVSender | None = None, pool: StagePool | None = None) -> None:
+        """``sender``: streams this stage's layers of each prompt's KV to its decode instance;
+        ``pool``: this stage's share of the group's pool loads and stores."""
         if runner.model.first:
             raise ValueError("the first stage is a prefill instance, not a stage worker")
         self.runner = runner
         self.sender = sender
+        self.pool = pool
+        self._sinks = [s for s in (sender, pool.stores if pool is not None else None) if s is not None]
+        self._transfer = transfer
         self._box = _Mailbox(transfer, nbytes, timeout_s)
         self.next: StagePeer | None = None
         self.first: StagePeer | None = None
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         transfer.serve(self._on_step, ("stage_step",))
         transfer.serve(self._on_kv, ("stage_expect", "stage_finish"))
+        transfer.serve(self._on_pool, ("stage_pool_load", "stage_pool_unload", "stage_pool_store",
+                                       "stage_pool_store_end"))
         self._thread = threading.Thread(target=self._loop, name="stage worker", daemon=True)
         self._thread.start()
 
@@ -220,6 +282,20 @@ class StageWorker:
         self._steps.put((step, (x, residual)))
         return Status.OK, {}
 
+    def _on_pool(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
+        pool = self.pool
+        if pool is None:
+            return Status.UNSUPPORTED, {"reason": "this stage is not in a KVCache pool"}
+        op, request_id = request["op"], str(request["request_id"])
+        if op == "stage_pool_unload":
+            self._steps.put(("unload", request_id))  # behind every step sent before it
+            return Status.OK, {}
+        if op == "stage_pool_load":
+            return Status.OK, {"good": pool.load(request_id, request["leases"])}
+        if op == "stage_pool_store":
+            return Status.OK, {"ok": pool.plan(request_id, request["reservation"], request["first_blocks"])}
+        return Status.OK, {"checksums": pool.end(request_id, bool(request["commit"]))}
+
     def _on_kv(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
         if self.sender is None:
             return Status.UNSUPPORTED, {"reason": "this stage streams no KV"}
@@ -235,13 +311,26 @@ class StageWorker:
         return Status.OK, {}
 
     def _on_layer(self, step: StageStep) -> Callable[[int], None] | None:
-        sender = self.sender
-        chunks = [PromptChunk.from_dict(c) for c in step.chunks] if sender is not None else []
-        mine = [c for c in chunks if sender.wants(c.request_id)]
-        if not mine:
+        chunks = [PromptChunk.from_dict(c) for c in step.chunks] if self._sinks else []
+        wanted = [(sink, [c for c in chunks if sink.wants(c.request_id)]) for sink in self._sinks]
+        wanted = [(sink, mine) for sink, mine in wanted if mine]
+        if not wanted:
             return None
         kv_cache = self.runner.kv_cache
-        return lambda layer: sender.layer_done(layer, kv_cache, mine)
+
+        def send_layer(layer: int) -> None:
+            for sink, mine in wanted:
+                sink.layer_done(layer, kv_cache, mine)
+
+        return send_layer
+
+    def _unload(self, request_id: str) -> None:
+        self.pool.unload(request_id)
+        if self.next is not None:
+            try:
+                self._transfer.notify(self.next.address, {"op": "stage_pool_unload", "request_id": request_id})
+            except TransferError:
+                pass  # the next stage is gone, and its staging with it
 
     def _loop(self) -> None:
         while True:
@@ -249,8 +338,16 @@ class StageWorker:
             if item is None:
                 return
             step, hidden = item
+            if step == "unload":
+                self._unload(hidden)
+                continue
             try:
-                out = self.runner.run_stage(step, hidden, self._on_layer(step))
+                before_layer = None
+                if step.loads:
+                    if self.pool is None:
+                        raise RuntimeError("a step loads KV, but this stage is not in a KVCache pool")
+                    before_layer = self.pool.before_layer(step.loads, self.runner.kv_cache)
+                out = self.runner.run_stage(step, hidden, self._on_layer(step), before_layer)
                 if self.runner.model.last:
                     if step.rows:
                         self._box.post(self.first, {"op": "stage_logits", "step_id": step.step_id}, [out])
@@ -271,9 +368,11 @@ class StageGroup:
     next, the last back to the instance. A stage exits when the instance closes its stdin."""
 
     def __init__(self, engine: EngineConfig, transfer: TransferEngine, secret: bytes, host: str, buffer_bytes: int,
-                 staging_bytes: int, timeout_s: float, on_death: Callable[[str], None], startup_s: float = 300.0) -> None:
+                 staging_bytes: int, timeout_s: float, on_death: Callable[[str], None], startup_s: float = 300.0,
+                 pool: tuple[int, int] | None = None) -> None:
         """``on_death(reason)`` runs (on a watcher thread) when a stage process ends by itself:
-        the group cannot compute any more."""
+        the group cannot compute any more. ``pool``: the group is in a KVCache pool, with
+        objects of this many engine blocks, and each stage has this much pool staging."""
         assert engine.stage is not None and engine.stage[0] == 0
         stages = engine.stage[1]
         self.processes: list[subprocess.Popen] = []
@@ -285,7 +384,9 @@ class StageGroup:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "cluster.stage", "--engine", json.dumps(fields), "--host", host,
                      "--buffer-bytes", str(buffer_bytes), "--staging-bytes", str(staging_bytes),
-                     "--timeout-s", str(timeout_s)],
+                     "--timeout-s", str(timeout_s)]
+                    + ([] if pool is None else ["--pool-blocks-per-object", str(pool[0]),
+                                                "--pool-staging-bytes", str(pool[1])]),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                     env={**os.environ, "MOONCAKE_CLUSTER_SECRET": secret.decode()})
                 self.processes.append(proc)
@@ -351,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffer-bytes", type=int, required=True, help="inbox and outbox size")
     parser.add_argument("--staging-bytes", type=int, required=True, help="KV send staging size")
     parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument("--pool-blocks-per-object", type=int, default=None,
+                        help="the group is in a KVCache pool with objects of this many engine blocks")
+    parser.add_argument("--pool-staging-bytes", type=int, default=0, help="pool load and store staging size")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s stage: %(message)s")
     secret = os.environ.get("MOONCAKE_CLUSTER_SECRET", "").encode()
@@ -366,7 +470,12 @@ def main(argv: list[str] | None = None) -> int:
                                              timeout_s=args.timeout_s))
     sender = KVSender(transfer, StagingArea(transfer, args.staging_bytes), wire_layout(runner),
                       write_window_s=args.timeout_s, layers=runner.model.layer_range)
-    worker = StageWorker(runner, transfer, args.buffer_bytes, args.timeout_s, sender)
+    pool = None
+    if args.pool_blocks_per_object is not None:
+        geometry = PoolGeometry(wire_layout(runner), args.pool_blocks_per_object, model_identity(str(path)))
+        pool = StagePool(transfer, StagingArea(transfer, args.pool_staging_bytes), geometry,
+                         runner.model.layer_range, args.timeout_s)
+    worker = StageWorker(runner, transfer, args.buffer_bytes, args.timeout_s, sender, pool)
     print("stage ready " + json.dumps(_peer_dict(worker.peer)), flush=True)
     try:
         links = json.loads(sys.stdin.readline() or "null")

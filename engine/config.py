@@ -133,6 +133,11 @@ class EngineConfig:
     # Chunked pipeline parallel prefill: (i, X) holds stage i of X, a contiguous range of the
     # layers (``engine.model.stage_layers``). None: the whole model.
     stage: tuple[int, int] | None = None
+    # A prompt of at least ``chunk_min_prompt_tokens`` tokens computes at most
+    # ``prefill_chunk_tokens`` per step (a CPP group's chunk); a shorter one as much as the step's
+    # budget allows, one chunk when it fits. None: the budget is the chunk.
+    prefill_chunk_tokens: int | None = None
+    chunk_min_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -155,6 +160,10 @@ class EngineConfig:
             self.threads = os.cpu_count() or 1
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
+            raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
+        if self.chunk_min_prompt_tokens < 0:
+            raise ValueError(f"chunk_min_prompt_tokens must be >= 0, got {self.chunk_min_prompt_tokens}")
         if self.stage is not None:
             i, n = self.stage
             if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n):

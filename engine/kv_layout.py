@@ -65,3 +65,19 @@ def pack(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None, out
         kernels.gather_kv(kv_cache, block_ids, layers, out=out)
     else:
         out.copy_(kernels.gather_kv(kv_cache, torch.tensor(block_ids, device=kv_cache.device), layers))
+
+
+def unpack_layer(kv_cache: torch.Tensor, layer: int, objects: list[torch.Tensor], block_ids: list[int],
+                 skip: int) -> None:
+    """Scatter layer ``layer`` of a run of loaded objects (each ``[1, 2, blocks, heads,
+    block_size, head_dim]``, in block order) into ``block_ids``, leaving out the run's first
+    ``skip`` blocks (cached here already). Objects past the blocks to fill are left out."""
+    pos = 0
+    for obj in objects:
+        n = min(obj.shape[2] - skip, len(block_ids) - pos)
+        if n > 0:
+            part = obj[:, :, skip : skip + n]
+            kernels.scatter_kv(part.to(kv_cache.device).contiguous(), kv_cache, block_ids[pos : pos + n],
+                               range(layer, layer + 1))
+            pos += n
+        skip = max(0, skip - obj.shape[2])

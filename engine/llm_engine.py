@@ -15,11 +15,11 @@ from typing import Protocol
 
 import torch
 
-import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_layout import unpack_layer
 from engine.model_runner import ModelRunner
 from engine.prompt import check_fits, prompt_token_ids
 from engine.sampler import Logprobs, Sampler
@@ -209,8 +209,13 @@ class LLMEngine:
         failed: set[Sequence] = set()
         before_layer = self._loader(loading, failed) if loading else None
 
-        # Only a first pipeline stage hands its chunks on (to the later stages' KV sinks).
-        handed_on = [c.to_dict() for c in chunks] if self.runner.downstream is not None else None
+        handed_on = None
+        if self.runner.downstream is not None:
+            # A first pipeline stage hands on its chunks (for the later stages' KV sinks) and its
+            # loads (each later stage loaded its layers of them beforehand: ``PoolIO``).
+            handed_on = ([c.to_dict() for c in chunks],
+                         [{"request_id": seq.request_id, "block_ids": seq.kv_load.block_ids, "skip": seq.kv_load.skip}
+                          for seq in loading])
         logits, sampling = self.runner.run(batch, on_layer, before_layer, handed_on)
         outputs = []
         for seq in loading:
@@ -249,19 +254,11 @@ class LLMEngine:
                 if seq in failed:
                     continue
                 pending = seq.kv_load
-                chunks = pending.source.layer(i)
-                if chunks is None:
+                objects = pending.source.layer(i)
+                if objects is None:
                     failed.add(seq)
                     continue
-                pos, skip = 0, pending.skip
-                for chunk in chunks:
-                    n = chunk.shape[2] - skip
-                    if n > 0:
-                        part = chunk[:, :, skip:] if skip else chunk
-                        kernels.scatter_kv(part.to(kv_cache.device).contiguous(), kv_cache,
-                                           pending.block_ids[pos : pos + n], range(i, i + 1))
-                        pos += n
-                    skip = max(0, skip - chunk.shape[2])
+                unpack_layer(kv_cache, i, objects, pending.block_ids, pending.skip)
 
         return load_layer
 

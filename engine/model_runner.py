@@ -64,6 +64,9 @@ class StageStep:
     prefill_query_start_loc: list[int]
     rows: list[int]
     chunks: list[dict] = field(default_factory=list)  # the step's prompt chunks (``PromptChunk.to_dict``)
+    # The step's KV loads: ``request_id``, the ``block_ids`` they fill and the blocks they
+    # ``skip`` (as ``engine.sequence.PendingKVLoad``); each stage loaded its layers beforehand.
+    loads: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,7 +80,7 @@ class StageDownstream(Protocol):
     """Where the first stage of a pipeline sends each step's hidden states; the stages after it
     run their layers on them in the order sent. ``send`` returns at once; its future resolves
     to the logits of ``step.rows`` (fp32, ``[len(rows), vocab]``) once the last stage has them,
-    or to None when no row samples."""
+    or to None when no row samples; or fails, at once when the step could not be handed on."""
 
     def send(self, step: StageStep, hidden: tuple[torch.Tensor, torch.Tensor]) -> Future: ...
 
@@ -173,13 +176,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(
         self, batch: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None,
-        before_layer: Callable[[int], None] | None = None, chunks: list[dict] | None = None,
+        before_layer: Callable[[int], None] | None = None,
+        handed_on: tuple[list[dict], list[dict]] | None = None,
     ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Run one step; returns logits for the sequences that sample, and those sequences.
 
         ``on_layer`` and ``before_layer`` are passed to the model (called after each layer's KV
         is written, and before each layer runs). A first pipeline stage hands the step on with
-        ``chunks`` (the step's prompt chunks, for the later stages' KV sinks)."""
+        ``handed_on``: its prompt chunks and its KV loads (``StageStep.chunks``, ``.loads``)."""
         input_ids, positions, meta, ordered = self.prepare(batch)
         last, rows, sampling = -1, [], []
         for s in ordered:
@@ -189,31 +193,33 @@ class ModelRunner:
                 sampling.append(s)
         if not self.model.last and self.downstream is None:
             raise RuntimeError("a first pipeline stage has no stage after it to send its steps to")
-        step = None if self.model.last else self._stage_step(positions, meta, rows, chunks or [])
+        step = None if self.model.last else self._stage_step(positions, meta, rows, *(handed_on or ([], [])))
         out = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64), on_layer, before_layer)
         if step is None:
             return out, sampling
         sent = self.downstream.send(step, out)
         # A step without a sampling sequence does not wait: the next chunk computes here while
-        # the stages after this one take this one.
-        logits = sent.result() if rows else None
+        # the stages after this one take this one. One the next stage refused fails at once.
+        logits = sent.result() if rows or sent.done() else None
         if logits is None:
             logits = torch.empty(0, self.model_config.vocab_size, device=self.device)
         return logits.to(self.device), sampling
 
     def _stage_step(self, positions: torch.Tensor, meta: AttentionMetadata, rows: list[int],
-                    chunks: list[dict]) -> StageStep:
+                    chunks: list[dict], loads: list[dict]) -> StageStep:
         self._steps += 1
         return StageStep(
             self._steps, positions.tolist(), meta.slot_mapping.tolist(), meta.num_decodes,
             meta.decode_block_tables.tolist(), meta.decode_seq_lens.tolist(), meta.prefill_block_tables.tolist(),
-            meta.prefill_seq_lens.tolist(), meta.prefill_query_start_loc.tolist(), rows, chunks)
+            meta.prefill_seq_lens.tolist(), meta.prefill_query_start_loc.tolist(), rows, chunks, loads)
 
     @torch.inference_mode()
     def run_stage(self, step: StageStep, hidden: tuple[torch.Tensor, torch.Tensor],
-                  on_layer: Callable[[int], None] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  on_layer: Callable[[int], None] | None = None,
+                  before_layer: Callable[[int], None] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A stage after the first: run this stage's layers on the hidden states of ``step``;
-        returns the next stage's hidden states, or on the last stage the logits of its rows."""
+        returns the next stage's hidden states, or on the last stage the logits of its rows.
+        ``on_layer`` / ``before_layer``: as in ``run`` (this stage's layer indices)."""
         if self.model.first:
             raise RuntimeError("the first stage runs batches, not steps")
 
@@ -233,4 +239,4 @@ class ModelRunner:
         )
         x, residual = (t.to(self.device) for t in hidden)
         return self.model(None, self._tensor(step.positions, torch.int64), meta,
-                          self._tensor(step.rows, torch.int64), on_layer, None, (x, residual))
+                          self._tensor(step.rows, torch.int64), on_layer, before_layer, (x, residual))

@@ -41,6 +41,8 @@ class ScheduledSeq:
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prefill_chunk_tokens = config.prefill_chunk_tokens
+        self.chunk_min_prompt_tokens = config.chunk_min_prompt_tokens
         self.max_num_seqs = config.max_num_seqs
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -77,7 +79,7 @@ class Scheduler:
             if budget == 0 or len(batch) == self.max_num_seqs:
                 self._next_turn = seq
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             target = seq.num_computed_tokens + n
             while not self.block_manager.can_grow(seq.block_table, target):
                 victim = next(s for s in reversed(self.running) if s not in in_batch)
@@ -105,7 +107,7 @@ class Scheduler:
                 seq.num_computed_tokens = self.block_manager.match_prefix(
                     seq.block_table, seq.token_ids
                 )
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             target = seq.num_computed_tokens + n
             if not self.block_manager.can_grow(seq.block_table, target):
                 # Do not sit on prefix-hit blocks while waiting: others may need them.
@@ -124,6 +126,13 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The tokens ``seq`` computes this step."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if self.prefill_chunk_tokens is not None and seq.num_prompt_tokens >= self.chunk_min_prompt_tokens:
+            n = min(n, self.prefill_chunk_tokens)
+        return n
 
     def _turn_order(self) -> list[Sequence]:
         """The running sequences in admission order, rotated to start at the one whose turn it is."""

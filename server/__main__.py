@@ -131,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--cpp-stages", type=_positive_int, default=1,
                    help="chunked pipeline parallel prefill: each prefill instance runs as a group of this many "
                         "stage processes, each holding a contiguous range of the layers (1: none)")
+    c.add_argument("--cpp-chunk-tokens", type=_positive_int, default=None,
+                   help="(with --cpp-stages) prompt tokens per chunk through the pipeline; default: "
+                        "--max-num-batched-tokens")
+    c.add_argument("--cpp-min-tokens", type=_non_negative_int, default=0,
+                   help="(with --cpp-stages) a prompt shorter than this goes through the pipeline as one "
+                        "chunk (0: every prompt is chunked)")
     c.add_argument("--instance-threads", type=_positive_int, default=None,
                    help="(Conductor) torch threads of each started instance; default: cores / instances")
     c.add_argument("--transfer-timeout-s", type=_positive_float, default=30.0,
@@ -211,6 +217,11 @@ def _engine_config(args: argparse.Namespace, role: str = "both"):
         max_model_len=args.max_model_len, role=role,
         stage=(0, args.cpp_stages) if role == "prefill" and args.cpp_stages > 1 else None,
     )
+    if kwargs["stage"] is not None:
+        # A group's chunk, and a step that takes a prompt below --cpp-min-tokens whole.
+        chunk = args.cpp_chunk_tokens or args.max_num_batched_tokens
+        kwargs.update(prefill_chunk_tokens=chunk, chunk_min_prompt_tokens=args.cpp_min_tokens,
+                      max_num_batched_tokens=max(args.max_num_batched_tokens, chunk, args.cpp_min_tokens))
     if args.device:
         kwargs["device"] = args.device
     return EngineConfig(**kwargs)
@@ -222,7 +233,9 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--staging-gib", str(args.staging_gib),
            "--transfer-timeout-s", str(args.transfer_timeout_s),
            "--reservation-lease-s", str(args.reservation_lease_s), "--max-waiting", str(args.max_waiting),
-           "--cpp-stages", str(args.cpp_stages)]
+           "--cpp-stages", str(args.cpp_stages), "--cpp-min-tokens", str(args.cpp_min_tokens)]
+    if args.cpp_chunk_tokens is not None:
+        out += ["--cpp-chunk-tokens", str(args.cpp_chunk_tokens)]
     if args.no_pool:
         out += ["--no-pool"]
     else:
@@ -278,9 +291,6 @@ def main(argv: list[str] | None = None) -> None:
         cluster_secret = read_cluster_secret(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    if args.cpp_stages > 1 and not args.no_pool:
-        sys.exit("error: --cpp-stages needs --no-pool for now: pipeline stages do not load their layers "
-                 "from the KVCache pool yet")
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               public_metrics=args.public_metrics)
     if args.role is not None:

@@ -1,15 +1,22 @@
 """Chunked pipeline parallel prefill in real processes: ``python -m server --cpp-stages 2`` (one
-prefill group of two stage processes, one decode instance, the default model). Greedy and seeded
-texts equal the colocated engine's, for prompts within one chunk and across three; kill -9 of the
-later stage fails what is in flight, and the group comes back."""
+prefill group of two stage processes, one decode instance, the default model) in a KVCache pool
+(a pool node of its own; the instances contribute no memory, so the objects outlive a restart).
+Greedy and seeded texts equal the colocated engine's, for prompts within one chunk and across
+three; each stage stores its layers of a prompt's new objects and loads its layers of a prefix
+the pool holds (the logprobs equal the colocated engine's); kill -9 of the later stage fails
+what is in flight, and the group comes back and loads what the group before it stored."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,29 +28,76 @@ from engine.sampling_params import SamplingParams
 SECRET = "cpp-cluster-test-secret-0123456789"
 LONG = "Continue the count: " + ", ".join(str(i) for i in range(1, 250)) + ","  # 1,141 tokens: 3 chunks
 PROMPTS = ["The capital of France is", "List three colors of the rainbow:", LONG]
+OBJECT_TOKENS = 64
+
+
+class _Group:
+    def __init__(self, workdir: Path) -> None:
+        port = free_port()
+        self.env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET)
+        self.log_path = workdir / "cluster.log"
+        cmd = [sys.executable, "-m", "server", "--port", str(port), "--prefill-instances", "1",
+               "--decode-instances", "1", "--cpp-stages", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
+               "--staging-gib", "0.1", "--transfer-timeout-s", "5", "--pool-dram-gib", "0",
+               "--pool-block-tokens", str(OBJECT_TOKENS), "--log-level", "info"]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(cmd, start_new_session=True, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+        self.node: subprocess.Popen | None = None
+        _until(self._up, 300, "the cluster to come up")
+        found = re.search(r"KVCache pool metadata at (\S+)", self.log_path.read_text(errors="replace"))
+        assert found, "the Conductor did not log its metadata server's address"
+        self.node = subprocess.Popen([sys.executable, "-m", "cluster.pool", "--metadata", found.group(1),
+                                      "--dram-gib", "0.5", "--log-level", "warning"],
+                                     env=self.env, stdout=subprocess.PIPE, text=True)
+        line = self.node.stdout.readline()
+        assert line.startswith("pool node ready: "), f"the pool node did not start: {line!r}"
+        segment = line.split()[3]
+        _until(lambda: segment in self.http.get("/stats").json()["pool"]["segments"], 30, "the pool node")
+
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, "the cluster exited during start-up:\n" + self.log_path.read_text()
+        try:
+            return self.http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def group_stats(self) -> dict:
+        (group,) = [i for i in self.http.get("/stats").json()["instances"] if i["role"] == "prefill"]
+        return httpx.get(group["url"] + "/stats", timeout=10).json()
+
+    def close(self) -> None:
+        if self.node is not None:
+            self.node.terminate()
+            self.node.wait(20)
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(60)
+
+
+def _until(predicate, within_s: float, what: str):
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    port = free_port()
-    cmd = [sys.executable, "-m", "server", "--port", str(port), "--prefill-instances", "1", "--decode-instances", "1",
-           "--cpp-stages", "2", "--no-pool", "--instance-threads", "1", "--kv-cache-gib", "0.25",
-           "--staging-gib", "0.1", "--transfer-timeout-s", "5", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET))
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, "the cluster exited during start-up"
-        try:
-            if http.get("/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the cluster did not come up"
-        time.sleep(1)
-    yield http
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(60)
+def group():
+    with tempfile.TemporaryDirectory() as workdir:
+        g = _Group(Path(workdir))
+        yield g
+        g.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(group):
+    return group.http
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    return LLM(threads=1, kv_cache_gib=0.25)
 
 
 def _texts(http: httpx.Client, params: dict) -> list[str]:
@@ -55,20 +109,66 @@ def _texts(http: httpx.Client, params: dict) -> list[str]:
     return out
 
 
-def test_a_two_stage_group_answers_as_the_colocated_engine(cluster):
-    colocated = LLM(threads=1, kv_cache_gib=0.25)
+def _assert_as_colocated(cluster: httpx.Client, colocated: LLM, prompt: str) -> dict:
+    """Greedy text and every token's logprob as the colocated engine's; returns the answer."""
+    r = cluster.post("/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 8, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    (want,) = colocated.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=0))
+    assert got["choices"][0]["text"] == want.text
+    # Wrong KV in either stage's layers moves these far more than a different chunking does.
+    assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx([lp.logprob for lp in want.logprobs],
+                                                                             abs=2e-3)
+    return got
+
+
+def test_a_two_stage_group_answers_as_the_colocated_engine(group, cluster, colocated):
     for params in (dict(temperature=0, max_tokens=12), dict(temperature=0.8, top_p=0.95, seed=7, max_tokens=12)):
         want = [w.text for w in colocated.generate(PROMPTS, SamplingParams(**params))]
         assert _texts(cluster, params) == want
+    # Both stages wrote their layers of LONG's new objects, and the group sealed them.
+    assert group.group_stats()["pool_client"]["stored_layerwise"] >= (len(colocated.tokenizer.encode(LONG)) - 1) // OBJECT_TOKENS
 
 
-def test_kill_9_of_the_later_stage_and_the_group_comes_back(cluster):
+def test_a_second_turn_loads_the_first_turns_output_on_every_stage(group, cluster, colocated):
+    first = "turn " + " ".join(f"turn{i}" for i in range(60)) + " Tell me a long story about the sea."
+    r = cluster.post("/v1/completions", json={"prompt": first, "temperature": 0, "max_tokens": 160, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    turn = r.json()
+    n_first = turn["usage"]["prompt_tokens"]
+    second = first + turn["choices"][0]["text"] + " And then?"
+    hits = group.group_stats()["pool_client"]["hits"]
+    # The decode instance stores the prompt and output once the first turn is done.
+    pool = lambda: cluster.get("/stats").json()["pool"]["objects"]  # noqa: E731
+    before = pool()
+    _until(lambda: pool() >= before + (n_first + 150) // OBJECT_TOKENS - n_first // OBJECT_TOKENS, 30,
+           "the first turn's output in the pool")
+    got = _assert_as_colocated(cluster, colocated, second)
+    # The group computed only the first prompt: more cached than its full blocks can only have
+    # come from the pool's copy of the output, loaded by both stages.
+    cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (n_first // OBJECT_TOKENS + 1) * OBJECT_TOKENS, f"cached {cached} of a first prompt of {n_first}"
+    stats = group.group_stats()
+    assert stats["pool_client"]["hits"] > hits
+    _until(lambda: group.group_stats()["staging_pool_ranges"] == 0, 15, "the group's pool staging to be free")
+
+
+def test_kill_9_of_the_later_stage_and_the_group_comes_back(group, cluster, colocated):
     stages = subprocess.run(["pgrep", "-f", "-n", "cluster.stage"], capture_output=True, text=True).stdout.split()
     assert stages, "no stage process"
-    os.kill(int(stages[0]), signal.SIGKILL)
-    r = cluster.post("/v1/completions", json={"prompt": LONG, "max_tokens": 2, "temperature": 0})
-    # In flight when it died (the engine step failed: 500 for now, not yet a clearer error), or after the restart.
-    assert r.status_code in (200, 500, 502, 503), r.text
+    fresh = "Count down: " + ", ".join(str(i) for i in range(400, 150, -1)) + ","  # seconds of prefill
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(cluster.post, "/v1/completions", json={"prompt": fresh, "max_tokens": 2, "temperature": 0})
+        _until(lambda: group.group_stats()["num_running"] > 0, 30, "the prompt to be prefilling")
+        os.kill(int(stages[0]), signal.SIGKILL)
+        r = asked.result()
+    # The request in flight fails; the client gets an error id, which the server log ties to the cause.
+    assert r.status_code == 500, r.text
+    error_id = re.search(r"error id (\w+)", r.json()["error"]["message"]).group(1)
+    logged = lambda: [line for line in group.log_path.read_text(errors="replace").splitlines()  # noqa: E731
+                      if error_id in line]
+    _until(logged, 10, "the error id in the log")
+    assert "pipeline stage 1" in logged()[0], logged()
     deadline = time.monotonic() + 240
     while True:  # the instance exits, the Supervisor starts the group anew
         r = cluster.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
@@ -78,3 +178,13 @@ def test_kill_9_of_the_later_stage_and_the_group_comes_back(cluster):
             break
         assert time.monotonic() < deadline, r.text
         time.sleep(2)
+    # Nothing of the failed request stays held on the decode instance.
+    (decode,) = [i for i in cluster.get("/stats").json()["instances"] if i["role"] == "decode"]
+    held = ("num_used_blocks", "num_reservations", "num_running", "staging_recv_ranges")
+    _until(lambda: not any(httpx.get(decode["url"] + "/stats").json().get(k) for k in held), 15,
+           "the decode instance to hold nothing")
+    # A new group, with an empty prefix cache: LONG's prefix comes from what the first group's
+    # two stages stored, every layer of it.
+    got = _assert_as_colocated(cluster, colocated, LONG)
+    n = got["usage"]["prompt_tokens"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // OBJECT_TOKENS * OBJECT_TOKENS

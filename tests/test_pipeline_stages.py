@@ -78,14 +78,18 @@ def test_chained_stages_equal_the_whole_model(tmp_path, arch, tie, stages):
 
 class _ThreadedStages:
     """The stages after the first, each on its own thread, steps handed on in order (what the
-    cluster's stage link does across processes). Records (stage, step id, start, end)."""
+    cluster's stage link does across processes). Records (stage, step id, start, end).
+
+    The second stage holds each step k until the first stage has started step k + 1 (or half a
+    second has passed: the last step has none), so that whether they overlap depends on the
+    first stage not waiting for step k, not on how the threads happen to be scheduled."""
 
     def __init__(self, runners: list[ModelRunner]) -> None:
         import queue
         import threading
 
         self.events: list[tuple[int, int, str]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._queues = [queue.SimpleQueue() for _ in runners]
         self._threads = [threading.Thread(target=self._loop, args=(i, r), daemon=True) for i, r in enumerate(runners)]
         for t in self._threads:
@@ -94,6 +98,7 @@ class _ThreadedStages:
     def _note(self, stage: int, step: int, what: str) -> None:
         with self._lock:
             self.events.append((stage, step, what))
+            self._lock.notify_all()
 
     def _loop(self, i: int, runner: ModelRunner) -> None:
         while True:
@@ -102,6 +107,9 @@ class _ThreadedStages:
                 return
             step, hidden, future = item
             self._note(i + 1, step.step_id, "start")
+            if i == 0:
+                with self._lock:
+                    self._lock.wait_for(lambda: (0, step.step_id + 1, "start") in self.events, timeout=0.5)
             try:
                 out = runner.run_stage(step, hidden)
             except BaseException as exc:  # noqa: BLE001 -- the first stage gets it

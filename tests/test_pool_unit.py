@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cluster.pool import PoolClient, PoolFull, Segment, SegmentConfig, SegmentService, SsdTier
-from cluster.pool.client import SEGMENTS
+from cluster.pool.client import SEGMENTS, NewObject
 from cluster.pool.metadata import LocalMetadata
 from cluster.pool.objects import part_checksums
 from cluster.transfer import TransferConfig, TransferEngine
@@ -240,6 +240,54 @@ def test_client_put_get_corruption_and_departure():
 
         node.close()  # its lease is revoked: its objects leave the index at once
         assert reader.lookup(keys) == [] and not metadata.get_prefix(SEGMENTS)
+
+
+def test_two_clients_split_objects_by_parts_as_a_pipeline_group_does():
+    """The first client reserves and leases; the other writes and reads only its parts, under
+    them; the seal takes both clients' checksums; the bytes are the objects'."""
+    metadata = LocalMetadata()
+    with TransferEngine(TransferConfig(secret=SECRET)) as node_engine, \
+            TransferEngine(TransferConfig(secret=SECRET)) as first_engine, \
+            TransferEngine(TransferConfig(secret=SECRET)) as later_engine:
+        node = _node(node_engine, metadata, "node", 16 * OBJ)
+        first = PoolClient(first_engine, metadata, segments_ttl_s=0.0)
+        later = PoolClient(later_engine, None)  # no metadata: it works under the first one's
+        mine, theirs = range(0, 1), range(1, 4)  # parts of each object
+        objects = torch.randint(0, 256, (2, OBJ), dtype=torch.uint8)
+        bufs = []
+        for engine, parts in ((first_engine, mine), (later_engine, theirs)):
+            buf = engine.alloc_shared(2 * OBJ)
+            buf[: 2 * len(parts) * PART].view(2, -1).copy_(objects[:, parts.start * PART : parts.stop * PART])
+            bufs.append((buf, engine.register(buf)))
+        (src0, h0), (src1, h1) = bufs
+        keys = ["ns/a", "ns/b"]
+        write = first.reserve(h0, [NewObject(k, i * PART, OBJ, PART) for i, k in enumerate(keys)], parts=mine)
+        assert write.num_placed == 2
+        their_write = later.write_reserved(write.reservation(), h1, [0, 3 * PART], theirs)
+        for part in range(4):
+            (write if part in mine else their_write).write(part)
+        assert their_write.settle() == set()
+        # Each client's checksums of its own parts, from its own buffer, in part order.
+        sums = [part_checksums(memoryview(src0.numpy())[i * PART : (i + 1) * PART], PART)
+                + part_checksums(memoryview(src1.numpy())[i * 3 * PART : (i + 1) * 3 * PART], PART) for i in range(2)]
+        assert sums == [part_checksums(memoryview(o.numpy()), PART) for o in objects]
+        assert write.seal(sums) == [node.segment_id] * 2
+        _wait(lambda: len(first.lookup(keys)) == 2)
+
+        dst0, dst1 = first_engine.alloc_shared(2 * PART), later_engine.alloc_shared(6 * PART)
+        read = first.open_read(keys, first_engine.register(dst0), [0, PART], memoryview(dst0.numpy()), parts=mine)
+        theirs_read = later.read_leased(read.leases(), later_engine.register(dst1), [0, 3 * PART],
+                                        memoryview(dst1.numpy()), theirs)
+        assert all(theirs_read.wait_part(p) for p in theirs) and read.wait_part(0)
+        theirs_read.close()
+        assert node.segment.stats()["leased_objects"] == 2  # the other client released nothing
+        read.close()
+        _wait(lambda: node.segment.stats()["leased_objects"] == 0)
+        assert torch.equal(dst0.view(2, PART), objects[:, :PART])
+        assert torch.equal(dst1.view(2, 3 * PART), objects[:, PART:])
+        with pytest.raises(ValueError):
+            read.wait_part(1)  # not among its parts
+        node.close()
 
 
 def test_a_burst_of_puts_spreads_over_equally_free_segments_and_misses_count():

@@ -45,13 +45,14 @@ def make_seq(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
 
 
 class Harness:
-    def __init__(self, *, num_blocks=64, block_size=4, budget=32, max_num_seqs=256, prefix=True):
+    def __init__(self, *, num_blocks=64, block_size=4, budget=32, max_num_seqs=256, prefix=True, **config):
         cfg = EngineConfig(
             device="cpu",
             block_size=block_size,
             max_num_batched_tokens=budget,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=prefix,
+            **config,
         )
         self.bm = BlockManager(num_blocks, block_size, prefix)
         self.sched = Scheduler(cfg, self.bm)
@@ -187,6 +188,19 @@ def test_single_sequence_chunked_prefill_then_decode():
     assert seq.is_finished and seq.finish_reason == "length"
     assert seq.output_token_ids == expected_output("a", 50, 3)
     assert [s["sampled"] for s in h.steps] == [[], [], [], ["a"], ["a"], ["a"]]
+
+
+def test_a_long_prompt_is_cut_into_chunks_and_a_short_one_goes_whole():
+    """A CPP group's chunking: prompts of at least ``chunk_min_prompt_tokens`` compute
+    ``prefill_chunk_tokens`` per step; a shorter one takes the step's budget, in one chunk."""
+    h = Harness(budget=40, block_size=4, num_blocks=64, prefill_chunk_tokens=8, chunk_min_prompt_tokens=24)
+    short, long = h.add(make_seq("short", list(range(23)), max_tokens=1)), h.add(make_seq("long", list(range(30)), 1))
+    assert [(s.seq.request_id, s.num_new_tokens) for s in h.step()] == [("short", 23), ("long", 8)]
+    assert [s.num_new_tokens for s in h.step()] == [8]
+    h.run()
+    assert short.is_finished and long.is_finished
+    with pytest.raises(ValueError):
+        EngineConfig(device="cpu", prefill_chunk_tokens=0)
 
 
 def test_token_budget_respected_and_everything_finishes():

@@ -194,7 +194,9 @@ class RequestFlow:
         if isinstance(e, InstanceUnavailable):
             self._registry.mark_down(rec, f"{what}: {e}")
         log.warning("%s on %s failed: %s", what, rec.url, e)
-        return EngineError(f"the {rec.role} instance failed while serving the request ({what})")
+        # The server's log keeps the cause (the client sees an error id): e.g. that a prefill
+        # group lost a pipeline stage.
+        return EngineError(f"the {rec.role} instance failed while serving the request ({what}: {e})")
 
     @contextmanager
     def _settled(self, rid: str, booking: Booking) -> Iterator[None]:

@@ -19,6 +19,16 @@
   the full pool blocks the pool lacks are packed from the engine's cached blocks in one
   engine-thread call and put. Stores run in the background, a few at a time; one that finds
   its blocks evicted already stores the ones before.
+
+The first stage of a pipeline group (``stages``) holds only its layers: it leases and reserves
+for the group, reads and writes its own layers' parts, and has every later stage do the same
+with theirs (``cluster.stage.StageLink``: ``pool_load``, ``pool_store``, ``pool_store_end``). A
+group's load is read and verified by every stage before the prompt runs, so that all stages
+agree on the prefix and none can fail mid-step; it costs the read of the group's parts
+(tens of milliseconds for thousands of tokens) against a step of seconds. A group stores only
+layer by layer: the store from the prefix cache would have to pack every stage's blocks in step
+with their engines, so a prompt the pool cannot take whole at planning is not stored
+(``stores_skipped``).
 """
 
 from __future__ import annotations
@@ -28,16 +38,18 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cluster.pool.client import NewObject, PoolClient, PoolRead, PoolWrite
+from cluster.pool.layerwise import LayerwiseStore, LayerwiseStores
 from cluster.pool.objects import PoolGeometry, part_checksums
+from cluster.stage import StageLink
 from cluster.staging import StagingArea, StagingFull, StagingRange, when_free
+from cluster.transfer import TransferError
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
-from engine.kv_layout import pack
 from engine.llm_engine import LLMEngine, PromptChunk
 from engine.sampling_params import SamplingParams
 
@@ -46,7 +58,10 @@ log = logging.getLogger(__name__)
 
 class PoolIO:
     def __init__(self, client: AsyncLLMEngine, handoff: KVHandoff, pool: PoolClient, geometry: PoolGeometry,
-                 area: StagingArea, timeout_s: float, max_background_stores: int = 4) -> None:
+                 area: StagingArea, timeout_s: float, max_background_stores: int = 4, layers: range | None = None,
+                 stages: StageLink | None = None) -> None:
+        """``layers``: the model layers this instance's KV cache holds (a first pipeline stage's;
+        None: all); ``stages``: that stage's link to the later ones."""
         self._client = client
         self._handoff = handoff
         self.pool = pool
@@ -56,13 +71,14 @@ class PoolIO:
         self._memory = memoryview(area.buffer.numpy())
         self._stores: set[asyncio.Task] = set()
         self._max_stores = max_background_stores
-        self.stores_skipped = 0  # the background store queue was full: those blocks stay local
+        self._layers = range(geometry.num_parts) if layers is None else layers
+        self._stages = stages
+        self.stores_skipped = 0  # the background store queue was full (or a group's): those blocks stay local
         self.stored_layerwise = 0  # objects sealed from a layer-wise store
-        # Layer-wise stores by request: planned on the event loop, filled on the engine thread
-        # (under the lock, so once ``finish_store_later`` has popped one no copy into its
-        # staging can still start).
-        self._writing: dict[str, _LayerwiseStore] = {}
-        self._writing_lock = threading.Lock()
+        self._counter_lock = threading.Lock()
+        # Layer-wise stores by request: planned on the event loop, filled on the engine thread.
+        self._writing = LayerwiseStores(area, geometry, self._layers)
+        self._object_bytes = self._writing.object_bytes  # the staging an object takes: this stage's parts
         # Closing a read waits for its transfers to let go of the staging: never on the engine thread.
         self._closer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pool-close")
 
@@ -71,10 +87,11 @@ class PoolIO:
         """Loads and stores holding this instance's pool staging now."""
         return self._area.num_allocated
 
-    async def prepare_load(self, token_ids: list[int]) -> PoolLoad | None:
+    async def prepare_load(self, request_id: str, token_ids: list[int]) -> PoolLoad | None:
         """Lease the pool's part of ``token_ids``'s prefix past the local cache and start reading
         it, every layer at once in layer order, into this instance's pool staging. None when
-        the pool has nothing to add. The engine consumes it layer by layer (``start``)."""
+        the pool has nothing to add. The engine consumes it layer by layer (``start``). A
+        pipeline group's stages have read and verified their layers of it when this returns."""
         g = self.geometry
         bpo = g.blocks_per_object
         keys = g.object_keys(token_ids, len(token_ids) - 1)  # the last token is always computed
@@ -82,25 +99,52 @@ class PoolIO:
             return None
         local = await self._client.call(lambda _: self._handoff.cached_prefix_blocks(token_ids))
         first = local // bpo
-        wanted = keys[first : first + self._area.nbytes // g.nbytes]
+        size = self._object_bytes
+        wanted = keys[first : first + self._area.nbytes // size]
         if not wanted:
             return None
-        r = await when_free(lambda: self._area.allocate(len(wanted) * g.nbytes), self._timeout_s)
-        offsets = [r.offset + i * g.nbytes for i in range(len(wanted))]
+        r = await when_free(lambda: self._area.allocate(len(wanted) * size), self._timeout_s)
+        offsets = [r.offset + i * size for i in range(len(wanted))]
         loop = asyncio.get_running_loop()
-        opening = loop.run_in_executor(None, self.pool.open_read, wanted, self._area.handle, offsets, self._memory)
+        opening = loop.run_in_executor(None, self.pool.open_read, wanted, self._area.handle, offsets, self._memory,
+                                       self._stages is None, self._layers)
         try:
             read = await asyncio.shield(opening)
         except BaseException:
             opening.add_done_callback(lambda f: self._abandon(f, r))  # cancelled while leasing
             raise
-        if not read.num_objects:
-            self._closer.submit(self._close, read, r, False)
+        count = read.num_objects
+        if count and self._stages is not None:
+            loading = loop.run_in_executor(None, self._load_on_every_stage, request_id, read)
+            try:
+                count = await asyncio.shield(loading)
+            except BaseException:
+                loading.add_done_callback(lambda _: self._unload(request_id, read, r, False))
+                raise
+        if not count:
+            self._unload(request_id, read, r, False)
             return None
         layout = g.layout
-        views = [self._area.view(StagingRange(off, g.nbytes), layout.torch_dtype, layout.shape(bpo))
-                 for off in offsets[: read.num_objects]]
-        return PoolLoad(read, views, first * bpo, lambda used: self._closer.submit(self._close, read, r, used))
+        shape = (len(self._layers), *layout.shape(bpo)[1:])
+        views = [self._area.view(StagingRange(off, size), layout.torch_dtype, shape) for off in offsets[:count]]
+        return PoolLoad(read, views, first * bpo, lambda used: self._unload(request_id, read, r, used))
+
+    def _load_on_every_stage(self, request_id: str, read: PoolRead) -> int:
+        """Have the later stages read their layers under ``read``'s leases while this stage
+        reads its own; the objects, from the first, that every stage holds verified."""
+        try:
+            counts = self._stages.pool_load(request_id, read.leases())
+        except TransferError as exc:
+            log.warning("pool: a pipeline stage could not load %s: %s", request_id, exc)
+            return 0
+        for part in self._layers:
+            read.wait_part(part)
+        return min([read.good, *counts])
+
+    def _unload(self, request_id: str, read: PoolRead, r: StagingRange, used: bool) -> None:
+        if self._stages is not None:
+            self._stages.pool_unload(request_id)
+        self._closer.submit(self._close, read, r, used)
 
     def start(self, request_id: str, token_ids: list[int], params: SamplingParams,
               load: PoolLoad) -> Callable[[LLMEngine], None]:
@@ -109,6 +153,7 @@ class PoolIO:
                                                    load.num_blocks, load)
 
     def _abandon(self, opening: asyncio.Future, r: StagingRange) -> None:
+        # Nothing was asked of the later stages yet.
         if opening.cancelled() or opening.exception() is not None:
             self._area.release(r)
         else:
@@ -130,35 +175,50 @@ class PoolIO:
             return False
         loop = asyncio.get_running_loop()
         holders = await loop.run_in_executor(None, self.pool.holders, keys)
-        missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // g.nbytes]
+        size = self._object_bytes
+        missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // size]
         if not missing:
             return False
         try:
-            r = self._area.allocate(len(missing) * g.nbytes)
+            r = self._area.allocate(len(missing) * size)
         except StagingFull:
+            self._skipped_on_group()
             return False
         try:
             # Tail first, as ``store`` puts them.
-            objects = [NewObject(keys[i], r.offset + j * g.nbytes, g.nbytes, g.part_bytes)
+            objects = [NewObject(keys[i], r.offset + j * size, g.nbytes, g.part_bytes)
                        for j, i in reversed(list(enumerate(missing)))]
-            write = await loop.run_in_executor(None, self.pool.reserve, self._area.handle, objects)
+            write = await loop.run_in_executor(None, self.pool.reserve, self._area.handle, objects, (), self._layers)
         except BaseException:
             self._area.release(r)
             raise
-        if write.num_placed < len(objects):
+        first_blocks = [i * g.blocks_per_object for i in reversed(missing)]
+        taken = write.num_placed == len(objects)
+        if taken and self._stages is not None:
+            try:
+                await loop.run_in_executor(None, self._stages.pool_store, request_id, write.reservation(), first_blocks)
+            except TransferError as exc:
+                log.warning("pool: a pipeline stage cannot store %s layer by layer: %s", request_id, exc)
+                await loop.run_in_executor(None, self._stages.pool_store_end, request_id, False)
+                taken = False
+        if not taken:
             # Some went nowhere (the pool is busy or full): rather than leave them out, store
             # them all from the prefix cache after the prompt, as the pool's LRU allows then.
             self._closer.submit(self._abort_plan, write, r)
+            self._skipped_on_group()
             return False
-        store = _LayerwiseStore(write, r, [i * g.blocks_per_object for i in reversed(missing)], keys, holders)
-        with self._writing_lock:
-            duplicate = request_id in self._writing
-            if not duplicate:
-                self._writing[request_id] = store
-        if duplicate:
-            self._closer.submit(self._finish_store, store, False)
-            raise ValueError(f"request {request_id!r} is already being stored")
+        store = _PlannedStore(write, r, first_blocks, keys=keys, holders=holders)
+        try:
+            self._writing.add(request_id, store)
+        except ValueError:
+            self._closer.submit(self._finish_store, request_id, store, False)
+            raise
         return True
+
+    def _skipped_on_group(self) -> None:
+        if self._stages is not None:  # no store from the prefix cache follows (see the module doc)
+            with self._counter_lock:
+                self.stores_skipped += 1
 
     def _abort_plan(self, write: PoolWrite, r: StagingRange) -> None:
         try:
@@ -167,55 +227,51 @@ class PoolIO:
             self._area.release(r)
 
     def wants(self, request_id: str) -> bool:
-        return request_id in self._writing
+        return self._writing.wants(request_id)
 
     def layer_done(self, layer: int, kv_cache: torch.Tensor, chunks: list[PromptChunk]) -> None:
-        g = self.geometry
-        bpo, layout = g.blocks_per_object, g.layout
-        with self._writing_lock:
-            for chunk in chunks:
-                store = self._writing.get(chunk.request_id)
-                if store is None or not chunk.last:  # every object is final in the last chunk's layer
-                    continue
-                ids = chunk.block_ids
-                for obj, place, first in zip(store.write.objects, store.write.places, store.first_blocks):
-                    if place is None:
-                        continue
-                    view = self._area.view(StagingRange(obj.offset, g.nbytes), layout.torch_dtype, layout.shape(bpo))
-                    pack(kv_cache, ids[first : first + bpo], range(layer, layer + 1), view[layer : layer + 1])
-                store.write.write(part=layer)
-                store.layers += 1
+        self._writing.layer_done(layer, kv_cache, chunks)
 
     def finish_store_later(self, request_id: str, commit: bool) -> None:
         """End a planned layer-wise store in the background: seal what was written when
         ``commit`` (the prompt computed every layer of its last step), else abort it."""
-        with self._writing_lock:
-            store = self._writing.pop(request_id, None)
+        store = self._writing.pop(request_id)
         if store is not None:
-            self._closer.submit(self._finish_store, store, commit)
+            self._closer.submit(self._finish_store, request_id, store, commit)
 
-    def _finish_store(self, store: _LayerwiseStore, commit: bool) -> None:
-        g = self.geometry
+    def _finish_store(self, request_id: str, store: _PlannedStore, commit: bool) -> None:
+        write = store.write
         try:
-            if commit and store.layers == g.num_parts:
-                sums = [part_checksums(self._memory[o.offset : o.offset + g.nbytes], g.part_bytes)
-                        for o in store.write.objects]
-                stored = sum(s is not None for s in store.write.seal(sums))
-                with self._writing_lock:
+            sums = None
+            if commit and self._writing.complete(store):
+                sums = self._writing.checksums(store)
+            if self._stages is not None:
+                # First: the later stages' writes must have settled before the seal, or the abort
+                # that would hand their ranges of the segments to other objects.
+                theirs = self._stages.pool_store_end(request_id, commit)
+                if sums is not None and all(t is not None for t in theirs):
+                    sums = [sum((t[i] for t in theirs), mine) for i, mine in enumerate(sums)]
+                else:
+                    sums = None
+            if sums is not None:
+                stored = sum(s is not None for s in write.seal(sums))
+                with self._counter_lock:
                     self.stored_layerwise += stored
                 # As ``store`` does: what the pool held was used again, and after the seals.
                 self.pool.touch(store.keys, store.holders)
             else:
-                store.write.abort()
+                write.abort()
         except Exception:  # a failed store only costs a later request its hit
             log.exception("pool: layer-wise store failed")
+            write.abort()  # a no-op after a seal
         finally:
             self._area.release(store.staging)  # seal and abort return once no write reads it
 
     # -- storing from the prefix cache --------------------------------------------------------------
     def store_later(self, token_ids: list[int], computed_tokens: int) -> None:
-        """Store the full pool blocks of ``token_ids[:computed_tokens]`` in the background."""
-        if not self.geometry.object_keys(token_ids, computed_tokens):
+        """Store the full pool blocks of ``token_ids[:computed_tokens]`` in the background (not
+        on a pipeline group: see the module doc)."""
+        if not self.geometry.object_keys(token_ids, computed_tokens) or self._stages is not None:
             return
         if len(self._stores) >= self._max_stores:
             self.stores_skipped += 1
@@ -280,13 +336,12 @@ class PoolIO:
 
 
 @dataclass
-class _LayerwiseStore:
-    write: PoolWrite  # the objects in the order sealed (tail first), with their places
-    staging: StagingRange
-    first_blocks: list[int]  # each object's first engine block in the prompt
-    keys: list[str]  # all the prompt's objects, and where the pool held them at planning
-    holders: list[list[str]]
-    layers: int = 0  # layers written so far
+class _PlannedStore(LayerwiseStore):
+    """The objects in the order sealed (tail first), with all the prompt's objects and where the
+    pool held them at planning (touched after the seal)."""
+
+    keys: list[str] = field(default_factory=list)
+    holders: list[list[str]] = field(default_factory=list)
 
 
 class PoolLoad:
@@ -304,7 +359,8 @@ class PoolLoad:
         self._closed = False
 
     def layer(self, i: int) -> list[torch.Tensor] | None:
-        if not self._read.wait_part(i):
+        self._read.wait_part(self._read.parts.start + i)
+        if self._read.good < len(self._views):  # the read may hold more objects than the load uses
             return None
         return [v[i : i + 1] for v in self._views]
 

@@ -38,6 +38,7 @@ from cluster.control_auth import CONTROL, MESSENGER, ControlAuth, derive_key
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
+from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,10 @@ class InstanceService:
             # staging too small for good, only busy for a moment.
             staging = max(int(cfg.staging_gib * _GIB),
                           layout.nbytes(-(-facts["max_model_len"] // layout.block_size)))
+            geometry = self._pool_geometry(layout, facts) if cfg.pool.enabled else None
+            # Loads and stores go through their own staging, a few objects at a time.
+            pool_staging = 0 if geometry is None else max(
+                8 * geometry.nbytes, layout.nbytes(-(-facts["max_model_len"] // layout.block_size)))
             sender = None
             if cfg.role in ("prefill", "both"):
                 self.send = StagingArea(transfer, staging)
@@ -140,7 +145,8 @@ class InstanceService:
                 buffer = 4 * max(2 * cfg.engine.max_num_batched_tokens * facts["hidden_size"],
                                  cfg.engine.max_num_seqs * facts["vocab_size"])
                 self.stages = await loop.run_in_executor(None, lambda: StageGroup(
-                    cfg.engine, transfer, cfg.secret, host, buffer, staging, cfg.transfer_timeout_s, self._stage_died))
+                    cfg.engine, transfer, cfg.secret, host, buffer, staging, cfg.transfer_timeout_s, self._stage_died,
+                    pool=None if geometry is None else (geometry.blocks_per_object, pool_staging)))
                 link = self.stages.link
                 await self.client.call(lambda e: setattr(e.runner, "downstream", link))
             # Every role receives: decode instances a prompt's KV, prefill ones pulled hot prefixes.
@@ -149,8 +155,10 @@ class InstanceService:
                                      cfg.reservation_lease_s, cfg.transfer_timeout_s)
             self.replicator = Replicator(self.client, handoff, transfer, self.send, self.receiver,
                                          cfg.transfer_timeout_s)
-            if cfg.pool.enabled:
-                self.pool = await loop.run_in_executor(None, self._join_pool, transfer, handoff, facts)
+            if geometry is not None:
+                layers = await self.client.call(lambda e: e.runner.model.layer_range)
+                self.pool = await loop.run_in_executor(None, self._join_pool, transfer, handoff, geometry, pool_staging,
+                                                       layers)
                 if sender is not None:  # a prefill instance stores its prompts layer by layer
                     pool_io = self.pool
                     await self.client.call(lambda _: handoff.add_sink(pool_io))
@@ -179,22 +187,35 @@ class InstanceService:
         group anew; the Conductor marks it down when it stops answering."""
         log.error("%s: exiting so the group restarts", reason)
         self.error = reason
+        # The link fails every step from now on, so the engine fails the requests it holds
+        # (once its current step ends): their answers, which name this reason, leave first.
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while time.monotonic() < deadline:
+            stats = self.client.stats()
+            if not stats.get("num_running") and not stats.get("num_waiting"):
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
         os._exit(1)
 
-    def _join_pool(self, transfer: TransferEngine, handoff: KVHandoff, facts: dict[str, Any]) -> PoolIO:
-        """Contribute a segment to the KVCache pool (if configured) and open this instance's way
-        in and out of it. Blocking (metadata calls): run off the event loop."""
+    def _pool_geometry(self, layout: KVLayout, facts: dict[str, Any]) -> PoolGeometry:
+        """The pool's objects: every layer of the model (``layout``), a pipeline stage's too."""
         pc = self.config.pool
-        layout = handoff.layout
         if pc.block_tokens % layout.block_size:
             raise ValueError(f"pool block of {pc.block_tokens} tokens is not a multiple of the "
                              f"engine's {layout.block_size}-token blocks")
-        geometry = PoolGeometry(layout, pc.block_tokens // layout.block_size, model_identity(facts["model_path"]))
+        return PoolGeometry(layout, pc.block_tokens // layout.block_size, model_identity(facts["model_path"]))
+
+    def _join_pool(self, transfer: TransferEngine, handoff: KVHandoff, geometry: PoolGeometry, staging: int,
+                   layers: range) -> PoolIO:
+        """Contribute a segment to the KVCache pool (if configured) and open this instance's way
+        in and out of it. Blocking (metadata calls): run off the event loop."""
+        pc = self.config.pool
         metadata = connect_metadata(pc.metadata_url, self.config.secret, etcd=pc.etcd)
         client = PoolClient(transfer, metadata, transfer_timeout_s=self.config.transfer_timeout_s)
-        # Loads and stores go through their own staging, a few objects at a time.
-        area = StagingArea(transfer, max(8 * geometry.nbytes, layout.nbytes(-(-facts["max_model_len"] // layout.block_size))))
-        io = PoolIO(self.client, handoff, client, geometry, area, self.config.transfer_timeout_s)
+        io = PoolIO(self.client, handoff, client, geometry, StagingArea(transfer, staging),
+                    self.config.transfer_timeout_s, layers=layers,
+                    stages=self.stages.link if self.stages is not None else None)
         if pc.dram_bytes:
             ssd = SsdTier(pc.ssd_dir, pc.ssd_bytes) if pc.ssd_dir else None
             segment = Segment(transfer, SegmentConfig(pc.dram_bytes), ssd)

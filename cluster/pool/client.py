@@ -14,6 +14,12 @@ and counters, refreshed every heartbeat). The bytes never pass through the metad
 * ``put`` / ``put_many``: write-then-publish on the segment with the most free DRAM (Mooncake
   Store's ``free_ratio_first``): allocate, write, seal (the owner checks the checksums and
   publishes), each one round trip for all the objects a segment takes.
+
+A pipeline group's stages share this work (``cluster.stage``): the first stage leases a prefix
+and reserves new objects; each stage reads and writes only its layers' parts, the later ones
+under the first stage's leases and reservations (``PoolRead.leases``, ``read_leased``,
+``PoolWrite.reservation``, ``write_reserved``), and the first stage seals with every stage's
+checksums.
 """
 
 from __future__ import annotations
@@ -61,8 +67,10 @@ class SegmentInfo:
 class PoolClient:
     """Thread-safe; blocking calls (run them off the event loop)."""
 
-    def __init__(self, transfer: TransferEngine | None, metadata: MetadataStore, *, segments_ttl_s: float = 1.0,
-                 transfer_timeout_s: float = 30.0) -> None:
+    def __init__(self, transfer: TransferEngine | None, metadata: MetadataStore | None, *,
+                 segments_ttl_s: float = 1.0, transfer_timeout_s: float = 30.0) -> None:
+        """``metadata`` None: a client that only reads and writes under another client's leases
+        and reservations (a later pipeline stage's)."""
         self._transfer = transfer
         self._metadata = metadata
         self._segments_ttl_s = segments_ttl_s
@@ -83,7 +91,7 @@ class PoolClient:
         with self._lock:
             if not refresh and now - self._segments_at < self._segments_ttl_s:
                 return self._segments
-        entries = self._metadata.get_prefix(SEGMENTS)
+        entries = self._meta().get_prefix(SEGMENTS)
         segments = {}
         for name, value in entries.items():
             segment_id = name[len(SEGMENTS):]
@@ -96,12 +104,17 @@ class PoolClient:
             self._placed.clear()
         return segments
 
+    def _meta(self) -> MetadataStore:
+        if self._metadata is None:
+            raise RuntimeError("this pool client has no metadata: it only works under another's leases")
+        return self._metadata
+
     def replicas(self, key: str) -> list[str]:
         return self.holders([key])[0]
 
     def holders(self, keys: Sequence[str]) -> list[list[str]]:
         """The segments the index lists for each of ``keys``, in one metadata read."""
-        found = self._metadata.get_prefixes([f"{OBJECTS}{key}/" for key in keys])
+        found = self._meta().get_prefixes([f"{OBJECTS}{key}/" for key in keys])
         by_key: dict[str, list[str]] = {}
         for name in found:
             key, _, segment_id = name[len(OBJECTS):].rpartition("/")
@@ -143,13 +156,15 @@ class PoolClient:
 
     # -- reading ------------------------------------------------------------------------------------
     def open_read(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int],
-                  dst_memory: memoryview, layerwise: bool = True) -> PoolRead:
+                  dst_memory: memoryview, layerwise: bool = True, parts: range | None = None) -> PoolRead:
         """Start reading the longest available run of ``keys`` into ``dst`` at ``offsets``
         (``dst_memory``: the same region as bytes, for the checksums), layer by layer: every
         part (layer) of every object is requested at once, in layer order, and
         ``PoolRead.wait_part(i)`` returns once part ``i`` of each object is in and verified.
         ``PoolRead.num_objects`` is the run that could be leased (0: nothing to read). Without
-        ``layerwise``, every part travels in one transfer (fewer round trips; part 0 waits for all)."""
+        ``layerwise``, every part travels in one transfer (fewer round trips; part 0 waits for all).
+        ``parts``: only these parts of each object (a pipeline stage's layers), held contiguous
+        at each offset; None: all."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         wanted = len(keys)
@@ -176,7 +191,7 @@ class PoolClient:
                     grants[i] = (s, got[j])
         n = next((i for i in range(cut) if i not in grants), cut)  # the leading run actually leased
         read = PoolRead(self, keys[:n], [grants[i] for i in range(n)], segments, dst, offsets[:n], dst_memory,
-                        layerwise)
+                        layerwise, parts)
         for i in range(n, len(keys)):
             if i in grants:  # leased beyond a gap: of no use to a prefix
                 self._release({i: grants[i]}, segments)
@@ -193,11 +208,24 @@ class PoolClient:
         failed replica: what did not arrive is the caller's to compute."""
         read = self.open_read(keys, dst, offsets, dst_memory, layerwise=False)
         try:
-            for part in range(read.num_parts):
+            for part in read.parts:
                 read.wait_part(part)
             return read.good
         finally:
             read.close()
+
+    def read_leased(self, leases: dict, dst: RegionHandle, offsets: Sequence[int], dst_memory: memoryview,
+                    parts: range) -> PoolRead:
+        """Start reading ``parts`` of the objects another client leased (``PoolRead.leases`` of
+        its read) into ``dst`` at ``offsets``, all in one transfer per segment. The other
+        client holds the leases until this read is closed; closing it releases nothing."""
+        if self._transfer is None:
+            raise RuntimeError("this pool client has no transfer engine")
+        segments = {s: SegmentInfo(s, str(d["address"]), RegionHandle.from_dict(d["handle"]), {})
+                    for s, d in leases["segments"].items()}
+        grants = [(str(s), dict(g)) for s, g in leases["grants"]]
+        return PoolRead(self, [g["key"] for _, g in grants], grants, segments, dst, offsets, dst_memory,
+                        False, parts, owns_leases=False)
 
     def _finished(self, read: PoolRead, used: bool) -> None:
         with self._lock:
@@ -255,17 +283,19 @@ class PoolClient:
         write.write()
         return write.seal(checksums)
 
-    def reserve(self, src: RegionHandle, objects: Sequence[NewObject], exclude: Sequence[str] = ()) -> PoolWrite:
+    def reserve(self, src: RegionHandle, objects: Sequence[NewObject], exclude: Sequence[str] = (),
+                parts: range | None = None) -> PoolWrite:
         """Allocate ``objects`` on the segments with the most free DRAM (Mooncake Store's
         ``free_ratio_first``), one ``alloc`` per segment: what one has no room for goes on to the
         next. Each segment allocates, and later seals and publishes, its share in the order
         given (a prefix goes tail first, so readers see its head last). The caller writes the
-        bytes into ``src`` (before or between ``PoolWrite.write`` calls), then seals or aborts."""
+        bytes into ``src`` (before or between ``PoolWrite.write`` calls), then seals or aborts.
+        ``parts``: ``src`` holds only these parts of each object (``PoolWrite``)."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         places: list[tuple[SegmentInfo, int] | None] = [None] * len(objects)
         if not objects:
-            return PoolWrite(self, src, objects, places)
+            return PoolWrite(self, src, objects, places, parts)
         segments = self.segments()
         largest = max(o.nbytes for o in objects)
         with self._lock:
@@ -293,7 +323,20 @@ class PoolClient:
                     with self._lock:
                         self._placed[seg.segment_id] += objects[i].nbytes
             todo = todo[len(offsets):]
-        return PoolWrite(self, src, objects, places)
+        return PoolWrite(self, src, objects, places, parts)
+
+    def write_reserved(self, reservation: dict, src: RegionHandle, offsets: Sequence[int], parts: range) -> PoolWrite:
+        """The objects another client reserved (``PoolWrite.reservation``), for writing
+        ``parts`` of each from ``src`` at ``offsets`` (those parts contiguous): ``write(part)``
+        then ``settle``; the other client seals or aborts."""
+        if self._transfer is None:
+            raise RuntimeError("this pool client has no transfer engine")
+        objects, places = [], []
+        for (key, nbytes, part_bytes), offset, place in zip(reservation["objects"], offsets, reservation["places"]):
+            objects.append(NewObject(str(key), offset, int(nbytes), int(part_bytes)))
+            places.append(None if place is None else (
+                SegmentInfo(str(place[0]), str(place[1]), RegionHandle.from_dict(place[2]), {}), int(place[3])))
+        return PoolWrite(self, src, objects, places, parts)
 
 
 @dataclass(frozen=True)
@@ -314,11 +357,14 @@ class PoolWrite:
     no room for, has no place and is skipped throughout."""
 
     def __init__(self, client: PoolClient, src: RegionHandle, objects: Sequence[NewObject],
-                 places: list[tuple[SegmentInfo, int] | None]) -> None:
+                 places: list[tuple[SegmentInfo, int] | None], parts: range | None = None) -> None:
+        """``parts``: the parts of each object ``src`` holds, contiguous from the object's
+        offset (a pipeline stage's layers); None: all."""
         self._client = client
         self._src = src
         self.objects = list(objects)
         self.places = places
+        self.parts = parts
         self._batches: list[tuple[str, Batch]] = []
         self._done = False
 
@@ -333,16 +379,28 @@ class PoolWrite:
                 groups.setdefault(place[0].segment_id, (place[0], []))[1].append(i)
         return groups
 
+    def reservation(self) -> dict:
+        """The objects and their places as plain data, for ``PoolClient.write_reserved``."""
+        return {"objects": [[o.key, o.nbytes, o.part_bytes] for o in self.objects],
+                "places": [None if p is None else [p[0].segment_id, p[0].address, p[0].handle.to_dict(), p[1]]
+                           for p in self.places]}
+
     def write(self, part: int | None = None) -> None:
         """Start writing part ``part`` of every placed object (None: the whole objects), one
         batch per segment; returns at once (safe on the engine thread)."""
+        if part is None and self.parts is not None:
+            raise ValueError("a write of some parts goes part by part")
         transfer = self._client._transfer
+        held = 0 if self.parts is None else self.parts.start
         for seg, idx in self._by_segment().values():
             entries = []
             for i in idx:
                 o, off = self.objects[i], self.places[i][1]
-                start, size = (0, o.nbytes) if part is None else (part * o.part_bytes, o.part_bytes)
-                entries.append((self._src, o.offset + start, seg.handle, off + start, size))
+                if part is None:
+                    entries.append((self._src, o.offset, seg.handle, off, o.nbytes))
+                else:
+                    entries.append((self._src, o.offset + (part - held) * o.part_bytes, seg.handle,
+                                    off + part * o.part_bytes, o.part_bytes))
             self._batches.append((seg.segment_id, transfer.write(seg.address, entries)))
 
     def seal(self, checksums: Sequence[list[int]]) -> list[str | None]:
@@ -351,7 +409,7 @@ class PoolWrite:
         objects aborted instead."""
         client, transfer = self._client, self._client._transfer
         self._done = True
-        failed = self._settle()
+        failed = self.settle()
         placed: list[str | None] = [None] * len(self.objects)
         for segment_id, (seg, idx) in self._by_segment().items():
             keys = [self.objects[i].key for i in idx]
@@ -378,14 +436,14 @@ class PoolWrite:
         if self._done:
             return
         self._done = True
-        self._settle()
+        self.settle()
         for seg, idx in self._by_segment().values():
             try:
                 self._client._transfer.call(seg.address, {"op": "abort", "keys": [self.objects[i].key for i in idx]})
             except TransferError as exc:
                 log.info("pool: abort on segment %s failed: %s", seg.segment_id, exc)
 
-    def _settle(self) -> set[str]:
+    def settle(self) -> set[str]:
         """Wait for every write; the segments one failed on."""
         failed = set()
         for segment_id, batch in self._batches:
@@ -407,7 +465,7 @@ class PoolRead:
 
     def __init__(self, client: PoolClient, keys: list[str], grants: list[tuple[str, dict]],
                  segments: dict[str, SegmentInfo], dst: RegionHandle, offsets: Sequence[int], memory: memoryview,
-                 layerwise: bool = True) -> None:
+                 layerwise: bool = True, parts: range | None = None, owns_leases: bool = True) -> None:
         self._client = client
         self.keys = keys
         self.grants = grants
@@ -415,36 +473,55 @@ class PoolRead:
         self._offsets = list(offsets)
         self._memory = memory
         self.segments_used = sorted({s for s, _ in grants})
-        self.num_parts = len(grants[0][1]["checksums"]) if grants else 0
+        total = len(grants[0][1]["checksums"]) if grants else 0
+        self.parts = range(total) if parts is None else parts  # the parts read, contiguous at each offset
+        if self.parts.stop > total and grants:
+            raise ValueError(f"parts {self.parts} of objects of {total} parts")
+        self._owns_leases = owns_leases
         self.good = len(grants)  # leading objects intact in every part waited for so far
+        self._checked: set[int] = set()
         self._closed = False
-        # batches[part]: one batch per segment, so one slow or dead segment fails only its objects.
-        # Not layer-wise: batches[0] carries every part (an object is one contiguous copy), the
-        # others none.
+        # batches[part - first part]: one batch per segment, so one slow or dead segment fails
+        # only its objects. Not layer-wise: the first part's batches carry every part (an
+        # object's parts are one contiguous copy), the others none.
         self._batches: list[list[tuple[str, Batch]]] = []
         transfer = client._transfer
-        for part in range(self.num_parts):
+        first = self.parts.start
+        for part in self.parts:
             per_segment: dict[str, list] = {}
             if layerwise:
-                parts = [part]
+                entries = [(i, part, 1) for i in range(len(grants))]
             else:
-                parts = list(range(self.num_parts)) if part == 0 else []
-            for i, (s, g) in enumerate(grants):
+                entries = [(i, first, len(self.parts)) for i in range(len(grants))] if part == first else []
+            for i, p, count in entries:
+                s, g = grants[i]
                 size = g["part_bytes"]
-                for p in parts:
-                    per_segment.setdefault(s, []).append(
-                        (dst, self._offsets[i] + p * size, segments[s].handle, g["offset"] + p * size, size))
+                per_segment.setdefault(s, []).append((dst, self._offsets[i] + (p - first) * size, segments[s].handle,
+                                                      g["offset"] + p * size, count * size))
             self._batches.append([(s, transfer.read(segments[s].address, entries)) for s, entries in per_segment.items()])
 
     @property
     def num_objects(self) -> int:
         return len(self.grants)
 
+    def leases(self) -> dict:
+        """The objects read and the leases held on them, as plain data: another client reads
+        them with ``PoolClient.read_leased`` while this read stays open."""
+        return {"segments": {s: {"address": self.segments[s].address, "handle": self.segments[s].handle.to_dict()}
+                             for s in self.segments_used},
+                "grants": [[s, g] for s, g in self.grants]}
+
     def wait_part(self, part: int) -> bool:
-        """Wait for part ``part`` of every object and check its checksums. True when every
-        object's part is intact; otherwise ``good`` drops to the objects before the first one
-        that is not (a failed transfer fails every object of its segment)."""
-        for s, batch in self._batches[part]:
+        """Wait for part ``part`` (one of ``parts``) of every object and check its checksums
+        (once: a part waited for again is not checked again). True when every object's part
+        is intact; otherwise ``good`` drops to the objects before the first one that is not (a
+        failed transfer fails every object of its segment)."""
+        if part not in self.parts:
+            raise ValueError(f"part {part} is not among the parts read, {self.parts}")
+        if part in self._checked:
+            return self.good == self.num_objects
+        self._checked.add(part)
+        for s, batch in self._batches[part - self.parts.start]:
             try:
                 batch.wait(self._client._timeout_s)
             except (TransferError, TimeoutError) as exc:
@@ -452,7 +529,7 @@ class PoolRead:
                 self.good = min([self.good] + [i for i, (seg, _) in enumerate(self.grants) if seg == s])
         for i, (s, g) in enumerate(self.grants[: self.good]):
             size = g["part_bytes"]
-            start = self._offsets[i] + part * size
+            start = self._offsets[i] + (part - self.parts.start) * size
             if xxhash.xxh3_64_intdigest(self._memory[start : start + size]) != g["checksums"][part]:
                 log.warning("pool: object %s from segment %s failed its checksum; recomputing", self.keys[i], s)
                 self.good = i
@@ -460,8 +537,9 @@ class PoolRead:
         return self.good == self.num_objects
 
     def close(self, used: bool = True) -> None:
-        """Release the leases; call once, after the last ``wait_part`` (``used``: the reader
-        took the objects), or instead of it (``used=False``: e.g. the request went away)."""
+        """Release the leases (if this read holds them); call once, after the last
+        ``wait_part`` (``used``: the reader took the objects), or instead of it (``used=False``:
+        e.g. the request went away)."""
         if self._closed:
             return
         self._closed = True
@@ -472,4 +550,5 @@ class PoolRead:
                     batch.exception(self._client._timeout_s)
                 except Exception:  # noqa: BLE001 -- timed out or cancelled: the transport gave up
                     pass
-        self._client._finished(self, used)
+        if self._owns_leases:
+            self._client._finished(self, used)
