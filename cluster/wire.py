@@ -30,11 +30,15 @@ def output_to_dict(out: RequestOutput) -> dict[str, Any]:
     return d
 
 
+def _logprobs(lp: dict[str, Any]) -> Logprobs:
+    return Logprobs(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
+
+
 def output_from_dict(d: dict[str, Any]) -> RequestOutput:
     d = dict(d)
-    d["logprobs"] = [
-        Logprobs(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]]) for lp in d.get("logprobs", [])
-    ]
+    d["logprobs"] = [_logprobs(lp) for lp in d.get("logprobs", [])]
+    if d.get("prompt_logprobs") is not None:
+        d["prompt_logprobs"] = [None if lp is None else _logprobs(lp) for lp in d["prompt_logprobs"]]
     state = d.get("sampler_state")
     d["sampler_state"] = None if state is None else base64.b64decode(state)
     return RequestOutput(**d)

@@ -216,6 +216,11 @@ class KVHandoff:
             load.close(used=False)
             raise
         bm = e.block_manager
+        if seq.needs_prompt_logprobs:  # every prompt position computes here
+            load.close(used=False)
+            e.seqs[request_id] = seq
+            e.scheduler.add(seq)
+            return
         cached = bm.match_prefix(seq.block_table, seq.token_ids) // bs
         if start_block <= cached < end and bm.can_grow(seq.block_table, end * bs):
             bm.grow(seq.block_table, end * bs)

@@ -19,6 +19,7 @@ class GenerationResult:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] | None = None  # when ``SamplingParams.prompt_logprobs`` asked
 
 
 class LLM:
@@ -58,6 +59,8 @@ class LLM:
                     r.text += out.new_text
                     r.token_ids.extend(out.new_token_ids)
                     r.logprobs.extend(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        r.prompt_logprobs = out.prompt_logprobs
                     r.num_cached_tokens = out.num_cached_tokens
                     if out.finished:
                         r.finish_reason = out.finish_reason

@@ -22,7 +22,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_layout import unpack_layer
 from engine.model_runner import ModelRunner
 from engine.prompt import check_fits, prompt_token_ids
-from engine.sampler import Logprobs, Sampler
+from engine.sampler import Logprobs, Sampler, score_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -45,6 +45,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[Logprobs] = field(default_factory=list)
+    # With the first token of a request that asked for them: prompt token i's logprob at index i
+    # (None for the first token, which nothing precedes).
+    prompt_logprobs: list[Logprobs | None] | None = None
     # Set when a prefill instance hands the request off (finish_reason "handoff"): the state of
     # its seeded generator after the first token, so the decode instance samples as we would.
     sampler_state: bytes | None = None
@@ -216,7 +219,7 @@ class LLMEngine:
             handed_on = ([c.to_dict() for c in chunks],
                          [{"request_id": seq.request_id, "block_ids": seq.kv_load.block_ids, "skip": seq.kv_load.skip}
                           for seq in loading])
-        logits, sampling = self.runner.run(batch, on_layer, before_layer, handed_on)
+        logits, sampling, scores = self.runner.run(batch, on_layer, before_layer, handed_on)
         outputs = []
         for seq in loading:
             if seq in failed:
@@ -234,6 +237,10 @@ class LLMEngine:
                 )
             seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.commit(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        for seq, positions, rows in scores:
+            if seq not in failed:
+                seq.prompt_logprobs.extend(score_tokens(rows, [seq.token_ids[p + 1] for p in positions],
+                                                        seq.params.prompt_logprobs))
         if failed:
             keep = [i for i, s in enumerate(sampling) if s.seq not in failed]
             logits, sampling = logits[keep], [sampling[i] for i in keep]
@@ -309,6 +316,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=[logprobs] if logprobs is not None else [],
+            prompt_logprobs=seq.prompt_logprobs if seq.num_output_tokens == 1 else None,
             sampler_state=sampler_state,
         )
 

@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -178,32 +179,49 @@ class ModelRunner:
         self, batch: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None,
         before_layer: Callable[[int], None] | None = None,
         handed_on: tuple[list[dict], list[dict]] | None = None,
-    ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step; returns logits for the sequences that sample, and those sequences.
+    ) -> tuple[torch.Tensor, list[ScheduledSeq], list[tuple[Sequence, range, torch.Tensor]]]:
+        """Run one step; returns logits for the sequences that sample, those sequences, and the
+        prompt positions scored (sequences that asked for prompt logprobs: each with the
+        positions of its chunk still unscored and their logits, ``Sequence.prompt_logprob_positions``).
 
         ``on_layer`` and ``before_layer`` are passed to the model (called after each layer's KV
         is written, and before each layer runs). A first pipeline stage hands the step on with
         ``handed_on``: its prompt chunks and its KV loads (``StageStep.chunks``, ``.loads``)."""
         input_ids, positions, meta, ordered = self.prepare(batch)
         last, rows, sampling = -1, [], []
+        scoring, score_rows = [], []
         for s in ordered:
+            start = s.seq.num_computed_tokens
+            scored = s.seq.prompt_logprob_positions(start, start + s.num_new_tokens)
+            if scored:
+                scoring.append((s.seq, scored))
+                score_rows.extend(last + 1 + p - start for p in scored)
             last += s.num_new_tokens
             if s.samples:
                 rows.append(last)
                 sampling.append(s)
+        n_sampling = len(rows)
+        # Only the sequences that asked pay for the LM head over their prompt positions.
+        rows += score_rows
         if not self.model.last and self.downstream is None:
             raise RuntimeError("a first pipeline stage has no stage after it to send its steps to")
         step = None if self.model.last else self._stage_step(positions, meta, rows, *(handed_on or ([], [])))
         out = self.model(input_ids, positions, meta, self._tensor(rows, torch.int64), on_layer, before_layer)
         if step is None:
-            return out, sampling
-        sent = self.downstream.send(step, out)
-        # A step without a sampling sequence does not wait: the next chunk computes here while
-        # the stages after this one take this one. One the next stage refused fails at once.
-        logits = sent.result() if rows or sent.done() else None
-        if logits is None:
-            logits = torch.empty(0, self.model_config.vocab_size, device=self.device)
-        return logits.to(self.device), sampling
+            logits = out
+        else:
+            sent = self.downstream.send(step, out)
+            # A step without a sampling sequence does not wait: the next chunk computes here while
+            # the stages after this one take this one. One the next stage refused fails at once.
+            logits = sent.result() if rows or sent.done() else None
+            if logits is None:
+                logits = torch.empty(0, self.model_config.vocab_size, device=self.device)
+            logits = logits.to(self.device)
+        scores, at = [], n_sampling
+        for seq, scored in scoring:
+            scores.append((seq, scored, logits[at : at + len(scored)]))
+            at += len(scored)
+        return logits[:n_sampling], sampling, scores
 
     def _stage_step(self, positions: torch.Tensor, meta: AttentionMetadata, rows: list[int],
                     chunks: list[dict], loads: list[dict]) -> StageStep:

@@ -9,6 +9,8 @@ Order of operations for each row (vLLM conventions):
 Requested logprobs are the log-softmax of the logits after step 1 and the temperature
 division of step 3 (greedy rows: after penalties only, i.e. temperature 1), before any
 top-k/top-p/min-p truncation, so alternatives outside the truncated set still get a value.
+Prompt tokens are scored raw instead (``score_tokens``: no penalties, no temperature), as vLLM
+reports prompt logprobs.
 
 Sampling draws q ~ Exp(1) per vocabulary entry and takes argmax(probs / q), which picks token
 i with probability probs[i]. The noise of a seeded row comes only from that request's own
@@ -252,13 +254,29 @@ def _fill_logprobs(
     params: list[SamplingParams],
 ) -> None:
     """`logprobs` holds only `rows`, in order; fills records[row] for each of them."""
-    chosen = logprobs.gather(1, _rows(tokens.unsqueeze(1), rows)).squeeze(1).tolist()
-    width = min(max(params[i].logprobs or 0 for i in rows), logprobs.shape[1])
-    values: list[list[float]] = [[] for _ in rows]
-    ids: list[list[int]] = [[] for _ in rows]
+    found = _records(logprobs, _rows(tokens.unsqueeze(1), rows), [token_ids[r] for r in rows],
+                     [params[r].logprobs or 0 for r in rows])
+    for row, record in zip(rows, found):
+        records[row] = record
+
+
+def score_tokens(logits: torch.Tensor, targets: list[int], k: int) -> list[Logprobs]:
+    """Raw logprobs of ``targets`` (one per row of ``logits``): the log-softmax of the model's
+    logits as they are (no penalties, no temperature), each with its ``k`` most likely
+    alternatives. How prompt tokens are scored."""
+    logprobs = logits.float().log_softmax(-1)
+    index = torch.tensor(targets, dtype=torch.int64, device=logits.device).unsqueeze(1)
+    return _records(logprobs, index, targets, [k] * len(targets))
+
+
+def _records(logprobs: torch.Tensor, index: torch.Tensor, token_ids: list[int], widths: list[int]) -> list[Logprobs]:
+    """Row j: the logprob of ``token_ids[j]`` (``index``: the same ids as a ``[rows, 1]``
+    tensor) and the ``widths[j]`` highest alternatives."""
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    width = min(max(widths, default=0), logprobs.shape[1])
+    values: list[list[float]] = [[] for _ in token_ids]
+    ids: list[list[int]] = [[] for _ in token_ids]
     if width > 0:
         top_values, top_ids = logprobs.topk(width, dim=-1)  # sorted, highest first
         values, ids = top_values.tolist(), top_ids.tolist()
-    for j, row in enumerate(rows):
-        n = params[row].logprobs or 0
-        records[row] = Logprobs(token_ids[row], chosen[j], list(zip(ids[j][:n], values[j][:n])))
+    return [Logprobs(t, chosen[j], list(zip(ids[j][:n], values[j][:n]))) for j, (t, n) in enumerate(zip(token_ids, widths))]

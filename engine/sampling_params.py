@@ -84,6 +84,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Score the prompt too: each prompt token's logprob (the first has none) with this many top
+    # alternatives, raw (the model's log-softmax, before penalties and temperature). None: off.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -126,10 +129,13 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
-        if self.logprobs is not None:
-            self.logprobs = _integer("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= _MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be None or in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _integer(name, value)
+                if not 0 <= value <= _MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be None or in [0, {_MAX_LOGPROBS}], got {value}")
+                setattr(self, name, value)
 
         self.skip_special_tokens = _boolean("skip_special_tokens", self.skip_special_tokens)
 

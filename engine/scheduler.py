@@ -103,7 +103,7 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
-            if not seq.block_table.block_ids:
+            if not seq.block_table.block_ids and not seq.needs_prompt_logprobs:
                 seq.num_computed_tokens = self.block_manager.match_prefix(
                     seq.block_table, seq.token_ids
                 )

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import SamplingState
+from engine.sampler import Logprobs, SamplingState
 from engine.sampling_params import SamplingParams
 from paged_kv import BlockTable
 
@@ -74,6 +74,8 @@ class Sequence:
         self.num_preemptions = 0
         # KV for some prompt blocks that arrives while the first step runs (engine.llm_engine.KVLoad)
         self.kv_load: PendingKVLoad | None = None
+        # Prompt token i's logprob at index i, as the chunks compute them (the first token has none).
+        self.prompt_logprobs: list[Logprobs | None] | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +92,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to compute: every prompt position
+        must run here, none may come from a cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """The positions of a chunk ``[start, end)`` whose logits score a prompt token not
+        scored yet (position ``p``'s logits score token ``p + 1``)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        lo = max(start, len(self.prompt_logprobs) - 1)
+        return range(lo, max(lo, min(end, self.num_prompt_tokens - 1)))
 
     def drop_kv_load(self) -> None:
         """The blocks a load was to fill are given back: the load is not needed any more."""

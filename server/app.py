@@ -48,6 +48,7 @@ from starlette.routing import Route
 
 from engine.llm_engine import RequestOutput
 from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
+from engine.tokenizer import Tokenizer
 from server.metrics import RequestTracker, ServerMetrics
 from server.protocol import (
     Choice,
@@ -167,7 +168,7 @@ class _Generation:
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
-        self.choices = [Choice(i) for i in range(parsed.num_choices)]
+        self.choices = [Choice(i, keep_output=not parsed.score_only) for i in range(parsed.num_choices)]
 
     def start(self, request: Request) -> None:
         p = self.parsed
@@ -362,10 +363,11 @@ class OpenAIServer:
                     "finish_reason": c.finish_reason,
                 })
             else:
+                echo = _echo(p, c.index)
                 choices.append({
                     "index": c.index,
-                    "text": c.text,
-                    "logprobs": completion_logprobs(tok, c.logprobs) if p.logprobs is not None else None,
+                    "text": echo + c.text,
+                    "logprobs": _completion_logprobs(tok, p, c, c.logprobs, 0) if p.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
                 })
         return JSONResponse({
@@ -396,15 +398,21 @@ class OpenAIServer:
             c = gen.choices[index]
             offset = len(c.text)
             c.add(out)
-            if not out.new_text and not out.finished and not (p.logprobs is not None and out.logprobs):
+            new_text, new_logprobs = (out.new_text, out.logprobs) if c.keep_output else ("", [])
+            echo = "" if c.echoed else _echo(p, index)  # the prompt goes out with a choice's first delta
+            c.echoed = True
+            if not new_text and not echo and not out.finished and not (p.logprobs is not None and new_logprobs):
                 return None
-            reason = out.finish_reason if out.finished else None
+            reason = c.finish_reason if out.finished else None
             if chat:
-                d = {"content": out.new_text} if out.new_text else {}
-                lp = chat_logprobs(tok, out.logprobs) if p.logprobs is not None else None
+                d = {"content": new_text} if new_text else {}
+                lp = chat_logprobs(tok, new_logprobs) if p.logprobs is not None else None
                 return chunk([{"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}])
-            lp = completion_logprobs(tok, out.logprobs, offset) if p.logprobs is not None else None
-            return chunk([{"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}])
+            lp = None
+            if p.logprobs is not None:
+                lp = (_completion_logprobs(tok, p, c, new_logprobs, 0) if echo
+                      else completion_logprobs(tok, new_logprobs, len(_echo(p, index)) + offset))
+            return chunk([{"index": index, "text": echo + new_text, "logprobs": lp, "finish_reason": reason}])
 
         try:
             if chat:
@@ -434,6 +442,22 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         finally:
             gen.close()
+
+
+def _echo(p: ParsedRequest, index: int) -> str:
+    """The prompt text choice ``index`` starts with (``echo``), or nothing."""
+    return p.echo_texts[index // p.n] if p.echo_texts is not None else ""
+
+
+def _completion_logprobs(tok: Tokenizer, p: ParsedRequest, c: Choice, lps: list, offset: int) -> dict[str, Any]:
+    """A choice's logprobs from its start: with ``echo``, its prompt's tokens first."""
+    if p.echo_texts is None:
+        return completion_logprobs(tok, lps, offset)
+    prompt = c.prompt_logprobs
+    if prompt is None:  # echo without prompt logprobs asked: impossible, they come with logprobs
+        raise RuntimeError("an echoed choice has no prompt logprobs")
+    return completion_logprobs(tok, lps, prompt=prompt, prompt_ids=p.prompts[c.index // p.n],
+                               after_prompt=len(_echo(p, c.index)) + offset)
 
 
 def build_app(

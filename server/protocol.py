@@ -149,6 +149,9 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None  # top alternatives per token (0: only the chosen one); None: off
     extra: dict[str, Any] = field(default_factory=dict)
+    # Completions with ``echo``: each choice's text (and logprobs) start with its prompt's.
+    echo_texts: list[str] | None = None
+    score_only: bool = False  # ``max_tokens`` 0: the prompt is scored, nothing is generated
 
     @property
     def num_choices(self) -> int:
@@ -225,7 +228,7 @@ def _common(body: dict, kind: str) -> tuple[dict[str, Any], int, bool, bool]:
 
 def _build_params(
     prompts: list[list[int]], fields: dict, max_tokens: int | None, logprobs: int | None,
-    n: int, limits: ModelLimits, max_tokens_key: str,
+    n: int, limits: ModelLimits, max_tokens_key: str, prompt_logprobs: int | None = None,
 ) -> list[list[SamplingParams]]:
     limit = limits.max_model_len
     if limits.kv_capacity_tokens is not None:
@@ -252,7 +255,7 @@ def _build_params(
             if f["seed"] is not None:
                 f["seed"] += j
             try:
-                row.append(SamplingParams(max_tokens=tokens, logprobs=logprobs, **f))
+                row.append(SamplingParams(max_tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **f))
             except ValueError as e:  # defence in depth: the engine's own checks
                 raise ProtocolError(str(e)) from None
         out.append(row)
@@ -262,12 +265,13 @@ def _build_params(
 def parse_completion(body: Any, limits: ModelLimits) -> ParsedRequest:
     fields, n, stream, include_usage = _common(body, "completion")
     model = check_model(body, limits.name)
-    if _boolean(body, "echo", False):
-        raise ProtocolError("'echo' is not supported", "echo")
+    echo = _boolean(body, "echo", False)
     if _string(body, "suffix"):
         raise ProtocolError("'suffix' is not supported", "suffix")
     logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
-    max_tokens = _integer(body, "max_tokens", None, 1)
+    max_tokens = _integer(body, "max_tokens", None, 0)
+    if max_tokens == 0 and not echo:
+        raise ProtocolError("'max_tokens' must be at least 1 (0 only with 'echo', to score the prompt)", "max_tokens")
     prompt = body.get("prompt")
     if prompt is None:
         raise ProtocolError("'prompt' is required", "prompt")
@@ -293,8 +297,12 @@ def parse_completion(body: Any, limits: ModelLimits) -> ParsedRequest:
         prompts.append(ids)
     if len(prompts) * n > MAX_CHOICES:
         raise ProtocolError(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
-    params = _build_params(prompts, fields, max_tokens, logprobs, n, limits, "max_tokens")
-    return ParsedRequest("completion", model, prompts, params, n, stream, include_usage, logprobs)
+    # Scoring only still samples one token (its logits are computed anyway), which the answer leaves out.
+    params = _build_params(prompts, fields, max_tokens or (None if max_tokens is None else 1), logprobs, n, limits,
+                           "max_tokens", logprobs if echo else None)
+    echo_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in raw] if echo else None
+    return ParsedRequest("completion", model, prompts, params, n, stream, include_usage, logprobs,
+                         echo_texts=echo_texts, score_only=max_tokens == 0)
 
 
 def _message_content(msg: dict, i: int) -> str | None:
@@ -315,6 +323,8 @@ def _message_content(msg: dict, i: int) -> str | None:
 def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
     fields, n, stream, include_usage = _common(body, "chat")
     model = check_model(body, limits.name)
+    if _boolean(body, "echo", False):
+        raise ProtocolError("'echo' is only supported on /v1/completions", "echo")
     want_logprobs = _boolean(body, "logprobs", False)
     top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -369,26 +379,34 @@ def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
 class Choice:
     """Accumulates one choice's deltas (text, tokens, logprobs, finish reason)."""
 
-    __slots__ = ("index", "text", "num_tokens", "logprobs", "finish_reason", "num_prompt_tokens",
-                 "num_cached_tokens")
+    __slots__ = ("index", "text", "num_tokens", "logprobs", "prompt_logprobs", "finish_reason",
+                 "num_prompt_tokens", "num_cached_tokens", "keep_output", "echoed")
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, keep_output: bool = True):
+        """``keep_output`` False: the prompt is only scored (``max_tokens`` 0), and the token the
+        engine sampled after it is left out of the answer."""
         self.index = index
         self.text = ""
         self.num_tokens = 0
         self.logprobs: list[Logprobs] = []
+        self.prompt_logprobs: list[Logprobs | None] | None = None
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.keep_output = keep_output
+        self.echoed = False  # streaming: the prompt text went out already (``echo``)
 
     def add(self, out: RequestOutput) -> None:
-        self.text += out.new_text
-        self.num_tokens = out.num_output_tokens
-        self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if self.keep_output:
+            self.text += out.new_text
+            self.num_tokens = out.num_output_tokens
+            self.logprobs.extend(out.logprobs)
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason = out.finish_reason if self.keep_output else "length"
 
 
 def usage(choices: list[Choice], n: int, prompt_lens: list[int]) -> dict[str, Any]:
@@ -411,19 +429,39 @@ def token_text(tok: Tokenizer, token_id: int) -> str:
     return tok.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tok: Tokenizer, lps: list[Logprobs], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(tok: Tokenizer, lps: list[Logprobs], offset: int = 0,
+                        prompt: list[Logprobs | None] | None = None, prompt_ids: list[int] | None = None,
+                        after_prompt: int = 0) -> dict[str, Any]:
+    """OpenAI's completion ``logprobs`` of ``lps`` (generated tokens; their text starts at
+    ``offset``). With ``echo``, the prompt's tokens first (``prompt``: their logprobs, None for
+    the first token; ``prompt_ids``: the tokens), from offset 0, and the generated ones from
+    ``after_prompt`` (the echoed prompt text's length)."""
     tokens, token_lps, tops, offsets = [], [], [], []
+    if prompt is not None:
+        at = 0
+        for token_id, lp in zip(prompt_ids, prompt):
+            text = token_text(tok, token_id)
+            tokens.append(text)
+            token_lps.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else _top(tok, lp))
+            offsets.append(at)
+            at += len(text)
+        offset = after_prompt
     for lp in lps:
         text = token_text(tok, lp.token_id)
         tokens.append(text)
         token_lps.append(lp.logprob)
-        top: dict[str, float] = {}
-        for tid, value in lp.top:
-            top.setdefault(token_text(tok, tid), value)
-        tops.append(top)
+        tops.append(_top(tok, lp))
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _top(tok: Tokenizer, lp: Logprobs) -> dict[str, float]:
+    top: dict[str, float] = {}
+    for tid, value in lp.top:
+        top.setdefault(token_text(tok, tid), value)
+    return top
 
 
 def chat_logprobs(tok: Tokenizer, lps: list[Logprobs]) -> dict[str, Any]:

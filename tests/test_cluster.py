@@ -167,6 +167,23 @@ def test_streaming_and_chat_through_the_cluster(cluster, colocated):
     cluster.assert_clean()
 
 
+def test_prompt_logprobs_through_the_cluster_equal_the_colocated_engine(cluster, colocated):
+    # PROMPTS[1] and the long count are cached on a prefill instance by now: the scored request
+    # must still compute every position (and equal the colocated engine, which has no such hit).
+    prompts = [PROMPTS[1], PROMPTS[-1], "The capital of France is Paris"]
+    r = cluster.http.post("/v1/completions", json={"prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True,
+                                                   "temperature": 0, "seed": 1234})
+    assert r.status_code == 200, r.text
+    want = colocated.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for c, w in zip(r.json()["choices"], want):
+        lp = c["logprobs"]
+        assert c["text"].startswith(prompts[c["index"]])
+        assert lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:-1] == pytest.approx([e.logprob for e in w.prompt_logprobs[1:]], abs=1e-4)
+        assert len(lp["tokens"]) == len(w.prompt_token_ids) + 1
+    cluster.assert_clean()
+
+
 def test_hot_prefix_is_replicated_to_the_idle_prefill_instance(cluster, colocated):
     prefix = SHARED * 6  # ~160 tokens: 9 full blocks the request can reuse
     before = cluster.http.get("/stats").json()["migrations"]

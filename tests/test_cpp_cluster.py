@@ -130,6 +130,17 @@ def test_a_two_stage_group_answers_as_the_colocated_engine(group, cluster, coloc
     assert group.group_stats()["pool_client"]["stored_layerwise"] >= (len(colocated.tokenizer.encode(LONG)) - 1) // OBJECT_TOKENS
 
 
+def test_prompt_logprobs_come_back_through_the_stages(cluster, colocated):
+    # Every position of LONG (three chunks) is scored on the last stage, in the pool or not.
+    r = cluster.post("/v1/completions", json={"prompt": [LONG, PROMPTS[0]], "max_tokens": 1, "logprobs": 1,
+                                              "echo": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    want = colocated.generate([LONG, PROMPTS[0]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for c, w in zip(r.json()["choices"], want):
+        assert c["logprobs"]["token_logprobs"][1:-1] == pytest.approx([e.logprob for e in w.prompt_logprobs[1:]],
+                                                                      abs=1e-4)
+
+
 def test_a_second_turn_loads_the_first_turns_output_on_every_stage(group, cluster, colocated):
     first = "turn " + " ".join(f"turn{i}" for i in range(60)) + " Tell me a long story about the sea."
     r = cluster.post("/v1/completions", json={"prompt": first, "temperature": 0, "max_tokens": 160, "ignore_eos": True})

@@ -24,6 +24,7 @@ import pytest
 import uvicorn
 
 from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
 from server.__main__ import parse_args, read_cluster_secret
 from server.app import ServerSettings, build_app
 from engine.async_engine import AsyncLLMEngine
@@ -288,6 +289,73 @@ def test_logprobs(oai):
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
 
 
+SCORED = ["The capital of France is Paris", "Two plus two is four, and", "The capital of France is Rome"]
+
+
+def _scored_by_the_engine(prompts: list[str]) -> list[list]:
+    from engine import LLM
+
+    llm = LLM(threads=1, kv_cache_gib=0.05)
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    return [r.prompt_logprobs for r in got]
+
+
+def test_echo_with_logprobs_scores_the_prompts_as_vllm_answers(url, tokenizer):
+    # lm-evaluation-harness's loglikelihood request, as it sends it.
+    body = {"prompt": SCORED, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    want = _scored_by_the_engine(SCORED)
+    for prompt, c, engine in zip(SCORED, choices, want):
+        ids = tokenizer.encode(prompt)
+        lp = c["logprobs"]
+        assert c["text"].startswith(prompt) and len(c["text"]) > len(prompt)
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing precedes it
+        assert "".join(lp["tokens"]) == c["text"]
+        assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+        assert lp["token_logprobs"][1 : len(ids)] == pytest.approx([e.logprob for e in engine[1:]], abs=1e-4)
+        assert all(len(top) == 1 and max(top.values()) >= value - 1e-6
+                   for top, value in zip(lp["top_logprobs"][1:], lp["token_logprobs"][1:]))
+    paris, rome = (sum(c["logprobs"]["token_logprobs"][-2:-1]) for c in (choices[0], choices[2]))
+    assert paris > rome  # the model knows
+
+
+def test_echo_with_max_tokens_0_scores_without_generating(url, tokenizer):
+    r = post(url, "/v1/completions", {"prompt": SCORED[0], "max_tokens": 0, "logprobs": 0, "echo": True, "n": 2})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    for c in data["choices"]:
+        assert c["text"] == SCORED[0] and c["finish_reason"] == "length"
+        assert len(c["logprobs"]["tokens"]) == len(tokenizer.encode(SCORED[0]))
+        assert all(top == {} for top in c["logprobs"]["top_logprobs"][1:])  # logprobs 0: no alternatives
+    assert data["usage"]["completion_tokens"] == 0
+    # Echo without logprobs: the text only.
+    r = post(url, "/v1/completions", {"prompt": [tokenizer.encode(SCORED[1])], "max_tokens": 2, "echo": True,
+                                      "temperature": 0})
+    c = r.json()["choices"][0]
+    assert c["text"].startswith(SCORED[1]) and c["logprobs"] is None
+
+
+def test_echo_streams_the_prompt_first_and_equals_the_whole_answer(url):
+    body = {"prompt": SCORED[:2], "max_tokens": 3, "logprobs": 1, "echo": True, "temperature": 0}
+    whole = post(url, "/v1/completions", body).json()["choices"]
+    texts, tokens, values = ["", ""], [[], []], [[], []]
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                texts[c["index"]] += c["text"]
+                tokens[c["index"]] += c["logprobs"]["tokens"]
+                values[c["index"]] += c["logprobs"]["token_logprobs"]
+    for i, c in enumerate(whole):
+        assert texts[i] == c["text"] and tokens[i] == c["logprobs"]["tokens"]
+        assert values[i][0] is None and values[i][1:] == pytest.approx(c["logprobs"]["token_logprobs"][1:], abs=1e-6)
+
+
 def test_prefix_cache_reported(oai, url):
     prompt = "Here is a long shared preamble that repeats, " * 6 + "and the question is"
     first = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2, temperature=0)
@@ -304,6 +372,9 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 1.5}, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": PROMPT, "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
@@ -320,6 +391,7 @@ BAD_BODIES = [
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "model": 3}, "model"),
     ("/v1/completions", {"prompt": PROMPT, "min_tokens": 4}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),

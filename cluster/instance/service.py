@@ -141,9 +141,11 @@ class InstanceService:
                 await self.client.call(lambda _: handoff.add_sink(sender))
             if cfg.engine.stage is not None and cfg.engine.stage[1] > 1:
                 # The later pipeline stages: child processes, up before calibration runs through them.
-                # A step's hidden states and residual, or its sampled rows' logits (fp32 at most).
-                buffer = 4 * max(2 * cfg.engine.max_num_batched_tokens * facts["hidden_size"],
-                                 cfg.engine.max_num_seqs * facts["vocab_size"])
+                # A step's hidden states and residual, or its rows' logits (fp32 at most): one row per
+                # sampling sequence, and one per prompt position scored (prompt logprobs), so at
+                # most one per token. (Shared memory: only the pages a step touches are backed.)
+                tokens = cfg.engine.max_num_batched_tokens
+                buffer = 4 * tokens * max(2 * facts["hidden_size"], facts["vocab_size"])
                 self.stages = await loop.run_in_executor(None, lambda: StageGroup(
                     cfg.engine, transfer, cfg.secret, host, buffer, staging, cfg.transfer_timeout_s, self._stage_died,
                     pool=None if geometry is None else (geometry.blocks_per_object, pool_staging)))

@@ -61,7 +61,7 @@ class Serving:
         block_size = sender.layout.block_size
         if dest.skip_blocks + dest.num_blocks != -(-len(token_ids) // block_size):
             raise ValueError("destination block count does not match the prompt")
-        load = await self._prepare_load(request_id, token_ids)
+        load = await self._prepare_load(request_id, token_ids, params)
         storing = await self._plan_store(request_id, token_ids, load)
         try:
             output = await self._prefill_once(request_id, token_ids, params, dest, load)
@@ -149,9 +149,9 @@ class Serving:
             except TransferError:
                 pass
 
-    async def _prepare_load(self, request_id: str, token_ids: list[int]) -> PoolLoad | None:
-        if self._pool is None:
-            return None
+    async def _prepare_load(self, request_id: str, token_ids: list[int], params: SamplingParams) -> PoolLoad | None:
+        if self._pool is None or params.prompt_logprobs is not None:
+            return None  # a prompt scored token by token computes every position
         try:
             return await self._pool.prepare_load(request_id, token_ids)
         except (TimeoutError, TransferError, MetadataUnavailable) as exc:
@@ -189,7 +189,7 @@ class Serving:
         return stream if prompt is None else self._stored_after(prompt + [first], stream)
 
     async def whole(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        load = await self._prepare_load(request_id, token_ids)
+        load = await self._prepare_load(request_id, token_ids, params)
         failed = False
         try:
             stream = self._client.stream(request_id, self._start(request_id, token_ids, params, load))
