@@ -1,0 +1,114 @@
+"""A small fixed quality check of the engine in each precision: multiple choice and perplexity.
+
+Run with ``python -m bench.quality`` (``--help`` for the flags). Needs no download: both sets
+were written for this project and live in ``bench/quality_data/``:
+
+* ``multiple_choice.jsonl``: 32 everyday-knowledge questions with four answers each. Each answer
+  is scored as lm-evaluation-harness scores a multiple-choice task: the sum of the logprobs of
+  its tokens after ``Question: ...\\nAnswer:``; ``acc`` takes the best sum, ``acc_norm`` the best
+  sum per byte of the answer.
+* ``held_text.txt``: about 500 words of plain prose; perplexity = exp(-mean token logprob).
+
+Every logprob is the engine's prompt logprob (``SamplingParams.prompt_logprobs``, as ``echo`` +
+``logprobs`` serve them), so this also exercises that path. Each precision loads the model
+anew; float32 is the reference the others are compared with: how often they pick the same
+answer, and how far their token logprobs on the held text are from its. It takes seconds per
+precision on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.transfer import format_table
+from engine import LLM, SamplingParams
+
+DATA = Path(__file__).parent / "quality_data"
+
+
+@dataclass
+class Quality:
+    dtype: str
+    choices: list[int]  # the answer picked per question (by acc)
+    acc: float
+    acc_norm: float
+    perplexity: float
+    text_logprobs: list[float]  # the held text's token logprobs (every token after the first)
+    seconds: float
+
+
+def load_questions(path: Path = DATA / "multiple_choice.jsonl") -> list[dict]:
+    questions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for i, q in enumerate(questions):
+        if len(q["choices"]) < 2 or not 0 <= q["answer"] < len(q["choices"]):
+            raise ValueError(f"{path}: question {i} is malformed")
+    return questions
+
+
+def evaluate(llm: LLM, dtype: str, questions: list[dict], text: str) -> Quality:
+    """Score every answer of every question and the held text in one batch."""
+    tok = llm.tokenizer
+    prompts, spans = [], []  # spans[i]: (question, where the answer's tokens start, answer bytes)
+    for qi, q in enumerate(questions):
+        context = tok.encode(f"Question: {q['question']}\nAnswer:")
+        for choice in q["choices"]:
+            answer = tok.encode(" " + choice, add_special_tokens=False)
+            prompts.append(context + answer)
+            spans.append((qi, len(context), len((" " + choice).encode())))
+    held = tok.encode(text)
+    started = time.perf_counter()
+    results = llm.generate(prompts + [held], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    seconds = time.perf_counter() - started
+    sums: list[list[tuple[float, float]]] = [[] for _ in questions]
+    for r, (qi, start, nbytes) in zip(results, spans):
+        total = sum(lp.logprob for lp in r.prompt_logprobs[start:])
+        sums[qi].append((total, total / nbytes))
+    picked = [max(range(len(s)), key=lambda j: s[j][0]) for s in sums]
+    picked_norm = [max(range(len(s)), key=lambda j: s[j][1]) for s in sums]
+    text_lps = [lp.logprob for lp in results[-1].prompt_logprobs[1:]]
+    return Quality(
+        dtype, picked,
+        acc=sum(p == q["answer"] for p, q in zip(picked, questions)) / len(questions),
+        acc_norm=sum(p == q["answer"] for p, q in zip(picked_norm, questions)) / len(questions),
+        perplexity=math.exp(-sum(text_lps) / len(text_lps)), text_logprobs=text_lps, seconds=seconds)
+
+
+def report(results: list[Quality]) -> str:
+    ref = results[0]
+    rows = []
+    for q in results:
+        agree = sum(a == b for a, b in zip(q.choices, ref.choices)) / len(ref.choices)
+        drift = sum(abs(a - b) for a, b in zip(q.text_logprobs, ref.text_logprobs)) / len(ref.text_logprobs)
+        rows.append([q.dtype, f"{q.acc:.3f}", f"{q.acc_norm:.3f}", f"{q.perplexity:.3f}",
+                     f"{q.perplexity / ref.perplexity:.4f}", f"{agree:.3f}", f"{drift:.4f}", f"{q.seconds:.1f}"])
+    return format_table(["precision", "MC acc", "MC acc_norm", "perplexity", f"ppl / {ref.dtype}",
+                         f"same answers as {ref.dtype}", f"mean |Δ logprob| vs {ref.dtype}", "seconds"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the default model)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="precisions, comma-separated; the first is the reference (float32,bfloat16)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    args = parser.parse_args(argv)
+    questions = load_questions()
+    text = (DATA / "held_text.txt").read_text()
+    results = []
+    for dtype in args.dtypes.split(","):
+        llm = LLM(args.model, dtype=dtype, threads=args.threads, kv_cache_gib=0.25)
+        results.append(evaluate(llm, dtype, questions, text))
+        print(f"  {dtype}: acc {results[-1].acc:.3f}, perplexity {results[-1].perplexity:.3f}", flush=True)
+        del llm
+    print(f"{len(questions)} questions x 4 answers, {len(results[0].text_logprobs) + 1}-token held text")
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
