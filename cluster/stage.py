@@ -12,38 +12,27 @@ second.
 
 With the KVCache pool, each later stage reads and writes its own layers of the objects the
 first stage leases and reserves (``cluster.stage_pool.StagePool``, driven through the link's
-``pool_*`` calls).
+``pool_*`` calls). How the stages are started, found and watched: ``cluster.stage_group``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
-import os
 import queue
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from cluster.control_auth import MESSENGER, derive_key
 from cluster.kv_stream import KVDestination, KVSender
-from cluster.pool.config import model_identity
-from cluster.pool.objects import PoolGeometry
 from cluster.stage_pool import StagePool
-from cluster.staging import StagingArea
-from cluster.transfer import RegionHandle, TransferConfig, TransferEngine, TransferError
+from cluster.transfer import RegionHandle, TransferEngine, TransferError
 from cluster.transfer.protocol import Status
-from engine.config import EngineConfig, ModelConfig, parse_dtype
-from engine.cpu_runtime import configure_cpu_runtime
-from engine.default_model import resolve_model
+from engine.config import parse_dtype
 from engine.kv_layout import KVLayout
 from engine.llm_engine import PromptChunk
 from engine.model_runner import ModelRunner, StageStep
@@ -125,6 +114,7 @@ class StageLink:
         self._lock = threading.Lock()
         self._failed: str | None = None
         transfer.serve(self._on_logits, ("stage_logits",))
+        transfer.serve(_pong, ("stage_ping",))  # the later stages' liveness checks
 
     @property
     def peer(self) -> StagePeer:
@@ -265,6 +255,7 @@ class StageWorker:
         transfer.serve(self._on_kv, ("stage_expect", "stage_finish"))
         transfer.serve(self._on_pool, ("stage_pool_load", "stage_pool_unload", "stage_pool_store",
                                        "stage_pool_store_end"))
+        transfer.serve(_pong, ("stage_ping",))  # the first stage's liveness checks
         self._thread = threading.Thread(target=self._loop, name="stage worker", daemon=True)
         self._thread.start()
 
@@ -362,141 +353,10 @@ class StageWorker:
                     pass  # the first stage is gone too
 
 
-class StageGroup:
-    """The later stages of a first-stage prefill instance, as its child processes (``python -m
-    cluster.stage``), chained: the instance's ``link`` sends to the second stage, each to the
-    next, the last back to the instance. A stage exits when the instance closes its stdin."""
-
-    def __init__(self, engine: EngineConfig, transfer: TransferEngine, secret: bytes, host: str, buffer_bytes: int,
-                 staging_bytes: int, timeout_s: float, on_death: Callable[[str], None], startup_s: float = 300.0,
-                 pool: tuple[int, int] | None = None) -> None:
-        """``on_death(reason)`` runs (on a watcher thread) when a stage process ends by itself:
-        the group cannot compute any more. ``pool``: the group is in a KVCache pool, with
-        objects of this many engine blocks, and each stage has this much pool staging."""
-        assert engine.stage is not None and engine.stage[0] == 0
-        stages = engine.stage[1]
-        self.processes: list[subprocess.Popen] = []
-        self._closing = threading.Event()
-        peers: list[StagePeer] = []
-        try:
-            for i in range(1, stages):
-                fields = {**asdict(engine), "stage": [i, stages]}
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "cluster.stage", "--engine", json.dumps(fields), "--host", host,
-                     "--buffer-bytes", str(buffer_bytes), "--staging-bytes", str(staging_bytes),
-                     "--timeout-s", str(timeout_s)]
-                    + ([] if pool is None else ["--pool-blocks-per-object", str(pool[0]),
-                                                "--pool-staging-bytes", str(pool[1])]),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                    env={**os.environ, "MOONCAKE_CLUSTER_SECRET": secret.decode()})
-                self.processes.append(proc)
-                # A stage loading its weights takes a while; one that dies says so by EOF.
-                timer = threading.Timer(startup_s, proc.kill)
-                timer.start()
-                try:
-                    line = proc.stdout.readline()
-                finally:
-                    timer.cancel()
-                if not line.startswith("stage ready "):
-                    raise RuntimeError(f"pipeline stage {i} of {stages} did not start (exit {proc.poll()})")
-                peers.append(_peer(json.loads(line[len("stage ready "):])))
-            self.link = StageLink(transfer, buffer_bytes, timeout_s)
-            self.link.next, self.link.followers = peers[0], peers
-            for i, proc in enumerate(self.processes):
-                after = peers[i + 1] if i + 1 < len(peers) else None
-                proc.stdin.write(json.dumps({"next": _peer_dict(after), "first": _peer_dict(self.link.peer)}) + "\n")
-                proc.stdin.flush()
-        except BaseException:
-            self.close()
-            raise
-        threading.Thread(target=self._watch, args=(on_death,), name="stage watcher", daemon=True).start()
-
-    def _watch(self, on_death: Callable[[str], None]) -> None:
-        while not self._closing.wait(0.5):
-            for i, proc in enumerate(self.processes):
-                if proc.poll() is not None:
-                    reason = f"pipeline stage {i + 1} exited with {proc.returncode}"
-                    self.link.fail(reason)
-                    on_death(reason)
-                    return
-
-    def alive(self) -> bool:
-        return all(p.poll() is None for p in self.processes)
-
-    def close(self) -> None:
-        self._closing.set()
-        for proc in self.processes:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-        for proc in self.processes:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def _pong(request: dict, peer_hello: dict) -> tuple[Status, dict]:
+    return Status.OK, {}
 
 
 def wire_layout(runner: ModelRunner) -> KVLayout:
     """The layout a decode instance receives: every layer of the model, not only this stage's."""
     return replace(KVLayout.of_cache(runner.kv_cache), num_layers=runner.model_config.num_layers)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.stage``: one later stage of a prefill instance's pipeline, started by
-    that instance. Prints ``stage ready {peer}``, takes ``{"next": peer | null, "first": peer}``
-    as one line on stdin, then serves until stdin closes (the instance stopped or died)."""
-    parser = argparse.ArgumentParser(prog="python -m cluster.stage", description=main.__doc__.split("\n\n")[0])
-    parser.add_argument("--engine", required=True, help="the stage's EngineConfig as JSON (with its stage)")
-    parser.add_argument("--host", default="127.0.0.1", help="where its Messenger listens")
-    parser.add_argument("--buffer-bytes", type=int, required=True, help="inbox and outbox size")
-    parser.add_argument("--staging-bytes", type=int, required=True, help="KV send staging size")
-    parser.add_argument("--timeout-s", type=float, default=30.0)
-    parser.add_argument("--pool-blocks-per-object", type=int, default=None,
-                        help="the group is in a KVCache pool with objects of this many engine blocks")
-    parser.add_argument("--pool-staging-bytes", type=int, default=0, help="pool load and store staging size")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s stage: %(message)s")
-    secret = os.environ.get("MOONCAKE_CLUSTER_SECRET", "").encode()
-    fields = json.loads(args.engine)
-    fields["stage"] = tuple(fields["stage"])
-    config = EngineConfig(**fields)
-    if config.device == "cpu":
-        configure_cpu_runtime(config.threads)
-    path = resolve_model(config.model)
-    max_len = config.max_model_len or ModelConfig.from_folder(path).max_position_embeddings
-    runner = ModelRunner(config, path, max_len)
-    transfer = TransferEngine(TransferConfig(secret=derive_key(secret, MESSENGER), host=args.host,
-                                             timeout_s=args.timeout_s))
-    sender = KVSender(transfer, StagingArea(transfer, args.staging_bytes), wire_layout(runner),
-                      write_window_s=args.timeout_s, layers=runner.model.layer_range)
-    pool = None
-    if args.pool_blocks_per_object is not None:
-        geometry = PoolGeometry(wire_layout(runner), args.pool_blocks_per_object, model_identity(str(path)))
-        pool = StagePool(transfer, StagingArea(transfer, args.pool_staging_bytes), geometry,
-                         runner.model.layer_range, args.timeout_s)
-    worker = StageWorker(runner, transfer, args.buffer_bytes, args.timeout_s, sender, pool)
-    print("stage ready " + json.dumps(_peer_dict(worker.peer)), flush=True)
-    try:
-        links = json.loads(sys.stdin.readline() or "null")
-        if links is None:
-            return 0
-        worker.next = _peer(links.get("next"))
-        worker.first = _peer(links["first"])
-        sys.stdin.read()  # until the instance closes the pipe
-    finally:
-        worker.close()
-        transfer.close()
-    return 0
-
-
-def _peer_dict(peer: StagePeer | None) -> dict | None:
-    return None if peer is None else {"address": peer.address, "region": peer.region.to_dict()}
-
-
-def _peer(data: dict | None) -> StagePeer | None:
-    return None if data is None else StagePeer(str(data["address"]), RegionHandle.from_dict(data["region"]))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

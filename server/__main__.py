@@ -65,6 +65,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _stage(text: str) -> tuple[int, int]:
+    i, sep, x = text.partition("/")
+    if not sep or not i.isdigit() or not x.isdigit() or not 0 <= int(i) < int(x) or int(x) < 2:
+        raise argparse.ArgumentTypeError(f"a stage is I/X with 0 <= I < X and X >= 2, got {text!r}")
+    return int(i), int(x)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m server",
@@ -132,11 +139,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="chunked pipeline parallel prefill: each prefill instance runs as a group of this many "
                         "stage processes, each holding a contiguous range of the layers (1: none)")
     c.add_argument("--cpp-chunk-tokens", type=_positive_int, default=None,
-                   help="(with --cpp-stages) prompt tokens per chunk through the pipeline; default: "
+                   help="(a pipeline group: --cpp-stages or --stage) prompt tokens per chunk through the pipeline; default: "
                         "--max-num-batched-tokens")
     c.add_argument("--cpp-min-tokens", type=_non_negative_int, default=0,
-                   help="(with --cpp-stages) a prompt shorter than this goes through the pipeline as one "
+                   help="(a pipeline group) a prompt shorter than this goes through the pipeline as one "
                         "chunk (0: every prompt is chunked)")
+    c.add_argument("--stage", type=_stage, default=None, metavar="I/X",
+                   help="(prefill instance, by hand) run stage I of a pipeline group of X stages; stage 0 is "
+                        "the prefill instance the Conductor talks to, and the others join it (--group, --first)")
+    c.add_argument("--group", default=None,
+                   help="(with --stage) the pipeline group's name: a stage joins only the group it names")
+    c.add_argument("--first", default=None, metavar="URL",
+                   help="(with --stage I/X, I > 0) the URL of the group's stage 0 (its --url)")
     c.add_argument("--instance-threads", type=_positive_int, default=None,
                    help="(Conductor) torch threads of each started instance; default: cores / instances")
     c.add_argument("--transfer-timeout-s", type=_positive_float, default=30.0,
@@ -217,6 +231,8 @@ def _engine_config(args: argparse.Namespace, role: str = "both"):
         max_model_len=args.max_model_len, role=role,
         stage=(0, args.cpp_stages) if role == "prefill" and args.cpp_stages > 1 else None,
     )
+    if args.stage is not None:
+        kwargs["stage"] = args.stage
     if kwargs["stage"] is not None:
         # A group's chunk, and a step that takes a prompt below --cpp-min-tokens whole.
         chunk = args.cpp_chunk_tokens or args.max_num_batched_tokens
@@ -293,6 +309,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                               public_metrics=args.public_metrics)
+    if args.stage is not None:
+        if args.role != "prefill" or not args.group or args.cpp_stages > 1:
+            sys.exit("error: --stage needs --role prefill and --group NAME (and no --cpp-stages)")
+        if (args.stage[0] > 0) != (args.first is not None):
+            sys.exit("error: a later stage (--stage I/X, I > 0) needs --first URL; stage 0 takes none")
+    if args.role is not None and args.stage is not None and args.stage[0] > 0:
+        from cluster.stage_group import serve_joined
+
+        if cluster_secret is None:
+            sys.exit(f"error: a pipeline stage needs the cluster secret: set {SECRET_ENV} or pass --cluster-secret-file")
+        log.info("stage %d/%d of group %r, joining %s", *args.stage, args.group, args.first)
+        try:
+            sys.exit(serve_joined(args.first, args.group, *args.stage, args.host, cluster_secret.encode()))
+        except RuntimeError as e:
+            sys.exit(f"error: {e}")
     if args.role is not None:
         from cluster.instance import InstanceConfig, InstanceService, build_instance_app
 
@@ -305,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
                 secret=cluster_secret.encode(), conductor=args.conductor, staging_gib=args.staging_gib,
                 transfer_timeout_s=args.transfer_timeout_s, reservation_lease_s=args.reservation_lease_s,
                 max_waiting=args.max_waiting, pool=_pool_config(args, url),
+                stage_group=args.group if args.stage is not None else None,
             )
         except ValueError as e:
             sys.exit(f"error: {e}")

@@ -13,6 +13,8 @@ signed requests, ``cluster/control_auth.py``), and ``/health`` / ``/stats``:
 * ``POST /instance/abort``    drop a request wherever it is (idempotent)
 * ``POST /instance/push``     (prefill) send cached prefix blocks into another instance's
   reservation; ``POST /instance/adopt`` there keeps them as cached blocks
+* ``POST /instance/stage/join`` (a first pipeline stage whose later stages are started by hand,
+  ``cluster.stage_group``) a later stage takes its ``StageSpec``, then its links
 
 Every call carries the Conductor's epoch (header ``X-Conductor-Epoch``): a newer one makes the
 instance release the older Conductor's reservations; an older one is refused (409).
@@ -22,6 +24,7 @@ waiting (with Retry-After), 502 a KV write failed, 503 not ready / staging busy,
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,6 +39,7 @@ from starlette.routing import Route
 from cluster.instance.receiver import StaleEpoch
 from cluster.instance.service import InstanceService
 from cluster.kv_stream import KVDestination
+from cluster.stage_group import peer_from
 from cluster.transfer import TransferError
 from cluster.control_auth import CONTROL, ControlVerifier, derive_key, verify_request
 from cluster.wire import EPOCH_HEADER, output_to_dict, params_from_dict, token_ids
@@ -43,6 +47,8 @@ from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+_JOIN_WAIT_S = 60.0  # how long one stage-join call waits for the rest of the group
 
 
 def _error(status: int, message: str, **headers: str) -> JSONResponse:
@@ -187,6 +193,27 @@ class InstanceRoutes:
         rid, body = await _request_body(request)
         return JSONResponse({"adopted": await self.s.replicator.adopt(rid, body.get("ok") is True)})
 
+    async def stage_join(self, request: Request) -> Response:
+        """A later pipeline stage started by hand: without ``peer``, its ``StageSpec``; with it,
+        its links once every stage has joined (a wait of up to a minute per call: 503 while
+        stages are missing, and the stage asks again)."""
+        rendezvous = self.s.rendezvous
+        if rendezvous is None:
+            raise ValueError("this instance leads no pipeline group that stages join")
+        body = await request.json()
+        group, stage = body.get("group"), body.get("stage")
+        if not isinstance(group, str) or type(stage) is not int or body.get("stages") != rendezvous.stages:
+            raise ValueError(f"a join names its group, its stage and the group's size ({rendezvous.stages})")
+        loop = asyncio.get_running_loop()
+        if body.get("peer") is None:
+            spec = await loop.run_in_executor(None, rendezvous.spec, group, stage, _JOIN_WAIT_S)
+            return JSONResponse({"spec": spec})
+        try:
+            peer = peer_from(body["peer"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed peer: {e}") from None
+        return JSONResponse(await loop.run_in_executor(None, rendezvous.join, group, stage, peer, _JOIN_WAIT_S))
+
     def routes(self) -> list[Route]:
         c = self._control
         return [
@@ -202,6 +229,7 @@ class InstanceRoutes:
             Route("/instance/abort", c(needs_ready=False)(self.abort), methods=["POST"]),
             Route("/instance/push", c(("prefill", "both"))(self.push), methods=["POST"]),
             Route("/instance/adopt", c()(self.adopt), methods=["POST"]),
+            Route("/instance/stage/join", c(("prefill",), needs_ready=False)(self.stage_join), methods=["POST"]),
         ]
 
 

@@ -28,7 +28,7 @@ from cluster.instance.receiver import Receiver
 from cluster.instance.replication import Replicator
 from cluster.instance.serving import Serving
 from cluster.kv_stream import KVSender
-from cluster.stage import StageGroup
+from cluster.stage_group import StageGroup, StageRendezvous, StageSpec
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity
 from cluster.pool.metadata import connect_metadata
@@ -58,6 +58,9 @@ class InstanceConfig:
     max_waiting: int = 64  # requests waiting for their first token; beyond it: 429
     calibration_seed: int = 0
     pool: PoolConfig = PoolConfig()  # the KVCache pool this instance joins (off without metadata)
+    # A first pipeline stage whose later stages are started by hand and join it under this name
+    # (``cluster.stage_group``); None: it starts them itself.
+    stage_group: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
@@ -69,6 +72,8 @@ class InstanceConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"instance url must be http(s)://host:port, got {self.url!r}")
+        if self.stage_group is not None and (self.engine.stage is None or self.engine.stage[0] != 0):
+            raise ValueError("only a first pipeline stage (stage 0/X) leads a group that joins it")
 
     @property
     def role(self) -> str:
@@ -93,6 +98,9 @@ class InstanceService:
         self.pool: PoolIO | None = None
         self.pool_service: SegmentService | None = None
         self.stages: StageGroup | None = None  # a first pipeline stage's later stages
+        # Where they join, when they are started by hand.
+        self.rendezvous = (StageRendezvous(config.stage_group, config.engine.stage[1])
+                           if config.stage_group is not None else None)
         self.mirror = CacheMirror()
         self._facts: dict[str, Any] = {}
         self._tasks: list[asyncio.Task] = []
@@ -140,15 +148,21 @@ class InstanceService:
                 sender = KVSender(transfer, self.send, layout, write_window_s=cfg.transfer_timeout_s, layers=layers)
                 await self.client.call(lambda _: handoff.add_sink(sender))
             if cfg.engine.stage is not None and cfg.engine.stage[1] > 1:
-                # The later pipeline stages: child processes, up before calibration runs through them.
+                # The later pipeline stages: child processes, or processes that join it, up before
+                # calibration runs through them.
                 # A step's hidden states and residual, or its rows' logits (fp32 at most): one row per
                 # sampling sequence, and one per prompt position scored (prompt logprobs), so at
                 # most one per token. (Shared memory: only the pages a step touches are backed.)
                 tokens = cfg.engine.max_num_batched_tokens
                 buffer = 4 * tokens * max(2 * facts["hidden_size"], facts["vocab_size"])
-                self.stages = await loop.run_in_executor(None, lambda: StageGroup(
-                    cfg.engine, transfer, cfg.secret, host, buffer, staging, cfg.transfer_timeout_s, self._stage_died,
-                    pool=None if geometry is None else (geometry.blocks_per_object, pool_staging)))
+                spec = StageSpec.of(cfg.engine, buffer, staging, cfg.transfer_timeout_s,
+                                    None if geometry is None else (geometry.blocks_per_object, pool_staging))
+                if self.rendezvous is None:
+                    self.stages = await loop.run_in_executor(
+                        None, StageGroup.spawn, spec, transfer, cfg.secret, host, self._stage_died)
+                else:
+                    self.stages = await loop.run_in_executor(
+                        None, StageGroup.join, spec, transfer, self.rendezvous, self._stage_died)
                 link = self.stages.link
                 await self.client.call(lambda e: setattr(e.runner, "downstream", link))
             # Every role receives: decode instances a prompt's KV, prefill ones pulled hot prefixes.

@@ -1,0 +1,94 @@
+"""A pipeline group started by hand, as on several hosts: ``python -m server --role prefill --stage
+0/2 --group NAME`` registers with a Conductor, ``--stage 1/2 --group NAME --first URL`` joins it
+(here all on loopback, the default model). A stage naming another group is refused; the group
+answers as the colocated engine; when the later stage is killed, the first stage exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from bench.disagg import free_port
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+SECRET = "cpp-by-hand-test-secret-0123456789"
+LONG = "Continue the count: " + ", ".join(str(i) for i in range(1, 120)) + ","  # 491 tokens: two chunks of 256
+PROMPTS = ["The capital of France is", LONG]
+COMMON = ["--threads", "1", "--kv-cache-gib", "0.25", "--staging-gib", "0.1", "--transfer-timeout-s", "5",
+          "--max-num-batched-tokens", "256", "--log-level", "warning"]
+
+
+def _until(predicate, within_s: float, what: str):
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def group():
+    env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET)
+    port, first_port = free_port(), free_port()
+    first_url = f"http://127.0.0.1:{first_port}"
+    procs = {
+        "conductor": [sys.executable, "-m", "server", "--port", str(port), "--prefill-instances", "0",
+                      "--decode-instances", "1", "--instance-threads", "1", "--no-pool", *COMMON[2:]],
+        "first": [sys.executable, "-m", "server", "--role", "prefill", "--stage", "0/2", "--group", "g1",
+                  "--port", str(first_port), "--conductor", f"http://127.0.0.1:{port}", *COMMON],
+        "second": [sys.executable, "-m", "server", "--role", "prefill", "--stage", "1/2", "--group", "g1",
+                   "--first", first_url, *COMMON],
+    }
+    running = {name: subprocess.Popen(cmd, env=env, start_new_session=True) for name, cmd in procs.items()}
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+
+    def up() -> bool:
+        for name, proc in running.items():
+            assert proc.poll() is None, f"{name} exited with {proc.returncode} during start-up"
+        try:
+            return sum(i["up"] for i in http.get("/stats").json().get("instances", [])) == 2
+        except httpx.HTTPError:
+            return False
+
+    _until(up, 300, "the conductor to see the group and the decode instance")
+    yield http, running, first_url, env
+    for proc in running.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in running.values():
+        proc.wait(60)
+
+
+def test_a_stage_of_another_group_is_refused(group):
+    _, _, first_url, env = group
+    wrong = subprocess.run([sys.executable, "-m", "server", "--role", "prefill", "--stage", "1/2", "--group", "g2",
+                            "--first", first_url, *COMMON], env=env, capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0 and "leads group 'g1', not 'g2'" in wrong.stderr
+
+
+def test_the_group_answers_as_the_colocated_engine(group):
+    http, running, _, _ = group
+    colocated = LLM(threads=1, kv_cache_gib=0.25)
+    params = dict(temperature=0, max_tokens=10)
+    want = [w.text for w in colocated.generate(PROMPTS, SamplingParams(**params))]
+    got = []
+    for p in PROMPTS:
+        r = http.post("/v1/completions", json={"prompt": p, **params})
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["text"])
+    assert got == want
+
+
+def test_when_the_later_stage_dies_the_first_stage_exits(group):
+    _, running, _, _ = group
+    running["second"].send_signal(signal.SIGKILL)
+    running["second"].wait(10)
+    # Three missed pings, a second each, then the instance lets its answers leave and exits.
+    running["first"].wait(60)
+    assert running["first"].returncode not in (0, None)
