@@ -138,6 +138,9 @@ class EngineConfig:
     # budget allows, one chunk when it fits. None: the budget is the chunk.
     prefill_chunk_tokens: int | None = None
     chunk_min_prompt_tokens: int = 0
+    # Weight-only quantization of the linear layers and the LM head (``engine.quantization``):
+    # "int8" (CPU). None: the weights stay in ``dtype``.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -160,6 +163,11 @@ class EngineConfig:
             self.threads = os.cpu_count() or 1
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.quantization is not None:
+            if self.quantization != "int8":
+                raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+            if self.device != "cpu":
+                raise ValueError("int8 weight-only quantization runs on CPU only")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.chunk_min_prompt_tokens < 0:

@@ -18,6 +18,7 @@ from torch import nn
 
 import kernels
 from engine.config import ModelConfig
+from engine.quantization import linear
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -141,7 +142,7 @@ class Attention(nn.Module):
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
                 meta.prefill_query_start_loc, self.scale,
             )
-        return F.linear(out.view(t, self.q_size), self.o_weight)
+        return linear(out.view(t, self.q_size), self.o_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -170,8 +171,8 @@ class DecoderLayer(nn.Module):
             h, residual = kernels.rms_norm(x, self.input_norm, self.eps, residual)
         h = self.attn(h, positions, cos_sin, kv_cache, meta)
         h, residual = kernels.rms_norm(h, self.post_attn_norm, self.eps, residual)
-        h = kernels.silu_and_mul(F.linear(h, self.gate_up_weight))
-        return F.linear(h, self.down_weight), residual
+        h = kernels.silu_and_mul(linear(h, self.gate_up_weight))
+        return linear(h, self.down_weight), residual
 
 
 def stage_layers(num_layers: int, stage: int, stages: int) -> range:
@@ -245,4 +246,4 @@ class CausalLM(nn.Module):
         # Only the tokens that sample need the final norm and the (large) LM head.
         x, _ = kernels.rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps, residual[logits_indices])
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return linear(x, head).float()

@@ -15,6 +15,7 @@ import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
+from engine.quantization import model_bytes, quantize_model
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
@@ -93,8 +94,10 @@ class ModelRunner:
         cfg = ModelConfig.from_folder(Path(model_path))
         layers = None if config.stage is None else stage_layers(cfg.num_layers, *config.stage)
         self.model = load_model(model_path, config.torch_dtype, config.device, max_model_len, layers)
+        if config.quantization is not None:
+            quantize_model(self.model, config.quantization)
         self.model_config = self.model.cfg
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weight_bytes = model_bytes(self.model)
         self.num_blocks = num_kv_blocks(self.model_config, config)
         self.kv_cache = torch.zeros(
             len(self.model.layer_range), 2, self.num_blocks, cfg.num_kv_heads, config.block_size, cfg.head_dim,

@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch intra-op threads; default: all cores")
     p.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights, activations and KV cache; default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--quantization", choices=["int8"], default=None,
+                   help="weight-only quantization of the linear layers and the LM head (CPU; "
+                        "bench.quality measures what it costs in quality)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=256,
                    help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512,
@@ -240,6 +245,10 @@ def _engine_config(args: argparse.Namespace, role: str = "both"):
                       max_num_batched_tokens=max(args.max_num_batched_tokens, chunk, args.cpp_min_tokens))
     if args.device:
         kwargs["device"] = args.device
+    if args.dtype:
+        kwargs["dtype"] = args.dtype
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
     return EngineConfig(**kwargs)
 
 
@@ -258,6 +267,7 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
         out += ["--pool-dram-gib", str(args.pool_dram_gib), "--pool-ssd-gib", str(args.pool_ssd_gib),
                 "--pool-block-tokens", str(args.pool_block_tokens)]
     for flag, value in (("--model", args.model), ("--kv-cache-gib", args.kv_cache_gib),
+                        ("--dtype", args.dtype), ("--quantization", args.quantization),
                         ("--max-model-len", args.max_model_len), ("--device", args.device),
                         ("--pool-ssd-dir", None if args.no_pool else args.pool_ssd_dir),
                         ("--etcd", None if args.no_pool else args.etcd)):
