@@ -28,6 +28,8 @@ from engine.sampling_params import SamplingParams
 # Dividing by a temperature this small can overflow float32 while the result is already
 # indistinguishable from argmax, so such rows are treated as greedy.
 _MIN_TEMPERATURE = 1e-5
+# Top-p without top-k looks at this many most likely tokens first (see ``_top_k_top_p``).
+_TOP_P_CANDIDATES = 1024
 # exponential_ may return exactly 0; probs / 0 would be NaN for excluded (zero-probability)
 # tokens and argmax treats NaN as the maximum, so the noise is clamped away from 0.
 _TINY = torch.finfo(torch.float32).tiny
@@ -201,7 +203,12 @@ def _apply_penalties(x: torch.Tensor, batch: list[SamplingState]) -> torch.Tenso
 
 
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
-    """Sets logits outside each row's top-k / top-p set to -inf (in place on the owned x)."""
+    """Sets logits outside each row's top-k / top-p set to -inf (in place on the owned x).
+
+    Only a row's candidates are sorted, not its whole vocabulary: its top-k, or with top-p
+    alone the ``_TOP_P_CANDIDATES`` most likely tokens when they hold at least top_p of the
+    mass (every token past them is cut anyway); a full sort only when some row's candidates
+    fall short. The kept set and its logits are the same either way."""
     vocab = x.shape[1]
     rows = [
         i
@@ -210,26 +217,42 @@ def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams], greedy: list[boo
     ]
     if not rows:
         return x
-    sorted_logits, order = _rows(x, rows).sort(dim=-1, descending=True)
-
+    sub = _rows(x, rows)
     ks = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in rows]
-    if any(k < vocab for k in ks):
-        positions = torch.arange(vocab, device=x.device)
-        k = torch.tensor(ks, device=x.device).unsqueeze(1)
-        sorted_logits.masked_fill_(positions >= k, float("-inf"))
-
     ps = [params[i].top_p for i in rows]
+    p_only = torch.tensor([k == vocab for k in ks], device=x.device)
+    width = max(k if k < vocab else min(vocab, _TOP_P_CANDIDATES) for k in ks)
+    if width < vocab:
+        sorted_logits, order = sub.topk(width, dim=-1)
+        # A row without top-k measures top-p against its whole vocabulary: its candidates'
+        # share of it, as softmax computes it.
+        top = sorted_logits[:, :1]
+        denom = (sub - top).exp().sum(-1, keepdim=True)
+        share = (sorted_logits - top).exp() / denom
+        limits = torch.tensor(ps, device=x.device)
+        if bool((share.sum(-1) < limits)[p_only].any()):
+            width = vocab  # some row's top-p reaches past its candidates: sort all of it
+    if width == vocab:
+        sorted_logits, order = sub.sort(dim=-1, descending=True)
+
+    positions = torch.arange(width, device=x.device)
+    k = torch.tensor([min(k, width) for k in ks], device=x.device).unsqueeze(1)
+    sorted_logits.masked_fill_(positions >= k, float("-inf"))
+
     if any(p < 1.0 for p in ps):
-        # Renormalized over what top-k kept. A token is dropped once the tokens ranked above
-        # it already hold top_p of the mass, so the first token always survives.
+        # Renormalized over what top-k kept; over the whole vocabulary without top-k. A token
+        # is dropped once the tokens ranked above it already hold top_p of the mass, so the
+        # first token always survives.
         sorted_probs = sorted_logits.softmax(-1)
+        if width < vocab:
+            sorted_probs = torch.where(p_only[:, None], share, sorted_probs)
         mass_before = sorted_probs.cumsum(-1).sub_(sorted_probs)
         # 2.0 for rows with top_p == 1: round-off can push the running mass past 1.0, which
         # must not cut the tail of a row that asked for no top-p at all.
         limit = torch.tensor([p if p < 1.0 else 2.0 for p in ps], device=x.device).unsqueeze(1)
         sorted_logits.masked_fill_(mass_before >= limit, float("-inf"))
 
-    truncated = torch.empty_like(sorted_logits).scatter_(1, order, sorted_logits)
+    truncated = torch.full_like(sub, float("-inf")).scatter_(1, order, sorted_logits)
     if len(rows) == x.shape[0]:
         return truncated
     x[torch.tensor(rows, device=x.device)] = truncated

@@ -268,3 +268,33 @@ def test_make_generator() -> None:
     a, b = make_generator(9), make_generator(9)
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
     assert math.isfinite(float(torch.rand(1, generator=make_generator(-3))))
+
+
+def _full_sort_truncation(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The truncation as a full sort of the vocabulary computes it (the spec)."""
+    vocab = x.shape[-1]
+    sorted_logits, order = x.sort(descending=True)
+    if 0 < top_k < vocab:
+        sorted_logits[top_k:] = float("-inf")
+    if top_p < 1.0:
+        probs = sorted_logits.softmax(-1)
+        sorted_logits[(probs.cumsum(-1) - probs) >= top_p] = float("-inf")
+    return torch.empty_like(sorted_logits).scatter_(0, order, sorted_logits)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
+def test_candidate_truncation_keeps_what_a_full_sort_keeps(temperature) -> None:
+    from engine.sampler import _top_k_top_p
+
+    g = torch.Generator().manual_seed(int(temperature * 10))
+    # Peaked rows (top-p within the candidates) and flat ones (it reaches past them: a full sort).
+    logits = torch.randn(6, 50_000, generator=g) * torch.tensor([8.0, 8.0, 8.0, 0.5, 0.5, 8.0])[:, None]
+    logits = logits / temperature
+    cases = [(-1, 0.9), (50, 1.0), (40, 0.8), (-1, 0.95), (-1, 0.5), (3000, 0.99)]
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in cases]
+    got = _top_k_top_p(logits.clone(), params, [False] * len(params))
+    for row, (k, p) in enumerate(cases):
+        want = _full_sort_truncation(logits[row].clone(), k, p)
+        assert torch.equal(torch.isinf(got[row]), torch.isinf(want)), (k, p)
+        kept = ~torch.isinf(want)
+        assert torch.equal(got[row][kept], want[kept])
