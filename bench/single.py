@@ -1,0 +1,128 @@
+"""Single-stream speed: prefill and decode tokens per second at batch 1, per precision, beside
+llama.cpp on the same GGUF file.
+
+Run with ``python -m bench.single`` (``--help`` for the flags). One prompt of ``--prompt-len``
+random tokens, then ``--decode-len`` greedy tokens (EOS ignored), each configuration in turn
+with ``--threads`` threads, the best of ``--rounds``:
+
+* prefill tok/s: the prompt's tokens over the time to its first token;
+* decode tok/s: the tokens after the first over the time they took.
+
+Our configurations (``--configs``): ``DTYPE`` or ``DTYPE:int8`` (int8 weight-only). llama.cpp
+(``llama-cpp-python``, an optional extra: ``pip install -e ".[llamacpp]"``, which builds it from
+source) runs the default model's own Q4_1 GGUF, the file our float weights were dequantized
+from; without it installed its row is left out and the ratios are against our first
+configuration. Targets (issue 15): decode at least llama.cpp's in the default precision,
+prefill at least 3x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.transfer import format_table
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.default_model import default_gguf_path
+from engine.llm_engine import LLMEngine
+
+
+@dataclass
+class Speed:
+    name: str
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+
+
+def ours(config: str, prompt_len: int, decode_len: int, threads: int, rounds: int, model: str | None = None) -> Speed:
+    dtype, _, quantization = config.partition(":")
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, quantization=quantization or None, threads=threads,
+                                    kv_cache_gib=0.25, max_num_batched_tokens=max(512, prompt_len)))
+    best_prefill = best_decode = 0.0
+    for r in range(rounds + 1):  # the first round warms up, untimed
+        prompt = _prompt(prompt_len, engine.model_config.vocab_size, seed=r)
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=decode_len + 1, ignore_eos=True),
+                           request_id=f"r{r}")
+        started = time.perf_counter()
+        first = None
+        while engine.has_unfinished():
+            engine.step()
+            if first is None:
+                first = time.perf_counter()
+        done = time.perf_counter()
+        if r:
+            best_prefill = max(best_prefill, prompt_len / (first - started))
+            best_decode = max(best_decode, decode_len / (done - first))
+    return Speed(config, best_prefill, best_decode)
+
+
+def llama_cpp(prompt_len: int, decode_len: int, threads: int, rounds: int) -> Speed | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(default_gguf_path()), n_ctx=prompt_len + decode_len + 16, n_threads=threads,
+                n_threads_batch=threads, n_batch=max(512, prompt_len), verbose=False)
+    best_prefill = best_decode = 0.0
+    for r in range(rounds + 1):
+        prompt = _prompt(prompt_len, llm.n_vocab(), seed=r)
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(prompt)
+        first = time.perf_counter()
+        for _ in range(decode_len):
+            token = int(llm.scores[llm.n_tokens - 1].argmax())  # greedy, as ours
+            llm.eval([token])
+        done = time.perf_counter()
+        if r:
+            best_prefill = max(best_prefill, prompt_len / (first - started))
+            best_decode = max(best_decode, decode_len / (done - first))
+    return Speed("llama.cpp (Q4_1 GGUF)", best_prefill, best_decode)
+
+
+def report(speeds: list[Speed], baseline: Speed) -> str:
+    rows = [[s.name, f"{s.prefill_tok_s:.0f}", f"{s.decode_tok_s:.1f}",
+             f"{s.prefill_tok_s / baseline.prefill_tok_s:.2f}x", f"{s.decode_tok_s / baseline.decode_tok_s:.2f}x"]
+            for s in speeds]
+    return format_table(["configuration", "prefill tok/s", "decode tok/s", f"prefill / {baseline.name}",
+                         f"decode / {baseline.name}"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.single", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="float32,bfloat16,bfloat16:int8",
+                        help="ours, comma-separated: DTYPE or DTYPE:int8 (float32,bfloat16,bfloat16:int8)")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--decode-len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per configuration, best kept (2)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"batch 1, {args.prompt_len}-token prompt, {args.decode_len} greedy tokens, {args.threads} threads",
+          flush=True)
+    speeds = []
+    reference = llama_cpp(args.prompt_len, args.decode_len, args.threads, args.rounds)
+    if reference is None:
+        print("llama-cpp-python is not installed: no llama.cpp row", flush=True)
+    else:
+        speeds.append(reference)
+        print(f"  {reference.name}: {reference.prefill_tok_s:.0f} / {reference.decode_tok_s:.1f} tok/s", flush=True)
+    for config in args.configs.split(","):
+        speeds.append(ours(config, args.prompt_len, args.decode_len, args.threads, args.rounds))
+        print(f"  {config}: {speeds[-1].prefill_tok_s:.0f} / {speeds[-1].decode_tok_s:.1f} tok/s", flush=True)
+    print(report(speeds, speeds[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
