@@ -70,3 +70,13 @@ def test_int8_is_refused_where_it_cannot_run():
         EngineConfig(device="cpu", quantization="int4")
     with pytest.raises(ValueError):
         quantize_model(torch.nn.Linear(2, 2), "int4")
+
+
+def test_many_rows_take_the_dequantized_matmul_and_agree():
+    from engine.quantization import INT8_MM_MAX_ROWS
+
+    g = torch.Generator().manual_seed(1)
+    q = Int8Weight(torch.randn(64, 32, generator=g))
+    x = torch.randn(INT8_MM_MAX_ROWS + 8, 32, generator=g)
+    few, many = linear(x[:INT8_MM_MAX_ROWS], q), linear(x, q)  # one way each
+    assert torch.allclose(many[:INT8_MM_MAX_ROWS], few, rtol=2e-2, atol=5e-2)
