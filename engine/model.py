@@ -109,15 +109,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = kernels.rms_norm(q, self.q_norm, self.eps)
-            k = kernels.rms_norm(k, self.k_norm, self.eps)
-        q = kernels.rotary_embedding(positions, q, cos_sin)
-        k = kernels.rotary_embedding(positions, k, cos_sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k rotate together: the query heads and the KV heads as one set of heads.
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = kernels.rotary_embedding(positions, qk, cos_sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = kernels.rms_norm(q.view(t, self.num_heads, self.head_dim), self.q_norm, self.eps)
+            k = kernels.rms_norm(k.view(t, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
+            q = kernels.rotary_embedding(positions, q, cos_sin)
+            k = kernels.rotary_embedding(positions, k, cos_sin)
         k_cache, v_cache = kv_cache[self.layer]
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
