@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -17,19 +16,13 @@ import pytest
 from bench.disagg import free_port
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from waiting import until
 
 SECRET = "cpp-by-hand-test-secret-0123456789"
 LONG = "Continue the count: " + ", ".join(str(i) for i in range(1, 120)) + ","  # 491 tokens: two chunks of 256
 PROMPTS = ["The capital of France is", LONG]
 COMMON = ["--threads", "1", "--kv-cache-gib", "0.25", "--staging-gib", "0.1", "--transfer-timeout-s", "5",
           "--max-num-batched-tokens", "256", "--log-level", "warning"]
-
-
-def _until(predicate, within_s: float, what: str):
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,7 @@ def group():
         except httpx.HTTPError:
             return False
 
-    _until(up, 300, "the conductor to see the group and the decode instance")
+    until(up, 300, "the conductor to see the group and the decode instance")
     yield http, running, first_url, env
     for proc in running.values():
         if proc.poll() is None:

@@ -24,6 +24,7 @@ import pytest
 from bench.disagg import free_port
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from waiting import until
 
 SECRET = "cpp-cluster-test-secret-0123456789"
 LONG = "Continue the count: " + ", ".join(str(i) for i in range(1, 250)) + ","  # 1,141 tokens: 3 chunks
@@ -45,7 +46,7 @@ class _Group:
                                          stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
         self.node: subprocess.Popen | None = None
-        _until(self._up, 300, "the cluster to come up")
+        until(self._up, 300, "the cluster to come up")
         found = re.search(r"KVCache pool metadata at (\S+)", self.log_path.read_text(errors="replace"))
         assert found, "the Conductor did not log its metadata server's address"
         self.node = subprocess.Popen([sys.executable, "-m", "cluster.pool", "--metadata", found.group(1),
@@ -54,7 +55,7 @@ class _Group:
         line = self.node.stdout.readline()
         assert line.startswith("pool node ready: "), f"the pool node did not start: {line!r}"
         segment = line.split()[3]
-        _until(lambda: segment in self.http.get("/stats").json()["pool"]["segments"], 30, "the pool node")
+        until(lambda: segment in self.http.get("/stats").json()["pool"]["segments"], 30, "the pool node")
 
     def _up(self) -> bool:
         assert self.proc.poll() is None, "the cluster exited during start-up:\n" + self.log_path.read_text()
@@ -73,13 +74,6 @@ class _Group:
             self.node.wait(20)
         os.killpg(self.proc.pid, signal.SIGTERM)
         self.proc.wait(60)
-
-
-def _until(predicate, within_s: float, what: str):
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +146,7 @@ def test_a_second_turn_loads_the_first_turns_output_on_every_stage(group, cluste
     # The decode instance stores the prompt and output once the first turn is done.
     pool = lambda: cluster.get("/stats").json()["pool"]["objects"]  # noqa: E731
     before = pool()
-    _until(lambda: pool() >= before + (n_first + 150) // OBJECT_TOKENS - n_first // OBJECT_TOKENS, 30,
+    until(lambda: pool() >= before + (n_first + 150) // OBJECT_TOKENS - n_first // OBJECT_TOKENS, 30,
            "the first turn's output in the pool")
     got = _assert_as_colocated(cluster, colocated, second)
     # The group computed only the first prompt: more cached than its full blocks can only have
@@ -161,7 +155,7 @@ def test_a_second_turn_loads_the_first_turns_output_on_every_stage(group, cluste
     assert cached >= (n_first // OBJECT_TOKENS + 1) * OBJECT_TOKENS, f"cached {cached} of a first prompt of {n_first}"
     stats = group.group_stats()
     assert stats["pool_client"]["hits"] > hits
-    _until(lambda: group.group_stats()["staging_pool_ranges"] == 0, 15, "the group's pool staging to be free")
+    until(lambda: group.group_stats()["staging_pool_ranges"] == 0, 15, "the group's pool staging to be free")
 
 
 def test_kill_9_of_the_later_stage_and_the_group_comes_back(group, cluster, colocated):
@@ -170,7 +164,7 @@ def test_kill_9_of_the_later_stage_and_the_group_comes_back(group, cluster, colo
     fresh = "Count down: " + ", ".join(str(i) for i in range(400, 150, -1)) + ","  # seconds of prefill
     with ThreadPoolExecutor(1) as pool:
         asked = pool.submit(cluster.post, "/v1/completions", json={"prompt": fresh, "max_tokens": 2, "temperature": 0})
-        _until(lambda: group.group_stats()["num_running"] > 0, 30, "the prompt to be prefilling")
+        until(lambda: group.group_stats()["num_running"] > 0, 30, "the prompt to be prefilling")
         os.kill(int(stages[0]), signal.SIGKILL)
         r = asked.result()
     # The request in flight fails; the client gets an error id, which the server log ties to the cause.
@@ -178,7 +172,7 @@ def test_kill_9_of_the_later_stage_and_the_group_comes_back(group, cluster, colo
     error_id = re.search(r"error id (\w+)", r.json()["error"]["message"]).group(1)
     logged = lambda: [line for line in group.log_path.read_text(errors="replace").splitlines()  # noqa: E731
                       if error_id in line]
-    _until(logged, 10, "the error id in the log")
+    until(logged, 10, "the error id in the log")
     assert "pipeline stage 1" in logged()[0], logged()
     deadline = time.monotonic() + 240
     while True:  # the instance exits, the Supervisor starts the group anew
@@ -192,7 +186,7 @@ def test_kill_9_of_the_later_stage_and_the_group_comes_back(group, cluster, colo
     # Nothing of the failed request stays held on the decode instance.
     (decode,) = [i for i in cluster.get("/stats").json()["instances"] if i["role"] == "decode"]
     held = ("num_used_blocks", "num_reservations", "num_running", "staging_recv_ranges")
-    _until(lambda: not any(httpx.get(decode["url"] + "/stats").json().get(k) for k in held), 15,
+    until(lambda: not any(httpx.get(decode["url"] + "/stats").json().get(k) for k in held), 15,
            "the decode instance to hold nothing")
     # A new group, with an empty prefix cache: LONG's prefix comes from what the first group's
     # two stages stored, every layer of it.
