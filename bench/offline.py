@@ -12,8 +12,10 @@ Workload (fixed and seeded, so every run and both systems see the same requests)
     max_tokens=output_len``, so the number of generated tokens is fixed in advance.
 
 Fairness rules:
-  * both systems load the SAME converted HF checkpoint folder, in float32, with the same
-    ``torch.set_num_threads`` value;
+  * both systems load the SAME converted HF checkpoint folder, in the same ``--dtype``
+    (float32 by default), with the same ``torch.set_num_threads`` value; ``--quantization int8``
+    gives ours int8 weights (HF's row stays in ``--dtype``: the ratio is then not at equal
+    precision, and the report says so);
   * each system gets one tiny warm-up request first; only the main ``generate`` call(s)
     are timed (``time.perf_counter``), not model loading;
   * our engine gets all requests at once (continuous batching, chunked prefill);
@@ -55,7 +57,7 @@ def build_workload(num_prompts, input_len, output_len, vocab_size, seed):
 def run_ours(args, folder, prompts, out_lens):
     from engine import LLM, SamplingParams
 
-    kwargs = {"threads": args.threads}
+    kwargs = {"threads": args.threads, "dtype": args.dtype, "quantization": args.quantization}
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_gib is not None:
@@ -84,10 +86,11 @@ def run_hf(args, folder, prompts, out_lens):
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     except TypeError:  # older transformers only know torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=dtype)
     model.eval()
     load_s = time.perf_counter() - t0
     eos = model.config.eos_token_id
@@ -139,6 +142,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both systems' precision")
+    ap.add_argument("--quantization", choices=["int8"], default=None, help="ours only: int8 weights")
     ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     args = ap.parse_args(argv)
     for name in ("input_len", "output_len"):
@@ -164,7 +169,8 @@ def main(argv=None) -> int:
     print(f"model: {folder}")
     print(f"workload: {len(prompts)} prompts, input {args.input_len[0]}-{args.input_len[1]}, "
           f"output {args.output_len[0]}-{args.output_len[1]}, seed {args.seed}; "
-          f"{n_prompt} prompt + {n_gen} generated tokens; threads {args.threads}")
+          f"{n_prompt} prompt + {n_gen} generated tokens; threads {args.threads}; {args.dtype}"
+          + (f", ours with {args.quantization} weights (not equal precision)" if args.quantization else ""))
 
     ours, ours_out = run_ours(args, folder, prompts, out_lens)
     print(f"ours: {ours['generated']} tokens in {ours['wall_s']:.2f} s")
