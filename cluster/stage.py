@@ -23,7 +23,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +33,7 @@ from cluster.stage_pool import StagePool
 from cluster.transfer import RegionHandle, TransferEngine, TransferError
 from cluster.transfer.protocol import Status
 from engine.config import parse_dtype
-from engine.kv_layout import KVLayout
-from engine.llm_engine import PromptChunk
+from engine.llm_engine import PromptChunk, sinks_on_layer
 from engine.model_runner import ModelRunner, StageStep
 
 log = logging.getLogger(__name__)
@@ -174,10 +173,7 @@ class StageLink:
     def pool_unload(self, request_id: str) -> None:
         """The later stages let go of the request's load, each once it has run every step sent
         before this (it travels down the pipeline behind them). Not waited for."""
-        try:
-            self._transfer.notify(self.next.address, {"op": "stage_pool_unload", "request_id": request_id})
-        except TransferError:
-            pass  # the stage is gone, and its staging with it
+        _unload_at(self._transfer, self.next, request_id)
 
     def pool_store(self, request_id: str, reservation: dict, first_blocks: list[int]) -> None:
         """Have every later stage write its layers of the objects ``reservation`` (a
@@ -303,25 +299,12 @@ class StageWorker:
 
     def _on_layer(self, step: StageStep) -> Callable[[int], None] | None:
         chunks = [PromptChunk.from_dict(c) for c in step.chunks] if self._sinks else []
-        wanted = [(sink, [c for c in chunks if sink.wants(c.request_id)]) for sink in self._sinks]
-        wanted = [(sink, mine) for sink, mine in wanted if mine]
-        if not wanted:
-            return None
-        kv_cache = self.runner.kv_cache
-
-        def send_layer(layer: int) -> None:
-            for sink, mine in wanted:
-                sink.layer_done(layer, kv_cache, mine)
-
-        return send_layer
+        return sinks_on_layer(self._sinks, self.runner.kv_cache, chunks)
 
     def _unload(self, request_id: str) -> None:
         self.pool.unload(request_id)
         if self.next is not None:
-            try:
-                self._transfer.notify(self.next.address, {"op": "stage_pool_unload", "request_id": request_id})
-            except TransferError:
-                pass  # the next stage is gone, and its staging with it
+            _unload_at(self._transfer, self.next, request_id)
 
     def _loop(self) -> None:
         while True:
@@ -353,10 +336,13 @@ class StageWorker:
                     pass  # the first stage is gone too
 
 
+def _unload_at(transfer: TransferEngine, stage: StagePeer, request_id: str) -> None:
+    """Tell ``stage`` to let go of the request's pool load once its earlier steps have run."""
+    try:
+        transfer.notify(stage.address, {"op": "stage_pool_unload", "request_id": request_id})
+    except TransferError:
+        pass  # the stage is gone, and its staging with it
+
+
 def _pong(request: dict, peer_hello: dict) -> tuple[Status, dict]:
     return Status.OK, {}
-
-
-def wire_layout(runner: ModelRunner) -> KVLayout:
-    """The layout a decode instance receives: every layer of the model, not only this stage's."""
-    return replace(KVLayout.of_cache(runner.kv_cache), num_layers=runner.model_config.num_layers)

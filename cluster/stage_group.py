@@ -35,7 +35,7 @@ from cluster.control_auth import CONTROL, MESSENGER, ControlAuth, derive_key
 from cluster.kv_stream import KVSender
 from cluster.pool.config import model_identity
 from cluster.pool.objects import PoolGeometry
-from cluster.stage import StageLink, StagePeer, StageWorker, wire_layout
+from cluster.stage import StageLink, StagePeer, StageWorker
 from cluster.stage_pool import StagePool
 from cluster.staging import StagingArea
 from cluster.transfer import RegionHandle, TransferConfig, TransferEngine, TransferError
@@ -284,11 +284,11 @@ def start_worker(spec: StageSpec, host: str, secret: bytes) -> tuple[StageWorker
     max_len = config.max_model_len or ModelConfig.from_folder(path).max_position_embeddings
     runner = ModelRunner(config, path, max_len)
     transfer = TransferEngine(TransferConfig(secret=derive_key(secret, MESSENGER), host=host, timeout_s=spec.timeout_s))
-    sender = KVSender(transfer, StagingArea(transfer, spec.staging_bytes), wire_layout(runner),
+    sender = KVSender(transfer, StagingArea(transfer, spec.staging_bytes), runner.wire_layout,
                       write_window_s=spec.timeout_s, layers=runner.model.layer_range)
     pool = None
     if spec.pool is not None:
-        geometry = PoolGeometry(wire_layout(runner), spec.pool[0], model_identity(str(path)))
+        geometry = PoolGeometry(runner.wire_layout, spec.pool[0], model_identity(str(path)))
         pool = StagePool(transfer, StagingArea(transfer, spec.pool[1]), geometry, runner.model.layer_range,
                          spec.timeout_s)
     return StageWorker(runner, transfer, spec.buffer_bytes, spec.timeout_s, sender, pool), transfer

@@ -67,9 +67,7 @@ class StagePool:
         if not good:
             self._area.release(r)
             return 0
-        layout = self.geometry.layout
-        shape = (len(self.layers), *layout.shape(self.geometry.blocks_per_object)[1:])
-        views = [self._area.view(StagingRange(off, size), layout.torch_dtype, shape) for off in offsets[:good]]
+        views = [self.stores.object_view(off) for off in offsets[:good]]
         with self._lock:
             self._loads[request_id] = (views, r)
         return good

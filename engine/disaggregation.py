@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 import kernels
-from engine.kv_layout import KVLayout, pack
+from engine.kv_layout import pack
 from engine.llm_engine import KVSink, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import KVLoad, PendingKVLoad, Sequence, SequenceStatus
@@ -68,9 +68,7 @@ class KVHandoff:
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
-        # Every layer of the model, as a decode instance receives it (a pipeline stage's cache
-        # holds only its own).
-        self.layout = replace(KVLayout.of_cache(engine.runner.kv_cache), num_layers=engine.model_config.num_layers)
+        self.layout = engine.runner.wire_layout
 
     def _whole_model(self, what: str) -> None:
         if self._engine.config.stage is not None and self._engine.config.stage[1] > 1:

@@ -95,6 +95,22 @@ class KVSink(Protocol):
     def layer_done(self, layer: int, kv_cache: torch.Tensor, chunks: list[PromptChunk]) -> None: ...
 
 
+def sinks_on_layer(sinks: list[KVSink], kv_cache: torch.Tensor,
+                   chunks: list[PromptChunk]) -> Callable[[int], None] | None:
+    """A step's ``on_layer``: each sink's ``layer_done`` with the chunks it wants; None when no
+    sink wants any (an engine's step, and a later pipeline stage's)."""
+    wanted = [(sink, [c for c in chunks if sink.wants(c.request_id)]) for sink in sinks]
+    wanted = [(sink, mine) for sink, mine in wanted if mine]
+    if not wanted:
+        return None
+
+    def send_layer(layer: int) -> None:
+        for sink, mine in wanted:
+            sink.layer_done(layer, kv_cache, mine)
+
+    return send_layer
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -198,16 +214,7 @@ class LLMEngine:
             chunks = [PromptChunk(s.seq.request_id, list(s.seq.block_table.block_ids), s.seq.num_computed_tokens,
                                   s.seq.num_computed_tokens + s.num_new_tokens, s.seq.num_prompt_tokens)
                       for s in batch if s.seq.num_output_tokens == 0]
-            wanted = [(sink, [c for c in chunks if sink.wants(c.request_id)]) for sink in self.kv_sinks]
-            wanted = [(sink, mine) for sink, mine in wanted if mine]
-            if wanted:
-                kv_cache = self.runner.kv_cache
-
-                def send_layer(layer: int) -> None:
-                    for sink, mine in wanted:
-                        sink.layer_done(layer, kv_cache, mine)
-
-                on_layer = send_layer
+            on_layer = sinks_on_layer(self.kv_sinks, self.runner.kv_cache, chunks)
         loading = [s.seq for s in batch if s.seq.kv_load is not None]
         failed: set[Sequence] = set()
         before_layer = self._loader(loading, failed) if loading else None

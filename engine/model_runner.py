@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -13,6 +13,7 @@ import torch
 
 import kernels
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_layout import KVLayout
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
 from engine.quantization import model_bytes, quantize_model
@@ -119,6 +120,12 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.dtype,
             weight_bytes / _GIB,
         )
+
+    @property
+    def wire_layout(self) -> KVLayout:
+        """The page geometry of every layer of the model, as a decode instance receives a
+        prompt's KV (a pipeline stage's cache holds only its own layers)."""
+        return replace(KVLayout.of_cache(self.kv_cache), num_layers=self.model_config.num_layers)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

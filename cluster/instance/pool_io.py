@@ -124,9 +124,7 @@ class PoolIO:
         if not count:
             self._unload(request_id, read, r, False)
             return None
-        layout = g.layout
-        shape = (len(self._layers), *layout.shape(bpo)[1:])
-        views = [self._area.view(StagingRange(off, size), layout.torch_dtype, shape) for off in offsets[:count]]
+        views = [self._writing.object_view(off) for off in offsets[:count]]
         return PoolLoad(read, views, first * bpo, lambda used: self._unload(request_id, read, r, used))
 
     def _load_on_every_stage(self, request_id: str, read: PoolRead) -> int:

@@ -49,6 +49,13 @@ class LayerwiseStores:
         """The staging one object takes: this writer's parts of it."""
         return len(self.layers) * self.geometry.part_bytes
 
+    def object_view(self, offset: int) -> torch.Tensor:
+        """This holder's parts of one object at ``offset`` of the staging, layer-major (what a
+        load of those layers reads into, and what a store packs)."""
+        layout = self.geometry.layout
+        shape = (len(self.layers), *layout.shape(self.geometry.blocks_per_object)[1:])
+        return self.area.view(StagingRange(offset, self.object_bytes), layout.torch_dtype, shape)
+
     def add(self, request_id: str, store: LayerwiseStore) -> None:
         """Raises ValueError when the request is being stored already."""
         with self._lock:
@@ -64,9 +71,7 @@ class LayerwiseStores:
         return request_id in self._stores
 
     def layer_done(self, layer: int, kv_cache: torch.Tensor, chunks: list[PromptChunk]) -> None:
-        g = self.geometry
-        bpo, layout = g.blocks_per_object, g.layout
-        shape = (len(self.layers), *layout.shape(bpo)[1:])
+        bpo = self.geometry.blocks_per_object
         with self._lock:
             for chunk in chunks:
                 store = self._stores.get(chunk.request_id)
@@ -76,7 +81,7 @@ class LayerwiseStores:
                 for obj, place, first in zip(store.write.objects, store.write.places, store.first_blocks):
                     if place is None:
                         continue
-                    view = self.area.view(StagingRange(obj.offset, self.object_bytes), layout.torch_dtype, shape)
+                    view = self.object_view(obj.offset)
                     pack(kv_cache, ids[first : first + bpo], range(layer, layer + 1), view[layer : layer + 1])
                 store.write.write(part=self.layers.start + layer)
                 store.layers_written += 1
