@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from engine.quantization import QUANTIZATIONS
+
 # Architecture name -> (attention projections carry a bias, per-head q/k RMSNorm).
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
@@ -139,7 +141,7 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None
     chunk_min_prompt_tokens: int = 0
     # Weight-only quantization of the linear layers and the LM head (``engine.quantization``):
-    # "int8" (CPU). None: the weights stay in ``dtype``.
+    # "int8" or "int4" (CPU). None: the weights stay in ``dtype``.
     quantization: str | None = None
 
     def __post_init__(self) -> None:
@@ -164,10 +166,10 @@ class EngineConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.quantization is not None:
-            if self.quantization != "int8":
-                raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
             if self.device != "cpu":
-                raise ValueError("int8 weight-only quantization runs on CPU only")
+                raise ValueError(f"{self.quantization} weight-only quantization runs on CPU only")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.chunk_min_prompt_tokens < 0:

@@ -16,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_layout import KVLayout
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
-from engine.quantization import model_bytes, quantize_model
+from engine.quantization import model_bytes, prefill_copy_bytes, quantize_model
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
@@ -115,10 +115,11 @@ class ModelRunner:
             else None
         )
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); weights %.2f GiB",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); weights %.2f GiB (%s), "
+            "their bfloat16 copy for prefill %.2f GiB",
             self.num_blocks, config.block_size, self.num_blocks * config.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.dtype,
-            weight_bytes / _GIB,
+            weight_bytes / _GIB, config.quantization or config.dtype, prefill_copy_bytes(self.model) / _GIB,
         )
 
     @property

@@ -26,6 +26,7 @@ import os
 import stat
 import sys
 
+from engine.quantization import QUANTIZATIONS
 from server.app import DEFAULT_MAX_BODY_BYTES
 
 SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
@@ -101,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights, activations and KV cache; default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--quantization", choices=["int8"], default=None,
+    p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                    help="weight-only quantization of the linear layers and the LM head (CPU; "
                         "bench.quality measures what it costs in quality)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=256,

@@ -1,8 +1,15 @@
-"""Weight-only int8 (``EngineConfig.quantization="int8"``) against the float32 reference.
+"""Weight-only int8 and int4 (``EngineConfig.quantization``) against the float32 reference.
 
-The tolerance is stated on the default model over a fixed prompt set: the prompt tokens'
-logprobs (every position of every prompt) stay within a mean absolute difference of 0.15 nats
-of float32's, and the greedy continuations mostly agree.
+The tolerance is stated on the default model over a fixed prompt set, for each format:
+
+* prefill: the prompt tokens' logprobs (every position of every prompt) stay within a mean
+  absolute difference of ``PROMPT_TOLERANCE`` nats of float32's;
+* decode: the logprob of each greedily generated token, as the quantized decode steps computed
+  it, stays within ``DECODE_TOLERANCE`` nats (mean) of float32's for the same token in the
+  same context, and the greedy continuations mostly agree with float32's.
+
+A prefill chunk multiplies by the dequantized copy and a decode step runs the int kernel, so
+the two checks cover both ways the weights are read.
 """
 
 from __future__ import annotations
@@ -12,11 +19,16 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.quantization import Int8Weight, linear, model_bytes, quantize_model
+from engine.quantization import Int4Weight, Int8Weight, QuantizedWeight, linear, model_bytes, quantize_model
 from prompts import PROMPTS
 from tiny_models import make_tiny_model
 
 torch.set_num_threads(2)
+
+KINDS = {"int8": Int8Weight, "int4": Int4Weight}
+PROMPT_TOLERANCE = {"int8": 0.15, "int4": 0.35}
+DECODE_TOLERANCE = {"int8": 0.15, "int4": 0.35}
+GREEDY_AGREEMENT = 0.6  # of the prompts whose 8 greedy tokens equal float32's
 
 
 def test_int8_weights_round_to_their_row_scale():
@@ -31,52 +43,102 @@ def test_int8_weights_round_to_their_row_scale():
     assert linear(x, q).dtype == x.dtype
 
 
-def test_a_quantized_tiny_model_keeps_its_logits_close(tmp_path):
+def test_int4_weights_round_to_their_group_grid():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(128, 96, generator=g) * torch.linspace(0.01, 3.0, 128)[:, None]
+    q = Int4Weight(w)
+    assert q.packed.dtype == torch.uint8 and q.packed.numel() == w.numel() // 2 and q.shape == w.shape
+    groups = w.view(128, 3, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15  # one code of each group's grid
+    err = (q.dense.float() - w).view(128, 3, 32).abs()
+    # Half a code of rounding, plus bfloat16's rounding of the scale, zero and the copy.
+    assert (err <= step[..., None] * 0.6 + w.abs().view(128, 3, 32) * 2**-7).all()
+    x = torch.randn(3, 96, generator=g)
+    want = torch.nn.functional.linear(x.bfloat16().float(), q.dense.float())
+    assert torch.allclose(linear(x, q), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_a_model_from_4_bit_blocks_comes_back_to_its_grid():
+    # Weights that already lie on a 4-bit grid per block of 32 (as GGUF Q4_1's do) lose nothing
+    # beyond bfloat16's rounding of the scale and zero.
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (64, 4, 32), generator=g).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # each block uses its whole range
+    d = torch.rand(64, 4, 1, generator=g) * 0.01 + 0.001
+    m = -8 * d
+    w = (codes * d + m).view(64, 128)
+    q = Int4Weight(w)
+    assert torch.allclose(q.dense.float(), w, atol=float(d.max()) * 0.1)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_quantized_tiny_model_keeps_its_logits_close(tmp_path, kind):
     model = make_tiny_model(tmp_path / "m", "Qwen2ForCausalLM", tie=True, seed=4)
     prompts = [[(7 * i + j) % 200 + 3 for i in range(40)] for j in range(4)]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     got = {}
-    for q in (None, "int8"):
-        llm = LLM(str(model), threads=2, kv_cache_gib=0.01, quantization=q)
+    for q in (None, kind):
+        llm = LLM(str(model), threads=2, kv_cache_gib=0.01, dtype="float32", quantization=q)
         got[q] = [[lp.logprob for lp in r.prompt_logprobs[1:]] for r in llm.generate(prompts, params)]
         if q is not None:
             runner = llm.engine.runner
-            assert isinstance(runner.model.layers[0].attn.qkv_weight, Int8Weight)
-            assert isinstance(runner.model.lm_head, Int8Weight)  # a tied head gets its own int8 copy
+            assert isinstance(runner.model.layers[0].attn.qkv_weight, KINDS[kind])
+            assert isinstance(runner.model.lm_head, Int8Weight)  # a tied head gets its own 8-bit copy
             assert "qkv_weight" not in dict(runner.model.layers[0].attn.named_parameters())
-    diff = torch.tensor(got[None]) - torch.tensor(got["int8"])
-    assert diff.abs().mean() < 0.05
+    diff = torch.tensor(got[None]) - torch.tensor(got[kind])
+    # Random Gaussian weights (no trained structure) are the hard case for 4 bits.
+    assert diff.abs().mean() < {"int8": 0.05, "int4": 0.3}[kind]
 
 
-def test_the_default_model_in_int8_stays_within_the_stated_tolerance():
-    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
-    runs = {}
-    for q in (None, "int8"):
-        llm = LLM(threads=2, kv_cache_gib=0.1, quantization=q)
-        runs[q] = llm.generate(PROMPTS, params)
-        if q is not None:
-            assert model_bytes(llm.engine.runner.model) < 0.5 * float32_bytes  # the float embedding stays
-        else:
-            float32_bytes = model_bytes(llm.engine.runner.model)
-    diffs = [abs(a.logprob - b.logprob) for ra, rb in zip(runs[None], runs["int8"])
-             for a, b in zip(ra.prompt_logprobs[1:], rb.prompt_logprobs[1:])]
-    assert sum(diffs) / len(diffs) < 0.15
-    same = sum(a.token_ids == b.token_ids for a, b in zip(runs[None], runs["int8"]))
-    assert same >= 0.6 * len(PROMPTS), [(a.text, b.text) for a, b in zip(runs[None], runs["int8"])]
+@pytest.fixture(scope="module")
+def float32_reference():
+    """float32's greedy continuations of PROMPTS and its bytes of weights."""
+    llm = LLM(threads=2, kv_cache_gib=0.1, dtype="float32")
+    runs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0))
+    return llm, runs, model_bytes(llm.engine.runner.model)
 
 
-def test_int8_is_refused_where_it_cannot_run():
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_default_model_quantized_stays_within_the_stated_tolerance(kind, float32_reference):
+    ref_llm, ref, float32_bytes = float32_reference
+    llm = LLM(threads=2, kv_cache_gib=0.1, dtype="float32", quantization=kind)
+    assert model_bytes(llm.engine.runner.model) < {"int8": 0.5, "int4": 0.4}[kind] * float32_bytes
+    runs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0))
+
+    prompt_diffs = [abs(a.logprob - b.logprob) for ra, rb in zip(ref, runs)
+                    for a, b in zip(ra.prompt_logprobs[1:], rb.prompt_logprobs[1:])]
+    assert sum(prompt_diffs) / len(prompt_diffs) < PROMPT_TOLERANCE[kind]
+
+    # Each generated token as float32 scores it in the quantized run's own context.
+    texts = [r.prompt_token_ids + r.token_ids for r in runs]
+    scored = ref_llm.generate(texts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    decode_diffs = []
+    for r, s in zip(runs, scored):
+        n = len(r.prompt_token_ids)
+        # The first token came from the prefill step; the rest from decode steps.
+        for i, lp in enumerate(r.logprobs[1:], start=1):
+            assert lp.token_id == r.token_ids[i]
+            decode_diffs.append(abs(lp.logprob - s.prompt_logprobs[n + i].logprob))
+    assert sum(decode_diffs) / len(decode_diffs) < DECODE_TOLERANCE[kind]
+
+    same = sum(a.token_ids == b.token_ids for a, b in zip(ref, runs))
+    assert same >= GREEDY_AGREEMENT * len(PROMPTS), [(a.text, b.text) for a, b in zip(ref, runs)]
+
+
+def test_quantization_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError):
-        EngineConfig(device="cpu", quantization="int4")
+        EngineConfig(device="cpu", quantization="int3")
     with pytest.raises(ValueError):
-        quantize_model(torch.nn.Linear(2, 2), "int4")
+        quantize_model(torch.nn.Linear(2, 2), "int3")
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Weight(torch.randn(8, 48))
 
 
-def test_many_rows_take_the_dequantized_matmul_and_agree():
-    from engine.quantization import INT8_MM_MAX_ROWS
-
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_many_rows_take_the_dequantized_matmul_and_agree(kind):
+    cls: type[QuantizedWeight] = KINDS[kind]
     g = torch.Generator().manual_seed(1)
-    q = Int8Weight(torch.randn(64, 32, generator=g))
-    x = torch.randn(INT8_MM_MAX_ROWS + 8, 32, generator=g)
-    few, many = linear(x[:INT8_MM_MAX_ROWS], q), linear(x, q)  # one way each
-    assert torch.allclose(many[:INT8_MM_MAX_ROWS], few, rtol=2e-2, atol=5e-2)
+    q = cls(torch.randn(64, 64, generator=g))
+    x = torch.randn(cls.max_rows + 8, 64, generator=g)
+    few, many = linear(x[: cls.max_rows], q), linear(x, q)  # one way each
+    assert torch.allclose(many[: cls.max_rows], few, rtol=2e-2, atol=5e-2)
