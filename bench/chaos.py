@@ -7,8 +7,9 @@ port, in its own session, with a cluster secret in its environment, and waits un
 is up. Then:
 
 0. the **expected texts**: each prompt of a small fixed set (completions and chat) is sent once,
-   alone, greedy (temperature 0) before any fault; the server is deterministic for greedy
-   decoding, so every later answer that completes normally must repeat that text exactly;
+   alone, greedy (temperature 0) before any fault; the server (in float32 here, where batching
+   does not change the rounding) is deterministic for greedy decoding, so every later answer
+   that completes normally must repeat that text exactly;
 1. a **steady stream** starts: Poisson arrivals (``bench.serving.arrival_times``) at ``--rate``
    req/s, each request one of those prompts, streamed (SSE) or not, ``--max-tokens`` tokens; it
    runs under all the faults below, one after another with ``--pause-s`` between them;
@@ -537,7 +538,10 @@ class Cluster:
 
 def start_cluster(cfg: ChaosConfig) -> Cluster:
     port = free_port()
-    cmd = [cfg.python, "-m", "server", "--host", HOST, "--port", str(port), *cfg.server_args]
+    # float32, the reference precision: there a greedy answer does not depend on how requests
+    # were batched, which the expected texts rely on (the CPU default, bfloat16 with int4 weights,
+    # rounds differently at different batch sizes). --server-arg can still choose another.
+    cmd = [cfg.python, "-m", "server", "--host", HOST, "--port", str(port), "--dtype", "float32", *cfg.server_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     if not env.get(SECRET_ENV):

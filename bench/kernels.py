@@ -186,10 +186,9 @@ def bench_elementwise(args, copy_bw: float) -> list[dict]:
         wq = torch.randn(HEAD_DIM, dtype=dt, device=dev)
         cases.append(("rms_norm per-head", f"{t}x{NUM_Q_HEADS}x{HEAD_DIM}", lambda: rms_norm_triton(qk, wq, 1e-6),
                       rms_norm_bytes(t * NUM_Q_HEADS, HEAD_DIM, e)))
-        cos_sin = torch.randn(32768, HEAD_DIM, dtype=torch.float32, device=dev)
-        pos = torch.randint(0, 32768, (t,), device=dev)
+        cos_sin = torch.randn(t, HEAD_DIM, dtype=torch.float32, device=dev)  # the step's rows
         cases.append(("rotary_embedding", f"{t}x{NUM_Q_HEADS}x{HEAD_DIM}",
-                      lambda: rotary_embedding_triton(pos, qk, cos_sin), rope_bytes(t, NUM_Q_HEADS, HEAD_DIM, e)))
+                      lambda: rotary_embedding_triton(qk, cos_sin), rope_bytes(t, NUM_Q_HEADS, HEAD_DIM, e)))
         gu = torch.randn(t, 2 * inter, dtype=dt, device=dev)
         cases.append(("silu_and_mul", f"{t}x2x{inter}", lambda: silu_and_mul_triton(gu), silu_and_mul_bytes(t, inter, e)))
         nb = 2 * t // BLOCK_SIZE + 1

@@ -11,11 +11,15 @@ Workload (fixed and seeded, so every run and both systems see the same requests)
     (default 32..256), and every request uses ``temperature=0, ignore_eos=True,
     max_tokens=output_len``, so the number of generated tokens is fixed in advance.
 
+Precisions (``--precisions``, default ``float32,bfloat16,default``): each is ours in that
+precision (``default``: what the engine picks on its own, on CPU bfloat16 with int4 weights;
+``DTYPE:QUANT``: weight-only int8/int4) against HF in the same dtype. An HF run is shared by
+every precision of its dtype. With quantized weights ours is not at equal precision (HF's
+weights stay in the dtype), and the report says so.
+
 Fairness rules:
-  * both systems load the SAME converted HF checkpoint folder, in the same ``--dtype``
-    (float32 by default), with the same ``torch.set_num_threads`` value; ``--quantization int8``
-    gives ours int8 weights (HF's row stays in ``--dtype``: the ratio is then not at equal
-    precision, and the report says so);
+  * both systems load the SAME converted HF checkpoint folder, with the same
+    ``torch.set_num_threads`` value;
   * each system gets one tiny warm-up request first; only the main ``generate`` call(s)
     are timed (``time.perf_counter``), not model loading;
   * our engine gets all requests at once (continuous batching, chunked prefill);
@@ -54,10 +58,11 @@ def build_workload(num_prompts, input_len, output_len, vocab_size, seed):
     return prompts, out_lens
 
 
-def run_ours(args, folder, prompts, out_lens):
+def run_ours(args, precision, folder, prompts, out_lens):
+    from bench.precision import precision_kwargs
     from engine import LLM, SamplingParams
 
-    kwargs = {"threads": args.threads, "dtype": args.dtype, "quantization": args.quantization}
+    kwargs = {"threads": args.threads, **precision_kwargs(precision)}
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_cache_gib is not None:
@@ -65,6 +70,7 @@ def run_ours(args, folder, prompts, out_lens):
     t0 = time.perf_counter()
     llm = LLM(model=str(folder), **kwargs)
     load_s = time.perf_counter() - t0
+    config = llm.engine.config
     # Warm-up: a tiny request with ids outside the workload's range of lengths.
     llm.generate([[MIN_TOKEN_ID + 1] * 4], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)])
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in out_lens]
@@ -77,16 +83,17 @@ def run_ours(args, folder, prompts, out_lens):
             print(f"warning: our engine produced {len(o)} tokens for a request asking {n}", file=sys.stderr)
     del llm
     gc.collect()
-    return {"load_s": load_s, "wall_s": wall, "generated": sum(len(o) for o in outputs)}, outputs
+    return {"load_s": load_s, "wall_s": wall, "generated": sum(len(o) for o in outputs),
+            "dtype": config.dtype, "quantization": config.quantization}, outputs
 
 
-def run_hf(args, folder, prompts, out_lens):
+def run_hf(args, dtype_name, folder, prompts, out_lens):
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, dtype_name)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     except TypeError:  # older transformers only know torch_dtype
@@ -142,8 +149,9 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both systems' precision")
-    ap.add_argument("--quantization", choices=["int8"], default=None, help="ours only: int8 weights")
+    ap.add_argument("--precisions", default="float32,bfloat16,default",
+                    help="ours, comma-separated: default, DTYPE or DTYPE:QUANT, each against HF in its dtype "
+                         "(float32,bfloat16,default)")
     ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     args = ap.parse_args(argv)
     for name in ("input_len", "output_len"):
@@ -169,13 +177,8 @@ def main(argv=None) -> int:
     print(f"model: {folder}")
     print(f"workload: {len(prompts)} prompts, input {args.input_len[0]}-{args.input_len[1]}, "
           f"output {args.output_len[0]}-{args.output_len[1]}, seed {args.seed}; "
-          f"{n_prompt} prompt + {n_gen} generated tokens; threads {args.threads}; {args.dtype}"
-          + (f", ours with {args.quantization} weights (not equal precision)" if args.quantization else ""))
+          f"{n_prompt} prompt + {n_gen} generated tokens; threads {args.threads}")
 
-    ours, ours_out = run_ours(args, folder, prompts, out_lens)
-    print(f"ours: {ours['generated']} tokens in {ours['wall_s']:.2f} s")
-
-    hf = hf_out = None
     hf_note = None
     if args.skip_hf:
         hf_note = "HF baseline skipped (--skip-hf)"
@@ -184,33 +187,44 @@ def main(argv=None) -> int:
             import transformers  # noqa: F401
         except ImportError:
             hf_note = "transformers is not installed (pip install -e '.[bench]'): HF baseline skipped"
-    if hf_note is None:
-        hf, hf_out = run_hf(args, folder, prompts, out_lens)
-        print(f"hf: {hf['generated']} useful tokens ({hf['generated_incl_padding']} computed) "
-              f"in {hf['wall_s']:.2f} s")
-
-    rows = [("system", "gen tokens", "wall s", "gen tok/s", "total tok/s")]
-    def row(name, r):
-        return (name, str(r["generated"]), f"{r['wall_s']:.2f}",
-                f"{r['generated'] / r['wall_s']:.1f}", f"{(n_prompt + r['generated']) / r['wall_s']:.1f}")
-    rows.append(row("ours", ours))
     report = {
         "workload": {"num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
                      "seed": args.seed, "threads": args.threads, "prompt_tokens": n_prompt,
                      "generated_tokens": n_gen, "model": str(folder)},
-        "ours": dict(ours, gen_tok_s=ours["generated"] / ours["wall_s"],
-                     total_tok_s=(n_prompt + ours["generated"]) / ours["wall_s"]),
+        "precisions": {},
     }
-    if hf is not None:
-        rows.append(row(f"hf (bs {args.hf_batch_size})", hf))
-        ratio = (ours["generated"] / ours["wall_s"]) / (hf["generated"] / hf["wall_s"])
-        agree = sum(
-            a[:min(AGREE_PREFIX, n)] == b[:min(AGREE_PREFIX, n)] for a, b, n in zip(ours_out, hf_out, out_lens)
-        )
-        report["hf"] = dict(hf, hf_batch_size=args.hf_batch_size, gen_tok_s=hf["generated"] / hf["wall_s"],
-                            total_tok_s=(n_prompt + hf["generated"]) / hf["wall_s"])
-        report["ratio_gen_tok_s"] = ratio
-        report["agreement_first16"] = agree / len(prompts)
+    hf_runs: dict[str, tuple[dict, list]] = {}
+    rows = [("ours", "weights", "gen tok/s", "total tok/s", "HF (same dtype) gen tok/s", "ours / HF",
+             f"same first {AGREE_PREFIX} tokens")]
+    for precision in args.precisions.split(","):
+        ours, ours_out = run_ours(args, precision, folder, prompts, out_lens)
+        dtype = ours["dtype"]
+        weights = dtype if ours["quantization"] == "none" else ours["quantization"]
+        print(f"ours {precision} ({dtype}, {weights} weights): {ours['generated']} tokens in {ours['wall_s']:.2f} s",
+              flush=True)
+        entry = {"ours": dict(ours, gen_tok_s=ours["generated"] / ours["wall_s"],
+                              total_tok_s=(n_prompt + ours["generated"]) / ours["wall_s"])}
+        hf_cells = ["", "", ""]
+        if hf_note is None:
+            if dtype not in hf_runs:
+                hf_runs[dtype] = run_hf(args, dtype, folder, prompts, out_lens)
+                hf = hf_runs[dtype][0]
+                print(f"hf {dtype}: {hf['generated']} useful tokens ({hf['generated_incl_padding']} computed) "
+                      f"in {hf['wall_s']:.2f} s", flush=True)
+            hf, hf_out = hf_runs[dtype]
+            ratio = entry["ours"]["gen_tok_s"] / (hf["generated"] / hf["wall_s"])
+            agree = sum(a[:min(AGREE_PREFIX, n)] == b[:min(AGREE_PREFIX, n)]
+                        for a, b, n in zip(ours_out, hf_out, out_lens))
+            entry["hf"] = dict(hf, hf_batch_size=args.hf_batch_size, gen_tok_s=hf["generated"] / hf["wall_s"],
+                               total_tok_s=(n_prompt + hf["generated"]) / hf["wall_s"])
+            entry["ratio_gen_tok_s"] = ratio
+            entry["agreement_first16"] = agree / len(prompts)
+            equal = "" if weights == dtype else " (not equal precision)"
+            hf_cells = [f"{entry['hf']['gen_tok_s']:.1f} ({dtype}, batch {args.hf_batch_size})",
+                        f"{ratio:.2f}x{equal}", f"{agree}/{len(prompts)}"]
+        report["precisions"][precision] = entry
+        rows.append((f"{precision} ({dtype})", weights, f"{entry['ours']['gen_tok_s']:.1f}",
+                     f"{entry['ours']['total_tok_s']:.1f}", *hf_cells))
 
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print()
@@ -218,12 +232,8 @@ def main(argv=None) -> int:
         print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    if hf is None:
+    if hf_note is not None:
         print(hf_note)
-    else:
-        print(f"ratio ours/HF (generated tok/s): {report['ratio_gen_tok_s']:.2f}x")
-        print(f"agreement: {agree}/{len(prompts)} requests ({100 * agree / len(prompts):.0f}%) have "
-              f"identical first {AGREE_PREFIX} greedy tokens")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -93,7 +93,7 @@ def pool_layer_bytes() -> int:
     """Bytes of K and V of one layer of one pool object of the default model (what an instance
     reads per layer while it loads a prefix: ``PoolGeometry.part_bytes``)."""
     engine = EngineConfig(device="cpu", threads=1)
-    layout = KVLayout(MODEL_LAYERS, MODEL_KV_HEADS, engine.block_size, MODEL_HEAD_DIM, engine.dtype)
+    layout = KVLayout(MODEL_LAYERS, MODEL_KV_HEADS, engine.block_size, MODEL_HEAD_DIM, engine.kv_cache_dtype)
     geometry = PoolGeometry(layout, PoolConfig().block_tokens // engine.block_size, "SmolLM2-135M")
     return geometry.part_bytes
 

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.precision import precision_kwargs
 from bench.transfer import format_table
 from engine import LLM, SamplingParams
 
@@ -93,17 +94,16 @@ def report(results: list[Quality]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the default model)")
-    parser.add_argument("--dtypes", default="float32,bfloat16,bfloat16:int8",
-                        help="precisions, comma-separated, each DTYPE or DTYPE:int8 (int8 weight-only); the first "
-                             "is the reference (float32,bfloat16,bfloat16:int8)")
+    parser.add_argument("--dtypes", default="float32,bfloat16,bfloat16:int8,default",
+                        help="precisions, comma-separated, each default, DTYPE or DTYPE:QUANT (int8 or int4 "
+                             "weight-only); the first is the reference (float32,bfloat16,bfloat16:int8,default)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = parser.parse_args(argv)
     questions = load_questions()
     text = (DATA / "held_text.txt").read_text()
     results = []
     for dtype in args.dtypes.split(","):
-        name, _, quantization = dtype.partition(":")
-        llm = LLM(args.model, dtype=name, quantization=quantization or None, threads=args.threads, kv_cache_gib=0.25)
+        llm = LLM(args.model, **precision_kwargs(dtype), threads=args.threads, kv_cache_gib=0.25)
         results.append(evaluate(llm, dtype, questions, text))
         print(f"  {dtype}: acc {results[-1].acc:.3f}, perplexity {results[-1].perplexity:.3f}", flush=True)
         del llm

@@ -8,7 +8,9 @@ with ``--threads`` threads, the best of ``--rounds``:
 * prefill tok/s: the prompt's tokens over the time to its first token;
 * decode tok/s: the tokens after the first over the time they took.
 
-Our configurations (``--configs``): ``DTYPE`` or ``DTYPE:int8`` (int8 weight-only). llama.cpp
+Our configurations (``--configs``): ``DTYPE`` or ``DTYPE:QUANT`` (``int8`` or ``int4``
+weight-only), or ``default`` (what ``python -m server`` runs on CPU: bfloat16 with int4 weights).
+llama.cpp
 (``llama-cpp-python``, an optional extra: ``pip install -e ".[llamacpp]"``, which builds it from
 source) runs the default model's own Q4_1 GGUF, the file our float weights were dequantized
 from; without it installed its row is left out and the ratios are against our first
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.precision import precision_kwargs
 from bench.transfer import format_table
 from engine import SamplingParams
 from engine.config import EngineConfig
@@ -45,9 +48,11 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def ours(config: str, prompt_len: int, decode_len: int, threads: int, rounds: int, model: str | None = None) -> Speed:
-    dtype, _, quantization = config.partition(":")
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, quantization=quantization or None, threads=threads,
-                                    kv_cache_gib=0.25, max_num_batched_tokens=max(512, prompt_len)))
+    engine_cfg = EngineConfig(**precision_kwargs(config), model=model, threads=threads, kv_cache_gib=0.25,
+                              max_num_batched_tokens=max(512, prompt_len))
+    engine = LLMEngine(engine_cfg)
+    if config == "default":
+        config = f"default ({engine_cfg.dtype}:{engine_cfg.quantization})"
     best_prefill = best_decode = 0.0
     for r in range(rounds + 1):  # the first round warms up, untimed
         prompt = _prompt(prompt_len, engine.model_config.vocab_size, seed=r)
@@ -100,8 +105,8 @@ def report(speeds: list[Speed], baseline: Speed) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.single", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default="float32,bfloat16,bfloat16:int8",
-                        help="ours, comma-separated: DTYPE or DTYPE:int8 (float32,bfloat16,bfloat16:int8)")
+    parser.add_argument("--configs", default="float32,bfloat16,bfloat16:int8,default",
+                        help="ours, comma-separated: default, DTYPE or DTYPE:QUANT (float32,bfloat16,bfloat16:int8,default)")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -39,6 +39,10 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32
     decode_workspace: kernels.DecodeWorkspace | None = None  # split-K buffers (Triton path)
+    # Built once per step for the torch twins (None on the Triton path): where the step's tokens
+    # are written, and how decode attention reads the contexts.
+    cache_slots: kernels.CacheSlots | None = None
+    decode_context: kernels.DecodeContext | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -102,7 +106,6 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
         cos_sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -113,22 +116,22 @@ class Attention(nn.Module):
         if self.q_norm is None:
             # q and k rotate together: the query heads and the KV heads as one set of heads.
             qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = kernels.rotary_embedding(positions, qk, cos_sin)
+            qk = kernels.rotary_embedding(qk, cos_sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             q = kernels.rms_norm(q.view(t, self.num_heads, self.head_dim), self.q_norm, self.eps)
             k = kernels.rms_norm(k.view(t, self.num_kv_heads, self.head_dim), self.k_norm, self.eps)
-            q = kernels.rotary_embedding(positions, q, cos_sin)
-            k = kernels.rotary_embedding(positions, k, cos_sin)
+            q = kernels.rotary_embedding(q, cos_sin)
+            k = kernels.rotary_embedding(k, cos_sin)
         k_cache, v_cache = kv_cache[self.layer]
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.cache_slots)
 
         nd = meta.num_decodes
         if meta.num_prefills == 0:
             out = kernels.decode_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                meta.decode_workspace,
+                meta.decode_workspace, meta.decode_context,
             )
         elif nd == 0:
             out = kernels.extend_attention(
@@ -139,7 +142,7 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             out[:nd] = kernels.decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                meta.decode_workspace,
+                meta.decode_workspace, meta.decode_context,
             )
             out[nd:] = kernels.extend_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
@@ -162,7 +165,6 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
         cos_sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -172,7 +174,7 @@ class DecoderLayer(nn.Module):
             h = kernels.rms_norm(x, self.input_norm, self.eps)
         else:
             h, residual = kernels.rms_norm(x, self.input_norm, self.eps, residual)
-        h = self.attn(h, positions, cos_sin, kv_cache, meta)
+        h = self.attn(h, cos_sin, kv_cache, meta)
         h, residual = kernels.rms_norm(h, self.post_attn_norm, self.eps, residual)
         h = kernels.silu_and_mul(linear(h, self.gate_up_weight))
         return linear(h, self.down_weight), residual
@@ -238,10 +240,11 @@ class CausalLM(nn.Module):
             raise ValueError("a stage after the first takes the hidden states of the one before")
         else:
             x, residual = hidden
+        cos_sin = self.cos_sin[positions]  # the step's rows of the rotary table, for every layer
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            x, residual = layer(x, residual, positions, self.cos_sin, self.kv_cache, meta)
+            x, residual = layer(x, residual, cos_sin, self.kv_cache, meta)
             if on_layer is not None:
                 on_layer(i)
         if not self.last:

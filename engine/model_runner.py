@@ -33,7 +33,7 @@ def num_kv_blocks(cfg: ModelConfig, config: EngineConfig) -> int:
     if config.stage is not None:
         _, stages = config.stage
         layers = max(len(stage_layers(cfg.num_layers, i, stages)) for i in range(stages))
-    block_bytes = config.block_size * cfg.kv_bytes_per_token(config.torch_dtype) * layers // cfg.num_layers
+    block_bytes = config.block_size * cfg.kv_bytes_per_token(config.kv_torch_dtype) * layers // cfg.num_layers
     if config.kv_cache_gib is not None:
         budget = int(config.kv_cache_gib * _GIB)
     elif config.device == "cpu":
@@ -95,31 +95,33 @@ class ModelRunner:
         cfg = ModelConfig.from_folder(Path(model_path))
         layers = None if config.stage is None else stage_layers(cfg.num_layers, *config.stage)
         self.model = load_model(model_path, config.torch_dtype, config.device, max_model_len, layers)
-        if config.quantization is not None:
+        if config.quantization != "none":
             quantize_model(self.model, config.quantization)
         self.model_config = self.model.cfg
         weight_bytes = model_bytes(self.model)
         self.num_blocks = num_kv_blocks(self.model_config, config)
         self.kv_cache = torch.zeros(
             len(self.model.layer_range), 2, self.num_blocks, cfg.num_kv_heads, config.block_size, cfg.head_dim,
-            dtype=config.torch_dtype, device=self.device,
+            dtype=config.kv_torch_dtype, device=self.device,
         )
         self.model.kv_cache = self.kv_cache
         # A first stage before others: where its steps go on (set by the cluster's stage link).
         self.downstream: StageDownstream | None = None
         self._steps = 0
+        # The Triton kernels (CUDA) or their torch twins (CPU) run this model's attention and KV ops.
+        self.triton = kernels.use_triton(self.kv_cache)
         # Allocated once so decode attention allocates nothing per step (CUDA-graph friendly).
         self.decode_workspace = (
             kernels.DecodeWorkspace(config.max_num_seqs, cfg.num_heads, cfg.head_dim, device=self.device)
-            if kernels.use_triton(self.kv_cache)
+            if self.triton
             else None
         )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); weights %.2f GiB (%s), "
             "their bfloat16 copy for prefill %.2f GiB",
             self.num_blocks, config.block_size, self.num_blocks * config.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.dtype,
-            weight_bytes / _GIB, config.quantization or config.dtype, prefill_copy_bytes(self.model) / _GIB,
+            self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.kv_cache_dtype,
+            weight_bytes / _GIB, config.quantization if config.quantization != "none" else config.dtype, prefill_copy_bytes(self.model) / _GIB,
         )
 
     @property
@@ -170,20 +172,37 @@ class ModelRunner:
             rows = [s.seq.block_table.block_ids + [0] * (width - len(s.seq.block_table.block_ids)) for s in group]
             return self._tensor(rows, torch.int32).view(len(group), width)
 
-        def lens(group: list[ScheduledSeq]) -> torch.Tensor:
-            return self._tensor([s.seq.num_computed_tokens + s.num_new_tokens for s in group], torch.int32)
+        def lens(group: list[ScheduledSeq]) -> list[int]:
+            return [s.seq.num_computed_tokens + s.num_new_tokens for s in group]
 
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            num_decodes=len(decodes),
-            decode_block_tables=tables(decodes),
-            decode_seq_lens=lens(decodes),
-            prefill_block_tables=tables(prefills),
-            prefill_seq_lens=lens(prefills),
-            prefill_query_start_loc=self._tensor(query_start, torch.int32),
-            decode_workspace=workspace,
-        )
+        meta = self._metadata(slots, len(decodes), tables(decodes), lens(decodes), tables(prefills), lens(prefills),
+                              query_start)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, ordered
+
+    def _metadata(self, slots: list[int], num_decodes: int, decode_tables: torch.Tensor, decode_lens: list[int],
+                  prefill_tables: torch.Tensor, prefill_lens: list[int], query_start: list[int]) -> AttentionMetadata:
+        """A step's attention metadata, with what every layer would otherwise work out again:
+        on the torch twins' path, the step's cache slots and its plan for reading the decode
+        contexts (``kernels.CacheSlots``, ``kernels.DecodeContext``)."""
+        slot_mapping = self._tensor(slots, torch.int64)
+        cache_slots = context = None
+        if not self.triton:
+            cache_slots = kernels.CacheSlots.of(slot_mapping, self.config.block_size)
+            if num_decodes:
+                context = kernels.DecodeContext.build(decode_tables, decode_lens, self.model_config.num_kv_heads,
+                                                      self.config.block_size)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=num_decodes,
+            decode_block_tables=decode_tables,
+            decode_seq_lens=self._tensor(decode_lens, torch.int32),
+            prefill_block_tables=prefill_tables,
+            prefill_seq_lens=self._tensor(prefill_lens, torch.int32),
+            prefill_query_start_loc=self._tensor(query_start, torch.int32),
+            decode_workspace=self.decode_workspace,
+            cache_slots=cache_slots,
+            decode_context=context,
+        )
 
     @torch.inference_mode()
     def run(
@@ -256,16 +275,10 @@ class ModelRunner:
             width = len(rows[0]) if rows else 0
             return self._tensor(rows, torch.int32).view(n, width)
 
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
-            num_decodes=step.num_decodes,
-            decode_block_tables=tables(step.decode_block_tables, len(step.decode_seq_lens)),
-            decode_seq_lens=self._tensor(step.decode_seq_lens, torch.int32),
-            prefill_block_tables=tables(step.prefill_block_tables, len(step.prefill_seq_lens)),
-            prefill_seq_lens=self._tensor(step.prefill_seq_lens, torch.int32),
-            prefill_query_start_loc=self._tensor(step.prefill_query_start_loc, torch.int32),
-            decode_workspace=self.decode_workspace,
-        )
+        meta = self._metadata(step.slot_mapping, step.num_decodes,
+                              tables(step.decode_block_tables, len(step.decode_seq_lens)), step.decode_seq_lens,
+                              tables(step.prefill_block_tables, len(step.prefill_seq_lens)), step.prefill_seq_lens,
+                              step.prefill_query_start_loc)
         x, residual = (t.to(self.device) for t in hidden)
         return self.model(None, self._tensor(step.positions, torch.int64), meta,
                           self._tensor(step.rows, torch.int64), on_layer, before_layer, (x, residual))

@@ -94,7 +94,8 @@ class Int4Weight(QuantizedWeight):
     def __init__(self, weight: torch.Tensor, group: int = INT4_GROUP) -> None:
         out_features, in_features = weight.shape
         if in_features % group:
-            raise ValueError(f"int4 needs input features divisible by {group}; this weight is {tuple(weight.shape)}")
+            raise ValueError(f"int4 needs input features divisible by {group}; this weight is {tuple(weight.shape)} "
+                             "(quantization \"none\" or \"int8\" runs any model)")
         w = weight.detach().float().view(out_features, in_features // group, group)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         scale = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)

@@ -14,15 +14,19 @@ from kernels.decode_attention import DecodeWorkspace, decode_attention_torch, de
 from kernels.extend_attention import extend_attention_torch, extend_attention_triton
 from kernels.kv_transfer import LayerSel, gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
 from kernels.norms import rms_norm_torch, rms_norm_triton
+from kernels.paged import DecodeContext
 from kernels.rope import rotary_embedding_torch, rotary_embedding_triton
-from kernels.store_kv import store_kv_torch, store_kv_triton
+from kernels.store_kv import CacheSlots, store_kv_torch, store_kv_triton
 from torch import Tensor
 
 
-def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def store_kv(
+    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, slots: CacheSlots | None = None
+) -> None:
+    """``slots`` (torch only): the twin's block and offset of each slot, built once per step."""
     if use_triton(k_cache):
         return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    return store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+    return store_kv_torch(k, v, k_cache, v_cache, slot_mapping, slots)
 
 
 def decode_attention(
@@ -33,13 +37,15 @@ def decode_attention(
     seq_lens: Tensor,
     scale: float,
     workspace: DecodeWorkspace | None = None,
+    context: DecodeContext | None = None,
 ) -> Tensor:
-    """``workspace`` (Triton only) holds the split-K partials, so the call allocates nothing."""
+    """``workspace`` (Triton only) holds the split-K partials, so the call allocates nothing;
+    ``context`` (torch only) is how the twin reads the contexts, built once per step."""
     if use_triton(q):
         return decode_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=workspace
         )
-    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, context)
 
 
 def extend_attention(
@@ -66,10 +72,11 @@ def rms_norm(
     return rms_norm_torch(x, weight, eps, residual)
 
 
-def rotary_embedding(positions: Tensor, x: Tensor, cos_sin_cache: Tensor) -> Tensor:
+def rotary_embedding(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """``cos_sin [T, D]``: each token's row of the rotary table (gathered once per step)."""
     if use_triton(x):
-        return rotary_embedding_triton(positions, x, cos_sin_cache)
-    return rotary_embedding_torch(positions, x, cos_sin_cache)
+        return rotary_embedding_triton(x, cos_sin)
+    return rotary_embedding_torch(x, cos_sin)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
@@ -97,6 +104,8 @@ def scatter_kv(
 
 
 __all__ = [
+    "CacheSlots",
+    "DecodeContext",
     "DecodeWorkspace",
     "decode_attention",
     "extend_attention",

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import check_paged_attention, output_like
-from kernels.paged import gather_context
+from kernels.paged import DecodeContext, gather_tiles
 
 
 def decode_attention_torch(
@@ -26,22 +26,33 @@ def decode_attention_torch(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    context: DecodeContext | None = None,
 ) -> torch.Tensor:
-    """Torch twin (the spec): gather each context, masked softmax attention in fp32."""
+    """Torch twin (the spec): gather each context, masked softmax attention in fp32.
+
+    ``context``: how to read the contexts (:class:`kernels.paged.DecodeContext`, built once per
+    step for every layer); worked out here from ``block_tables`` and ``seq_lens`` when not given.
+    """
     s, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
-    max_len = int(seq_lens.max())
-    k = gather_context(k_cache, block_tables, max_len).float()  # [S, Hkv, L, D]
-    v = gather_context(v_cache, block_tables, max_len).float()
-    # The query heads sharing a KV head act as a "query length" of `group` rows against
-    # that head's keys, which avoids materialising repeated K/V for GQA.
-    qg = q.view(s, hkv, group, d).float()
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [S, Hkv, group, L]
-    beyond = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]
-    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(-1), v)
-    return out.reshape(s, hq, d).to(q.dtype)
+    if context is None:
+        context = DecodeContext.build(block_tables, seq_lens.tolist(), hkv, k_cache.shape[2])
+    out = None if len(context.groups) == 1 else torch.empty_like(q)
+    for g in context.groups:
+        n = s if g.rows is None else g.rows.shape[0]
+        k = gather_tiles(k_cache, g.tiles, n, g.max_len).float()  # [n, Hkv, L, D]
+        v = gather_tiles(v_cache, g.tiles, n, g.max_len).float()
+        # The query heads sharing a KV head act as a "query length" of `group` rows against
+        # that head's keys, which avoids materialising repeated K/V for GQA.
+        qg = (q if g.rows is None else q[g.rows]).view(n, hkv, group, d).float()
+        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [n, Hkv, group, L]
+        scores.masked_fill_(g.beyond, float("-inf"))
+        o = torch.matmul(scores.softmax(-1), v).reshape(n, hq, d).to(q.dtype)
+        if out is None:
+            return o
+        out[g.rows] = o
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,23 +9,22 @@ import triton.language as tl
 from kernels._launch import check_device, check_float, check_last_contiguous, tile_cap
 
 
-def rotary_embedding_torch(
-    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by its tokens' ``positions [T]``.
+def rotary_embedding_torch(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by its tokens' angles.
 
-    ``cos_sin_cache [max_pos, D]`` holds ``cos`` in the first ``D/2`` columns and ``sin`` in
-    the rest. Dimension ``i`` pairs with ``i + D/2``.
+    ``cos_sin [T, D]`` holds token ``t``'s ``cos`` in the first ``D/2`` columns of row ``t`` and
+    its ``sin`` in the rest: the rows of the model's table at the step's positions, gathered
+    once per step for every layer. Dimension ``i`` pairs with ``i + D/2``.
     """
     half = x.shape[-1] // 2
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).split(half, dim=-1)
+    cos, sin = cos_sin.unsqueeze(1).split(half, dim=-1)
     x1, x2 = x.float().split(half, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 @triton.jit
 def _rope_kernel(
-    pos_ptr, x_ptr, cs_ptr, out_ptr,
+    x_ptr, cs_ptr, out_ptr,
     H, HALF,
     sx_t, sx_h, scs,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -35,10 +34,9 @@ def _rope_kernel(
     i = tl.arange(0, BLOCK_HALF)
     imask = i < HALF
     mask = (h[:, None] < H) & imask[None, :]
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * scs + i, mask=imask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs_ptr + pos * scs + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
     t64 = t.to(tl.int64)
+    cos = tl.load(cs_ptr + t64 * scs + i, mask=imask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cs_ptr + t64 * scs + HALF + i, mask=imask, other=0.0).to(tl.float32)[None, :]
     h64 = h.to(tl.int64)[:, None]
     src = x_ptr + t64 * sx_t + h64 * sx_h + i[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
@@ -49,27 +47,21 @@ def _rope_kernel(
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
 
 
-def rotary_embedding_triton(
-    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> torch.Tensor:
+def rotary_embedding_triton(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """Triton twin of :func:`rotary_embedding_torch`: one program per (token, head tile), fp32
     math, a new contiguous ``[T, H, D]`` result. ``x`` may be a strided view (last dim
-    contiguous). Positions are not bounds checked against the cache (no device sync)."""
+    contiguous)."""
     op = "rotary_embedding"
     if x.dim() != 3:
         raise ValueError(f"{op}: x must be [T, H, D], got {tuple(x.shape)}")
     t, h, d = x.shape
     if d % 2:
         raise ValueError(f"{op}: head_dim {d} must be even")
-    if positions.shape != (t,):
-        raise ValueError(f"{op}: positions must be [{t}], got {tuple(positions.shape)}")
-    if positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: positions must be int32/int64, got {positions.dtype}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != d:
-        raise ValueError(f"{op}: cos_sin_cache must be [max_pos, {d}], got {tuple(cos_sin_cache.shape)}")
-    check_float(op, x=x, cos_sin_cache=cos_sin_cache)
-    check_device(op, x, positions=positions, cos_sin_cache=cos_sin_cache)
-    check_last_contiguous(op, x=x, cos_sin_cache=cos_sin_cache)
+    if cos_sin.shape != (t, d):
+        raise ValueError(f"{op}: cos_sin must be [{t}, {d}] (one row per token), got {tuple(cos_sin.shape)}")
+    check_float(op, x=x, cos_sin=cos_sin)
+    check_device(op, x, cos_sin=cos_sin)
+    check_last_contiguous(op, x=x, cos_sin=cos_sin)
     out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -77,8 +69,8 @@ def rotary_embedding_triton(
     block_half = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(h), max(1, tile_cap() // (2 * block_half)))
     _rope_kernel[(t, triton.cdiv(h, block_h))](
-        positions.contiguous(), x, cos_sin_cache, out,
-        h, half, x.stride(0), x.stride(1), cos_sin_cache.stride(0),
+        x, cos_sin, out,
+        h, half, x.stride(0), x.stride(1), cos_sin.stride(0),
         BLOCK_H=block_h, BLOCK_HALF=block_half,
     )
     return out

@@ -9,11 +9,31 @@ attention reads, with no transpose copy. A negative slot marks padding and is sk
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels._launch import check_device, check_float, check_last_contiguous, tile_cap
+
+
+@dataclass(frozen=True)
+class CacheSlots:
+    """Where the torch twin writes a step's tokens, worked out once per step for every layer:
+    ``keep``, the rows of the tokens with a slot (None: all of them, the usual case), and each
+    kept token's ``block`` and ``offset`` in its block."""
+
+    keep: torch.Tensor | None
+    block: torch.Tensor
+    offset: torch.Tensor
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor, block_size: int) -> CacheSlots:
+        valid = slot_mapping >= 0
+        keep = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+        kept = slot_mapping if keep is None else slot_mapping[keep]
+        return cls(keep, kept // block_size, kept % block_size)
 
 
 def store_kv_torch(
@@ -22,16 +42,17 @@ def store_kv_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    slots: CacheSlots | None = None,
 ) -> None:
-    """Torch twin (the spec): ``cache[s // bs, :, s % bs] = new[t]`` for ``s = slot_mapping[t] >= 0``."""
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    bs = k_cache.shape[2]
-    block, offset = slot_mapping // bs, slot_mapping % bs
+    """Torch twin (the spec): ``cache[s // bs, :, s % bs] = new[t]`` for ``s = slot_mapping[t] >= 0``.
+    ``slots``: ``CacheSlots.of(slot_mapping, bs)``, when the caller has it already."""
+    if slots is None:
+        slots = CacheSlots.of(slot_mapping, k_cache.shape[2])
+    if slots.keep is not None:
+        k, v = k[slots.keep], v[slots.keep]
     # Advanced indices around a slice: the indexed view is [T, H, D], matching k and v.
-    k_cache[block, :, offset] = k.to(k_cache.dtype)
-    v_cache[block, :, offset] = v.to(v_cache.dtype)
+    k_cache[slots.block, :, slots.offset] = k.to(k_cache.dtype)
+    v_cache[slots.block, :, slots.offset] = v.to(v_cache.dtype)
 
 
 @triton.jit

@@ -101,10 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch intra-op threads; default: all cores")
     p.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="weights, activations and KV cache; default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
-                   help="weight-only quantization of the linear layers and the LM head (CPU; "
-                        "bench.quality measures what it costs in quality)")
+                   help="activations and KV cache, and the weights unless quantized; default: bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="the KV cache's dtype; default: float32 on CPU, --dtype on CUDA")
+    p.add_argument("--quantization", choices=["none", *QUANTIZATIONS], default=None,
+                   help="weight-only quantization of the linear layers and the LM head (CPU); default: int4 on "
+                        "CPU unless --dtype is given, none on CUDA (bench.quality measures what it costs)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=256,
                    help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512,
@@ -250,6 +252,8 @@ def _engine_config(args: argparse.Namespace, role: str = "both"):
         kwargs["dtype"] = args.dtype
     if args.quantization:
         kwargs["quantization"] = args.quantization
+    if args.kv_cache_dtype:
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     return EngineConfig(**kwargs)
 
 
@@ -269,6 +273,7 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
                 "--pool-block-tokens", str(args.pool_block_tokens)]
     for flag, value in (("--model", args.model), ("--kv-cache-gib", args.kv_cache_gib),
                         ("--dtype", args.dtype), ("--quantization", args.quantization),
+                        ("--kv-cache-dtype", args.kv_cache_dtype),
                         ("--max-model-len", args.max_model_len), ("--device", args.device),
                         ("--pool-ssd-dir", None if args.no_pool else args.pool_ssd_dir),
                         ("--etcd", None if args.no_pool else args.etcd)):

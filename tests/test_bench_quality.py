@@ -21,7 +21,7 @@ def test_the_bundled_sets_are_well_formed():
 
 def test_scores_are_the_answers_log_likelihoods(tmp_path):
     model = make_tiny_model(tmp_path / "m", "LlamaForCausalLM", tie=True, seed=5)
-    llm = LLM(str(model), threads=1, kv_cache_gib=0.01)
+    llm = LLM(str(model), threads=1, kv_cache_gib=0.01, dtype="float32")
     questions = [{"question": "a b c", "choices": ["d", "e f", "g"], "answer": 1},
                  {"question": "h", "choices": ["i", "j"], "answer": 0}]
     got = quality.evaluate(llm, "float32", questions, "k l m n o p")

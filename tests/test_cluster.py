@@ -35,7 +35,7 @@ class Cluster:
     def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--prefill-instances", "2",
+        cmd = [sys.executable, "-m", "server", "--dtype", "float32", "--port", str(self.port), "--prefill-instances", "2",
                "--decode-instances", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
                "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--reservation-lease-s", "30",
                # Prefixes move between instances by push / adopt here; the pool's path is
@@ -109,7 +109,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def colocated():
-    return LLM(threads=1, kv_cache_gib=0.25)
+    return LLM(threads=1, kv_cache_gib=0.25, dtype="float32")
 
 
 SHARED = ("You are a helpful assistant for a cooking website. Answer briefly and kindly, and always "

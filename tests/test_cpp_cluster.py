@@ -37,7 +37,7 @@ class _Group:
         port = free_port()
         self.env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET)
         self.log_path = workdir / "cluster.log"
-        cmd = [sys.executable, "-m", "server", "--port", str(port), "--prefill-instances", "1",
+        cmd = [sys.executable, "-m", "server", "--dtype", "float32", "--port", str(port), "--prefill-instances", "1",
                "--decode-instances", "1", "--cpp-stages", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
                "--staging-gib", "0.1", "--transfer-timeout-s", "5", "--pool-dram-gib", "0",
                "--pool-block-tokens", str(OBJECT_TOKENS), "--log-level", "info"]
@@ -91,7 +91,7 @@ def cluster(group):
 
 @pytest.fixture(scope="module")
 def colocated():
-    return LLM(threads=1, kv_cache_gib=0.25)
+    return LLM(threads=1, kv_cache_gib=0.25, dtype="float32")
 
 
 def _texts(http: httpx.Client, params: dict) -> list[str]:

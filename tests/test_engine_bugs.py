@@ -16,7 +16,7 @@ from tiny_models import MAX_POSITIONS, make_tiny_model
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     folder = make_tiny_model(tmp_path_factory.mktemp("tiny"), "LlamaForCausalLM", tie=False, seed=0)
-    return LLM(model=str(folder), threads=1, kv_cache_gib=0.01, block_size=16)
+    return LLM(model=str(folder), threads=1, kv_cache_gib=0.01, block_size=16, dtype="float32")
 
 
 def params(n: int) -> SamplingParams:
@@ -69,7 +69,7 @@ def test_decodes_past_the_decode_workspace_are_refused_before_the_kernel(tmp_pat
     before = kernels.mode()
     kernels.set_mode("triton")  # the Triton path sizes a decode workspace by max_num_seqs
     try:
-        engine = LLM(model=str(folder), threads=1, kv_cache_gib=0.002, block_size=16, max_num_seqs=2).engine
+        engine = LLM(model=str(folder), threads=1, kv_cache_gib=0.002, block_size=16, max_num_seqs=2, dtype="float32").engine
     finally:
         kernels.set_mode(before)
     assert engine.runner.decode_workspace is not None
@@ -89,7 +89,7 @@ def test_decode_instance_admitting_past_max_num_seqs_decodes_them_in_turns(tmp_p
     before = kernels.mode()
     kernels.set_mode("triton")  # decode attention through its workspace, sized by max_num_seqs
     try:
-        engine = LLM(model=str(folder), threads=1, kv_cache_gib=0.002, block_size=16, max_num_seqs=2,
+        engine = LLM(model=str(folder), threads=1, kv_cache_gib=0.002, block_size=16, max_num_seqs=2, dtype="float32",
                      role="decode").engine
         handoff = KVHandoff(engine)
         rids = [f"r{i}" for i in range(5)]

@@ -12,7 +12,9 @@ from prompts import PROMPTS
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(threads=2, max_num_batched_tokens=256)
+    # float32, the reference precision: these tests compare outputs token for token across
+    # batchings, caches and preemption, which reduced precision does not promise.
+    return LLM(threads=2, max_num_batched_tokens=256, dtype="float32")
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +66,8 @@ def test_preemption_under_tiny_kv_budget_gives_identical_output(llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reference = llm.generate(PROMPTS[:8], params)
     # ~22 blocks of 16 tokens: far less than 8 sequences of ~50 tokens need at once.
-    bytes_per_block = llm.engine.model_config.kv_bytes_per_token(llm.engine.config.torch_dtype) * 16
-    small = LLM(threads=2, kv_cache_gib=22 * bytes_per_block / 2**30, max_num_batched_tokens=256)
+    bytes_per_block = llm.engine.model_config.kv_bytes_per_token(llm.engine.config.kv_torch_dtype) * 16
+    small = LLM(threads=2, kv_cache_gib=22 * bytes_per_block / 2**30, max_num_batched_tokens=256, dtype="float32")
     assert small.engine.block_manager.num_blocks == 22
     outs = small.generate(PROMPTS[:8], params)
     assert small.engine.stats().num_preemptions > 0

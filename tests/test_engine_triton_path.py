@@ -27,7 +27,9 @@ def restore_mode():
 
 
 def _run(folder, prompts):
-    llm = LLM(model=str(folder), threads=2, kv_cache_gib=0.002, block_size=16, max_num_batched_tokens=64)
+    # float32: bfloat16 is wrong in Triton's interpreter.
+    llm = LLM(model=str(folder), threads=2, kv_cache_gib=0.002, block_size=16, max_num_batched_tokens=64,
+              dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True)
     outs = llm.generate(prompts, params)
     llm.engine.block_manager.check_integrity()

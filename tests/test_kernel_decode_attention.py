@@ -170,3 +170,33 @@ def test_error_workspace_and_out():
         decode_attention_triton(**a, out=torch.zeros(2, 4, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="num_splits"):
         decode_attention_triton(**a, num_splits=0)
+
+
+def test_the_twin_reads_a_batch_of_mixed_lengths_in_length_groups():
+    from kernels.paged import LENGTH_GROUP_FACTOR, DecodeContext
+
+    lens = [700, 3, 40, 1000, 41, 90, 5]
+    q, k, v, bt, sl = make_case(7, lens, hkv=2, group=3, d=32, bs=16, dtype=torch.float32)
+    context = DecodeContext.build(bt, lens, 2, 16)
+    rows = sorted(i for g in context.groups for i in g.rows.tolist())
+    assert rows == list(range(len(lens)))  # each sequence in exactly one group
+    for g in context.groups:
+        group_lens = [lens[i] for i in g.rows.tolist()]
+        assert g.max_len == max(group_lens) <= LENGTH_GROUP_FACTOR * min(group_lens)
+    assert len(context.groups) > 1
+    got = decode_attention_torch(q, k, v, bt, sl, 0.2, context)
+    # Each sequence alone (one group, no padding at all) is the reference.
+    for i in range(len(lens)):
+        alone = decode_attention_torch(q[i : i + 1], k, v, bt[i : i + 1], sl[i : i + 1], 0.2)
+        torch.testing.assert_close(got[i : i + 1], alone, atol=1e-5, rtol=1e-5)
+    # Built here or given: the same result.
+    torch.testing.assert_close(decode_attention_torch(q, k, v, bt, sl, 0.2), got)
+
+
+def test_a_batch_of_similar_lengths_is_one_group_read_in_order():
+    from kernels.paged import DecodeContext
+
+    lens = [300, 310, 299, 500]
+    _, _, _, bt, _ = make_case(8, lens, hkv=2, group=3, d=32, bs=16, dtype=torch.float32)
+    context = DecodeContext.build(bt, lens, 2, 16)
+    assert len(context.groups) == 1 and context.groups[0].rows is None and context.groups[0].max_len == 500

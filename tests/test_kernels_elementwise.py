@@ -71,6 +71,22 @@ def test_store_kv_int32_slots_converts_dtype():
     assert torch.equal(vc.nan_to_num(0.0), vc2.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_store_kv_with_the_steps_slots_worked_out_once_writes_the_same(padded):
+    from kernels.store_kv import CacheSlots
+
+    g = _gen(3)
+    k, v = _randn(g, 6, 2, 16), _randn(g, 6, 2, 16)
+    slots = torch.tensor([9, 0, -1 if padded else 5, 31, 16, 22], device=DEVICE)
+    given = CacheSlots.of(slots, 8)
+    assert (given.keep is None) == (not padded)
+    caches = [torch.full((4, 2, 8, 16), float("nan"), device=DEVICE) for _ in range(4)]
+    store_kv_torch(k, v, caches[0], caches[1], slots)
+    store_kv_torch(k, v, caches[2], caches[3], slots, given)
+    for got, want in ((caches[2], caches[0]), (caches[3], caches[1])):
+        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and torch.equal(got.isnan(), want.isnan())
+
+
 def test_store_kv_rejects_bad_args():
     k = torch.zeros(3, 2, 64, device=DEVICE)
     kc = torch.zeros(4, 2, 8, 64, device=DEVICE)
@@ -154,18 +170,19 @@ def test_rope(dtype, head_dim):
     angles = torch.rand(max_pos, head_dim // 2, generator=g) * 6.3
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(DEVICE)
     positions = torch.randint(0, max_pos, (t,), generator=g).to(DEVICE)
-    out = rotary_embedding_triton(positions, x, cos_sin)
+    rows = cos_sin[positions]
+    out = rotary_embedding_triton(x, rows)
     assert out.shape == x.shape and out.dtype == dtype
-    _close(out, rotary_embedding_torch(positions, x, cos_sin), dtype)
+    _close(out, rotary_embedding_torch(x, rows), dtype)
 
 
 def test_rope_rejects_bad_args():
     x = torch.zeros(3, 2, 64, device=DEVICE)
-    cs = torch.zeros(10, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="positions"):
-        rotary_embedding_triton(torch.zeros(2, dtype=torch.long, device=DEVICE), x, cs)
-    with pytest.raises(ValueError, match="cos_sin_cache"):
-        rotary_embedding_triton(torch.zeros(3, dtype=torch.long, device=DEVICE), x, cs[:, :32])
+    cs = torch.zeros(3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="one row per token"):
+        rotary_embedding_triton(x, cs[:2])
+    with pytest.raises(ValueError, match="one row per token"):
+        rotary_embedding_triton(x, cs[:, :32])
 
 
 # ------------------------------------------------------------------------------ silu_and_mul

@@ -69,7 +69,7 @@ class PoolCluster(Cluster):
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET, OMP_NUM_THREADS="1")
         self.log_path = workdir / "cluster.log"
-        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--prefill-instances", "2",
+        cmd = [sys.executable, "-m", "server", "--dtype", "float32", "--port", str(self.port), "--prefill-instances", "2",
                "--decode-instances", "1", "--instance-threads", "1", "--kv-cache-gib", "0.25",
                "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--reservation-lease-s", "30",
                # A ~1,000-token prompt is one engine step of seconds: it keeps its instance busy.
@@ -217,7 +217,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture(scope="module")
 def colocated():
-    return LLM(threads=1, kv_cache_gib=0.25)
+    return LLM(threads=1, kv_cache_gib=0.25, dtype="float32")
 
 
 def _want(colocated: LLM, prompt: str) -> str:

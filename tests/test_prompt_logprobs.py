@@ -40,8 +40,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _engine(model: Path | str | None, **kw) -> LLMEngine:
+    # float32 unless asked: these compare with a float64 forward at a tight tolerance.
     return LLMEngine(EngineConfig(model=None if model is None else str(model), device="cpu", threads=2,
-                                  kv_cache_gib=kw.pop("kv_cache_gib", 0.01), **kw))
+                                  kv_cache_gib=kw.pop("kv_cache_gib", 0.01), dtype=kw.pop("dtype", "float32"), **kw))
 
 
 def _run(engine: LLMEngine, prompts: dict[str, list[int]], params: dict[str, SamplingParams]) -> dict[str, dict]:

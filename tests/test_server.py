@@ -47,7 +47,7 @@ def _socket() -> socket.socket:
 class Servers:
     def __init__(self):
         self.client = AsyncLLMEngine(
-            EngineConfig(threads=THREADS, kv_cache_gib=0.25, max_num_batched_tokens=512), max_waiting=256
+            EngineConfig(threads=THREADS, kv_cache_gib=0.25, max_num_batched_tokens=512, dtype="float32"), max_waiting=256
         )
         self.idle = AsyncLLMEngine(EngineConfig(threads=1))  # never started: "still loading"
         apps = {
@@ -295,7 +295,7 @@ SCORED = ["The capital of France is Paris", "Two plus two is four, and", "The ca
 def _scored_by_the_engine(prompts: list[str]) -> list[list]:
     from engine import LLM
 
-    llm = LLM(threads=1, kv_cache_gib=0.05)
+    llm = LLM(threads=1, kv_cache_gib=0.05, dtype="float32")
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     return [r.prompt_logprobs for r in got]
 
