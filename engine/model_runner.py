@@ -121,7 +121,8 @@ class ModelRunner:
             "their bfloat16 copy for prefill %.2f GiB",
             self.num_blocks, config.block_size, self.num_blocks * config.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.kv_cache_dtype,
-            weight_bytes / _GIB, config.quantization if config.quantization != "none" else config.dtype, prefill_copy_bytes(self.model) / _GIB,
+            weight_bytes / _GIB, config.quantization if config.quantization != "none" else config.dtype,
+            prefill_copy_bytes(self.model) / _GIB,
         )
 
     @property

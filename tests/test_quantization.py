@@ -28,8 +28,10 @@ from tiny_models import make_tiny_model
 torch.set_num_threads(2)
 
 KINDS = {"int8": Int8Weight, "int4": Int4Weight}
-PROMPT_TOLERANCE = {"int8": 0.15, "int4": 0.35}
-DECODE_TOLERANCE = {"int8": 0.15, "int4": 0.35}
+# Measured here: prompt 0.095 (int8), 0.054 (int4), 0.056 (default); decode 0.055, 0.036,
+# 0.042; greedy agreement 11, 12 and 13 of 16 (bfloat16 alone: 0.048, 0.028, 11 of 16).
+PROMPT_TOLERANCE = {"int8": 0.15, "int4": 0.15}
+DECODE_TOLERANCE = {"int8": 0.15, "int4": 0.15}
 GREEDY_AGREEMENT = 0.6  # of the prompts whose 8 greedy tokens equal float32's
 
 
