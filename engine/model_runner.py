@@ -186,17 +186,18 @@ class ModelRunner:
         on the torch twins' path, the step's cache slots and its plan for reading the decode
         contexts (``kernels.CacheSlots``, ``kernels.DecodeContext``)."""
         slot_mapping = self._tensor(slots, torch.int64)
+        decode_seq_lens = self._tensor(decode_lens, torch.int32)
         cache_slots = context = None
         if not self.triton:
             cache_slots = kernels.CacheSlots.of(slot_mapping, self.config.block_size)
             if num_decodes:
-                context = kernels.DecodeContext.build(decode_tables, decode_lens, self.model_config.num_kv_heads,
-                                                      self.config.block_size)
+                context = kernels.DecodeContext.build(decode_tables, decode_seq_lens,
+                                                      self.model_config.num_kv_heads, self.config.block_size)
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,
             decode_block_tables=decode_tables,
-            decode_seq_lens=self._tensor(decode_lens, torch.int32),
+            decode_seq_lens=decode_seq_lens,
             prefill_block_tables=prefill_tables,
             prefill_seq_lens=self._tensor(prefill_lens, torch.int32),
             prefill_query_start_loc=self._tensor(query_start, torch.int32),

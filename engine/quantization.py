@@ -18,13 +18,11 @@ a float32 matmul here), so activations go in as bfloat16 and results come back i
 dtype. Both are matrix-vector kernels: their time grows with every row of ``x``. Over all of
 the default model's projections, read from memory, int8 took 12.7 ms for 1 row and 32.6 ms for
 8, int4 5.2 ms for 1 row and 29.3 ms for 16, where a bfloat16 matmul took 31-42 ms for 1 to
-16 rows (2 threads). So past ``max_rows`` rows (a prefill chunk, a large
-decode batch) the step multiplies by the same quantized weights
-dequantized once, at load, to bfloat16: prefill and decode compute with the same weights (up to
-bfloat16's rounding), at the cost of 2 more bytes per weight in memory. The embedding lookup
-keeps its float table (a tied LM head gets its own quantized copy, int8 under int4 too), as do
-the norms.
-``quantize_model`` replaces the weights after loading; ``linear`` is what the model calls for
+16 rows (2 threads). So past ``max_rows`` rows (a prefill chunk, a large decode batch) the step
+multiplies by the same quantized weights dequantized once, at load, to bfloat16: prefill and
+decode compute with the same weights (up to bfloat16's rounding), at the cost of 2 more bytes
+per weight in memory. The embedding lookup keeps its float table (a tied LM head gets its own
+quantized copy, int8 under int4 too), as do the norms. ``quantize_model`` replaces the weights after loading; ``linear`` is what the model calls for
 every projection, whichever kind of weight it holds.
 """
 

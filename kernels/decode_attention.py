@@ -37,7 +37,7 @@ def decode_attention_torch(
     hkv = k_cache.shape[1]
     group = hq // hkv
     if context is None:
-        context = DecodeContext.build(block_tables, seq_lens.tolist(), hkv, k_cache.shape[2])
+        context = DecodeContext.build(block_tables, seq_lens, hkv, k_cache.shape[2])
     out = None if len(context.groups) == 1 else torch.empty_like(q)
     for g in context.groups:
         n = s if g.rows is None else g.rows.shape[0]

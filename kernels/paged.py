@@ -63,22 +63,23 @@ class DecodeContext:
     groups: list[ContextGroup]
 
     @classmethod
-    def build(cls, block_tables: torch.Tensor, seq_lens: list[int], num_kv_heads: int, block_size: int) -> DecodeContext:
+    def build(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int,
+              block_size: int) -> DecodeContext:
         device = block_tables.device
-        order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+        lengths = seq_lens.tolist()
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
         runs: list[list[int]] = []
         for i in order:
-            if runs and seq_lens[i] <= LENGTH_GROUP_FACTOR * seq_lens[runs[-1][0]]:
+            if runs and lengths[i] <= LENGTH_GROUP_FACTOR * lengths[runs[-1][0]]:
                 runs[-1].append(i)
             else:
                 runs.append([i])
         groups = []
         for run in runs:
-            max_len = max(seq_lens[i] for i in run)
+            max_len = max(lengths[i] for i in run)
             whole = len(runs) == 1
             rows = None if whole else torch.tensor(run, device=device)
-            tables = block_tables if whole else block_tables[rows]
-            lens = torch.tensor([seq_lens[i] for i in (range(len(seq_lens)) if whole else run)], device=device)
+            tables, lens = (block_tables, seq_lens) if whole else (block_tables[rows], seq_lens[rows])
             beyond = torch.arange(max_len, device=device)[None, :] >= lens[:, None]
             tiles = context_tiles(tables, num_kv_heads, -(-max_len // block_size))
             groups.append(ContextGroup(rows, max_len, tiles, beyond[:, None, None, :]))

@@ -177,7 +177,7 @@ def test_the_twin_reads_a_batch_of_mixed_lengths_in_length_groups():
 
     lens = [700, 3, 40, 1000, 41, 90, 5]
     q, k, v, bt, sl = make_case(7, lens, hkv=2, group=3, d=32, bs=16, dtype=torch.float32)
-    context = DecodeContext.build(bt, lens, 2, 16)
+    context = DecodeContext.build(bt, sl, 2, 16)
     rows = sorted(i for g in context.groups for i in g.rows.tolist())
     assert rows == list(range(len(lens)))  # each sequence in exactly one group
     for g in context.groups:
@@ -197,6 +197,6 @@ def test_a_batch_of_similar_lengths_is_one_group_read_in_order():
     from kernels.paged import DecodeContext
 
     lens = [300, 310, 299, 500]
-    _, _, _, bt, _ = make_case(8, lens, hkv=2, group=3, d=32, bs=16, dtype=torch.float32)
-    context = DecodeContext.build(bt, lens, 2, 16)
+    _, _, _, bt, sl = make_case(8, lens, hkv=2, group=3, d=32, bs=16, dtype=torch.float32)
+    context = DecodeContext.build(bt, sl, 2, 16)
     assert len(context.groups) == 1 and context.groups[0].rows is None and context.groups[0].max_len == 500
