@@ -186,8 +186,17 @@ def test_prompt_logprobs_through_the_cluster_equal_the_colocated_engine(cluster,
 
 def test_hot_prefix_is_replicated_to_the_idle_prefill_instance(cluster, colocated):
     prefix = SHARED * 6  # ~160 tokens: 9 full blocks the request can reuse
-    before = cluster.http.get("/stats").json()["migrations"]
+    known = {i["url"]: i["cached_blocks"] for i in cluster.instances("prefill")}
     cluster.complete(prefix + "Question one?", temperature=0, max_tokens=2)
+    # The Conductor learns what an instance caches by polling it: until that poll, no instance
+    # holds the prefix as far as placement knows, and the next request could go anywhere. (8 new
+    # blocks, not 9: the first is SHARED's own, cached by earlier prompts where they ran.)
+    deadline = time.monotonic() + 30
+    while not (holders := [i["url"] for i in cluster.instances("prefill") if i["cached_blocks"] >= known[i["url"]] + 8]):
+        assert time.monotonic() < deadline, "the Conductor did not learn which instance holds the prefix"
+        time.sleep(0.1)
+    (holder,) = holders
+    before = cluster.http.get("/stats").json()["migrations"]
     # A long prompt behind the same prefix keeps the instance holding it busy for seconds...
     long_prompt = prefix + " ".join(f"word{i}" for i in range(700))
 
@@ -195,7 +204,9 @@ def test_hot_prefix_is_replicated_to_the_idle_prefill_instance(cluster, colocate
         async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
             busy = asyncio.create_task(http.post("/v1/completions", json={
                 "prompt": long_prompt, "max_tokens": 2, "temperature": 0}))
-            await asyncio.sleep(0.5)
+            while not any(i["url"] == holder and i["prefilling"] for i in (await http.get("/stats")).json()["instances"]):
+                assert not busy.done(), "the long prompt finished before it was seen prefilling"
+                await asyncio.sleep(0.05)
             # ...so Algorithm 1 sends this one to the other instance, which pulls the prefix.
             r = await http.post("/v1/completions", json={"prompt": prefix + "Question two?", "max_tokens": 16,
                                                          "temperature": 0})
