@@ -539,7 +539,7 @@ class Cluster:
 def start_cluster(cfg: ChaosConfig) -> Cluster:
     port = free_port()
     # float32, the reference precision: there a greedy answer does not depend on how requests
-    # were batched, which the expected texts rely on (the CPU default, bfloat16 with int4 weights,
+    # were batched, which the expected texts rely on (the CPU default, int4 weights,
     # rounds differently at different batch sizes). --server-arg can still choose another.
     cmd = [cfg.python, "-m", "server", "--host", HOST, "--port", str(port), "--dtype", "float32", *cfg.server_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

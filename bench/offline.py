@@ -12,7 +12,8 @@ Workload (fixed and seeded, so every run and both systems see the same requests)
     max_tokens=output_len``, so the number of generated tokens is fixed in advance.
 
 Precisions (``--precisions``, default ``float32,bfloat16,default``): each is ours in that
-precision (``default``: what the engine picks on its own, on CPU bfloat16 with int4 weights;
+precision (``default``: what the engine picks on its own, on CPU int4 weights with
+bfloat16 or float32 activations, by the CPU;
 ``DTYPE:QUANT``: weight-only int8/int4) against HF in the same dtype. An HF run is shared by
 every precision of its dtype. With quantized weights ours is not at equal precision (HF's
 weights stay in the dtype), and the report says so.

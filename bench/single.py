@@ -9,7 +9,8 @@ with ``--threads`` threads, the best of ``--rounds``:
 * decode tok/s: the tokens after the first over the time they took.
 
 Our configurations (``--configs``): ``DTYPE`` or ``DTYPE:QUANT`` (``int8`` or ``int4``
-weight-only), or ``default`` (what ``python -m server`` runs on CPU: bfloat16 with int4 weights).
+weight-only), or ``default`` (what ``python -m server`` runs on CPU: int4 weights, with bfloat16
+activations where the CPU has bfloat16 units and float32 ones where it has not).
 llama.cpp
 (``llama-cpp-python``, an optional extra: ``pip install -e ".[llamacpp]"``, which builds it from
 source) runs the default model's own Q4_1 GGUF, the file our float weights were dequantized

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.cpu_runtime import fast_bfloat16
 from engine.quantization import QUANTIZATIONS
 
 # Architecture name -> (attention projections carry a bias, per-head q/k RMSNorm).
@@ -120,7 +121,9 @@ class EngineConfig:
 
     model: str | None = None
     device: str = field(default_factory=default_device)
-    dtype: str | None = None  # activations and KV cache (and weights, unless quantized); None: bfloat16
+    # Activations and KV cache (and weights, unless quantized). None: bfloat16, except on a CPU
+    # without bfloat16 units (``engine.cpu_runtime.fast_bfloat16``), where it is float32.
+    dtype: str | None = None
     block_size: int = 16
     kv_cache_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
@@ -160,7 +163,7 @@ class EngineConfig:
         if self.quantization is None:
             self.quantization = "int4" if self.device == "cpu" and self.dtype is None else "none"
         if self.dtype is None:
-            self.dtype = "bfloat16"
+            self.dtype = "float32" if self.device == "cpu" and not fast_bfloat16() else "bfloat16"
         parse_dtype(self.dtype)
         if self.kv_cache_dtype is None:
             self.kv_cache_dtype = "float32" if self.device == "cpu" else self.dtype
@@ -183,6 +186,9 @@ class EngineConfig:
                 raise ValueError(f"quantization must be 'none' or one of {QUANTIZATIONS}, got {self.quantization!r}")
             if self.device != "cpu":
                 raise ValueError(f"{self.quantization} weight-only quantization runs on CPU only")
+            if self.dtype not in ("float32", "bfloat16"):
+                raise ValueError(f"{self.quantization} weight-only quantization runs with dtype float32 or "
+                                 f"bfloat16, got {self.dtype!r}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.chunk_min_prompt_tokens < 0:

@@ -1,4 +1,5 @@
-"""Process-wide settings that make CPU inference fast: thread count and the allocator."""
+"""Process-wide settings that make CPU inference fast: thread count and the allocator; and what
+the CPU computes fast."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def configure_cpu_runtime(threads: int) -> None:
         ok = False
     if not ok:
         log.info("could not tune the C allocator (not glibc); CPU steps may be slower")
+
+
+def fast_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX).
+
+    Without it (AVX2 only) torch emulates bfloat16 matmuls: a prefill-sized one measured 7x
+    slower than in float32, so the CPU default precision depends on this
+    (``engine.config.EngineConfig``). torch exposes the check only as a private function.
+    """
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

@@ -18,11 +18,15 @@ a float32 matmul here), so activations go in as bfloat16 and results come back i
 dtype. Both are matrix-vector kernels: their time grows with every row of ``x``. Over all of
 the default model's projections, read from memory, int8 took 12.7 ms for 1 row and 32.6 ms for
 8, int4 5.2 ms for 1 row and 29.3 ms for 16, where a bfloat16 matmul took 31-42 ms for 1 to
-16 rows (2 threads). So past ``max_rows`` rows (a prefill chunk, a large decode batch) the step
-multiplies by the same quantized weights dequantized once, at load, to bfloat16: prefill and
-decode compute with the same weights (up to bfloat16's rounding), at the cost of 2 more bytes
-per weight in memory. The embedding lookup keeps its float table (a tied LM head gets its own
-quantized copy, int8 under int4 too), as do the norms. ``quantize_model`` replaces the weights after loading; ``linear`` is what the model calls for
+16 rows (2 threads, a CPU with avx512_bf16). So past ``max_rows`` rows (a prefill chunk, a
+large decode batch) the step multiplies by the same quantized weights dequantized once, at load,
+to the model's dtype: prefill and decode compute with the same weights (up to that dtype's
+rounding), at the cost of 2 (bfloat16) or 4 (float32) more bytes per weight in memory. On a CPU
+without bfloat16 units (AVX2 only) the kernels still win for few rows but a bfloat16 matmul is
+7x slower than a float32 one, so there the CPU default is a float32 model
+(``engine.cpu_runtime.fast_bfloat16``) and its copy is float32. The embedding lookup keeps its
+float table (a tied LM head gets its own quantized copy, int8 under int4 too), as do the norms.
+``quantize_model`` replaces the weights after loading; ``linear`` is what the model calls for
 every projection, whichever kind of weight it holds.
 """
 
@@ -38,12 +42,21 @@ INT4_GROUP = 32
 
 class QuantizedWeight:
     """A ``[out, in]`` linear weight in a weight-only format: ``kernel`` for up to ``max_rows``
-    rows of activations, a bfloat16 matmul on ``dense`` (the dequantized weight) above."""
+    rows of activations, a matmul on ``dense`` (the dequantized weight, in the model's dtype)
+    above."""
 
-    max_rows: int  # where the kernel and the dense matmul cross over here
+    # Where the kernel and the dense matmul cross over, by the dense copy's dtype (measured from
+    # memory, 2 threads). A float32 matmul is the slower per row on a CPU with bfloat16 units, a
+    # bfloat16 one is far slower still on a CPU without them (AVX2: 7x a float32 matmul), which
+    # is why a model whose dtype is float32 keeps a float32 copy and crosses over later.
+    crossover_rows: dict[torch.dtype, int]
 
-    def __init__(self, dense: torch.Tensor) -> None:
-        self.dense = dense.to(torch.bfloat16).contiguous()
+    def __init__(self, dense: torch.Tensor, dense_dtype: torch.dtype) -> None:
+        if dense_dtype not in self.crossover_rows:
+            raise ValueError(f"a dequantized copy in {dense_dtype} is not supported "
+                             f"(supported: {sorted(str(d) for d in self.crossover_rows)})")
+        self.dense = dense.to(dense_dtype).contiguous()
+        self.max_rows = self.crossover_rows[dense_dtype]
 
     @property
     def shape(self) -> torch.Size:
@@ -56,22 +69,27 @@ class QuantizedWeight:
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        out = self.kernel(flat) if flat.shape[0] <= self.max_rows else F.linear(flat, self.dense)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= self.max_rows:
+            out = self.kernel(flat.to(torch.bfloat16).contiguous())
+        else:
+            out = F.linear(flat.to(self.dense.dtype), self.dense)
         return out.to(x.dtype).view(*x.shape[:-1], self.dense.shape[0])
 
 
 class Int8Weight(QuantizedWeight):
     """int8 rows and one scale per row."""
 
-    max_rows = 6
+    # bfloat16: 6 with avx512_bf16; float32: 64 on AVX2 (1 row 17.5 ms against 60 in float32,
+    # 64 rows 263 against 294, all the default model's projections).
+    crossover_rows = {torch.bfloat16: 6, torch.float32: 64}
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16) -> None:
         w = weight.detach().float()
         self.scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
         self.q = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
         self._scale = self.scale.to(torch.bfloat16)
-        super().__init__(self.dequantize())
+        super().__init__(self.dequantize(), dense_dtype)
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale[:, None]
@@ -87,9 +105,12 @@ class Int4Weight(QuantizedWeight):
     """4-bit values in groups of ``INT4_GROUP`` along each row, each group with a scale and a
     zero point, in the CPU kernel's packed layout."""
 
-    max_rows = 16
+    # bfloat16: 16 with avx512_bf16; float32: 64 on AVX2 (1 row 11.2 ms against 60 in float32,
+    # 64 rows 257 against 294, 128 rows 594 against 372).
+    crossover_rows = {torch.bfloat16: 16, torch.float32: 64}
 
-    def __init__(self, weight: torch.Tensor, group: int = INT4_GROUP) -> None:
+    def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16,
+                 group: int = INT4_GROUP) -> None:
         out_features, in_features = weight.shape
         if in_features % group:
             raise ValueError(f"int4 needs input features divisible by {group}; this weight is {tuple(weight.shape)} "
@@ -105,7 +126,8 @@ class Int4Weight(QuantizedWeight):
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(out_features, in_features), 1)
         # [groups, out, 2]: each group's (scale, zero) for every output row.
         self._scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
-        super().__init__(((q - 8) * scale[..., None].float() + zero[..., None].float()).view(out_features, in_features))
+        super().__init__(((q - 8) * scale[..., None].float() + zero[..., None].float()).view(out_features, in_features),
+                         dense_dtype)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self._scales_zeros)
@@ -134,7 +156,7 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def prefill_copy_bytes(model: nn.Module) -> int:
-    """The bytes of the bfloat16 copies the quantized weights keep for prefill chunks."""
+    """The bytes of the dequantized copies the quantized weights keep for prefill chunks."""
     return sum(w.dense.numel() * w.dense.element_size() for w in _quantized(model))
 
 
@@ -144,9 +166,10 @@ def _quantized(model: nn.Module) -> list[QuantizedWeight]:
 
 def _replace(module: nn.Module, name: str, weight: torch.Tensor, method: str) -> None:
     # The float parameter goes (its memory with it); the quantized weight is a plain attribute.
+    # Its dequantized copy is in the weight's own dtype, the model's.
     if name in module._parameters:
         del module._parameters[name]
-    setattr(module, name, _KINDS[method](weight))
+    setattr(module, name, _KINDS[method](weight, weight.dtype))
 
 
 def quantize_model(model: nn.Module, method: str) -> None:

@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch intra-op threads; default: all cores")
     p.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="activations and KV cache, and the weights unless quantized; default: bfloat16")
+                   help="activations and KV cache, and the weights unless quantized; default: bfloat16 "
+                        "(float32 on a CPU without bfloat16 units)")
     p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="the KV cache's dtype; default: float32 on CPU, --dtype on CUDA")
     p.add_argument("--quantization", choices=["none", *QUANTIZATIONS], default=None,

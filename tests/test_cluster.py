@@ -41,6 +41,10 @@ class Cluster:
                # Prefixes move between instances by push / adopt here; the pool's path is
                # tests/test_pool_cluster.py's.
                "--no-pool",
+               # Steps of at most 128 tokens: a push from a busy holder waits for the step under
+               # way and must finish within the 3 s above (float32 on one thread, AVX2: 512-token
+               # steps took 3.5-4.7 s, 256-token ones 1.75 s on average and up to 2.5 s).
+               "--max-num-batched-tokens", "128",
                "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET))
         self.http = httpx.Client(base_url=self.url, timeout=120)
@@ -121,7 +125,7 @@ PROMPTS = [
     "def fibonacci(n):",
     SHARED + "How do I make pancakes?",  # the whole prompt again: a prefix-cache hit
     "List three colors of the rainbow:",
-    # Over two step budgets (512 tokens): its KV streams to the decode instance chunk by chunk.
+    # Over two step budgets (128 tokens): its KV streams to the decode instance chunk by chunk.
     "Continue the count: " + ", ".join(str(i) for i in range(1, 250)) + ",",
 ]
 
