@@ -26,9 +26,9 @@ import secrets
 import time
 
 from bench.transfer import format_table
-from cluster.kv_stream import KVDestination, KVSender
-from cluster.staging import StagingArea
-from cluster.transfer import TransferConfig, TransferEngine
+from cluster.instance.kv_stream import KVDestination, KVSender
+from cluster.messenger.staging import StagingArea
+from cluster.messenger import MessengerConfig, Messenger
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
 from engine.kv_layout import KVLayout
@@ -49,8 +49,8 @@ def measure(model: str | None, transport: str, steps: int, budget: int, seed: in
     prefill = _engine(model, "prefill", budget, 0.6)
     decode = _engine(model, "decode", budget, 0.6)
     secret = secrets.token_bytes(32)
-    tp = TransferEngine(TransferConfig(secret=secret, transport=transport))
-    td = TransferEngine(TransferConfig(secret=secret, transport=transport))
+    tp = Messenger(MessengerConfig(secret=secret, transport=transport))
+    td = Messenger(MessengerConfig(secret=secret, transport=transport))
     try:
         layout = KVLayout.of_cache(prefill.runner.kv_cache)
         vocab = min(prefill.tokenizer.hf.get_vocab_size(), 32000)

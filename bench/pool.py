@@ -61,12 +61,12 @@ import torch
 from bench.disagg import ServerProcess, fetch_stats, free_port, start_server, stop_server, wait_for_health
 from bench.trace import MIN_TOKEN_ID
 from bench.transfer import format_table
-from cluster.control_auth import MESSENGER, derive_key
+from cluster.protocol import MESSENGER, derive_key
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry
 from cluster.pool.client import OBJECTS, NewObject
 from cluster.pool.metadata import HttpMetadata, MetadataServer
 from cluster.pool.objects import part_checksums
-from cluster.transfer import TransferConfig, TransferEngine
+from cluster.messenger import MessengerConfig, Messenger
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
 
@@ -179,7 +179,7 @@ class OurPool:
 
     def __init__(self, node_bytes: int, log_dir: Path) -> None:
         self.secret = secrets.token_hex(16)
-        self._engines: list[TransferEngine] = []
+        self._engines: list[Messenger] = []
         self._metadata: list[HttpMetadata] = []
         self.node: subprocess.Popen | None = None
         ctx = mp.get_context("spawn")
@@ -208,8 +208,8 @@ class OurPool:
             self.close()
             raise
 
-    def client(self, transport: str) -> tuple[PoolClient, TransferEngine]:
-        engine = TransferEngine(TransferConfig(secret=derive_key(self.secret.encode(), MESSENGER), transport=transport))
+    def client(self, transport: str) -> tuple[PoolClient, Messenger]:
+        engine = Messenger(MessengerConfig(secret=derive_key(self.secret.encode(), MESSENGER), transport=transport))
         metadata = HttpMetadata(self.metadata_url, self.secret.encode())
         self._engines.append(engine)
         self._metadata.append(metadata)

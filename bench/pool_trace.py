@@ -57,7 +57,7 @@ from cluster.pool.segment import SegmentConfig
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces" / "conversation_trace.jsonl"
 TARGET = 0.10  # the target: measured within 10% (relative) of the prediction
-STAGING_ALIGN = 64  # cluster/staging.py rounds every range up to a cache line
+STAGING_ALIGN = 64  # cluster/messenger/staging.py rounds every range up to a cache line
 POOL_COUNTERS = ("objects", "hits", "misses", "loads", "stores", "evictions", "replicas_made",
                  "failed_reads_recomputed")
 

@@ -1,7 +1,7 @@
 """Transfer engine throughput: our TCP and shared-memory transports against baselines.
 
 Run with ``python -m bench.transfer`` (``--help`` for the flags). Two processes on loopback: this
-one and a peer started with ``python -m cluster.transfer``.
+one and a peer started with ``python -m cluster.messenger``.
 
 Method:
   * ``--gib`` (1) GiB moved as entries of 64 KiB and of 1 MiB at contiguous offsets, in batches of
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from cluster.transfer import RegionHandle, TransferConfig, TransferEngine
+from cluster.messenger import RegionHandle, MessengerConfig, Messenger
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MAX_BATCH = 1024
@@ -108,12 +108,12 @@ def raw_socket_baseline(total: int, piece: int, repeat: int) -> float:
 
 
 class PeerProcess:
-    """``python -m cluster.transfer`` serving a shared-memory region of ``nbytes``."""
+    """``python -m cluster.messenger`` serving a shared-memory region of ``nbytes``."""
 
     def __init__(self, nbytes: int, secret: bytes) -> None:
         env = {**os.environ, "MOONCAKE_PY_TRANSFER_SECRET": secret.hex()}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.transfer", "--bytes", str(nbytes), "--shared"],
+            [sys.executable, "-m", "cluster.messenger", "--bytes", str(nbytes), "--shared"],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         info = json.loads(self.proc.stdout.readline())
@@ -133,8 +133,8 @@ def ours(total: int, sizes: list[int], repeat: int, streams: int,
     try:
         src = torch.ones(total, dtype=torch.uint8)
         for piece in sizes:
-            config = TransferConfig(secret=secret, streams=streams, slice_bytes=piece, message_bytes=max(4 * MiB, piece))
-            with TransferEngine(config) as engine:
+            config = MessengerConfig(secret=secret, streams=streams, slice_bytes=piece, message_bytes=max(4 * MiB, piece))
+            with Messenger(config) as engine:
                 local = engine.register(src)
                 entries = [(local, o, peer.handle, o, piece) for o in range(0, total, piece)]
                 batches = [entries[i : i + MAX_BATCH] for i in range(0, len(entries), MAX_BATCH)]
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0, help="data moved per run, GiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per figure (best is kept)")
-    parser.add_argument("--streams", type=int, default=TransferConfig.streams, help="TCP connections per peer")
+    parser.add_argument("--streams", type=int, default=MessengerConfig.streams, help="TCP connections per peer")
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake's engine even if installed")
     parser.add_argument("--transports", default="tcp,shm",
                         help="comma-separated transports of ours to run (tcp, shm); TCP baselines only with tcp")

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         if (args.stage[0] > 0) != (args.first is not None):
             sys.exit("error: a later stage (--stage I/X, I > 0) needs --first URL; stage 0 takes none")
     if args.role is not None and args.stage is not None and args.stage[0] > 0:
-        from cluster.stage_group import serve_joined
+        from cluster.cpp.group import serve_joined
 
         if cluster_secret is None:
             sys.exit(f"error: a pipeline stage needs the cluster secret: set {SECRET_ENV} or pass --cluster-secret-file")
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
         except RuntimeError as e:
             sys.exit(f"error: {e}")
     if args.role is not None:
-        from cluster.instance import InstanceConfig, InstanceService, build_instance_app
+        from cluster.instance.routes import build_instance_app
+        from cluster.instance.service import InstanceConfig, InstanceService
 
         if cluster_secret is None:
             sys.exit(f"error: an instance needs the cluster secret: set {SECRET_ENV} or pass --cluster-secret-file")
@@ -381,8 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from starlette.routing import Route
 
-    from cluster.conductor import Conductor, ConductorConfig, PlacementConfig
-    from cluster.launcher import Supervisor
+    from cluster.conductor.conductor import Conductor, ConductorConfig
+    from cluster.conductor.placement import PlacementConfig
+    from cluster.conductor.supervisor import Supervisor
 
     torch.set_num_threads(1)  # the Conductor only tokenizes
     secret = cluster_secret or secrets.token_hex(16)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from cluster.launcher import free_port
+from cluster.conductor.supervisor import free_port
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

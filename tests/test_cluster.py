@@ -20,9 +20,10 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from cluster.conductor import Conductor, ConductorConfig, PlacementConfig
-from cluster.control_auth import CONTROL, ControlAuth, derive_key
-from cluster.launcher import free_port
+from cluster.conductor.conductor import Conductor, ConductorConfig
+from cluster.conductor.placement import PlacementConfig
+from cluster.protocol import CONTROL, ControlAuth, derive_key
+from cluster.conductor.supervisor import free_port
 from engine import LLM, SamplingParams
 from server.app import build_app
 

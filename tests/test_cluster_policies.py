@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cluster.admission import (
+from cluster.policies.early_rejection import (
     SLO,
     AcceptAll,
     EarlyRejection,
@@ -12,7 +12,7 @@ from cluster.admission import (
     PerStageRejection,
     PredictiveEarlyRejection,
 )
-from cluster.cost_model import (
+from cluster.policies.cost_model import (
     A800_X8,
     LLAMA3_70B,
     DecodeStepModel,
@@ -21,9 +21,9 @@ from cluster.cost_model import (
     PrefillCostModel,
     TransferModel,
 )
-from cluster.instance_state import DecodeInstanceState, PrefillInstanceState, RequestInfo
-from cluster.prefix_index import LRUBlockCache, prefix_tokens
-from cluster.scheduling import (
+from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState, RequestInfo
+from cluster.policies.prefix_index import LRUBlockCache, prefix_tokens
+from cluster.policies.scheduling import (
     DecodeLoadBalancer,
     DecodePlan,
     GlobalCacheAwareScheduler,

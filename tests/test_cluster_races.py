@@ -25,8 +25,9 @@ import pytest
 import uvicorn
 from starlette.routing import Route
 
-from cluster.conductor import Conductor, ConductorConfig, PlacementConfig
-from cluster.launcher import free_port
+from cluster.conductor.conductor import Conductor, ConductorConfig
+from cluster.conductor.placement import PlacementConfig
+from cluster.conductor.supervisor import free_port
 from server.app import build_app
 from tests.test_cluster import CONTROL_AUTH, SECRET, STARTUP_S, Cluster
 

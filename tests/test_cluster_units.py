@@ -25,19 +25,20 @@ import pytest
 import cluster.conductor.conductor as conductor_module
 import cluster.instance.cache_mirror as cache_mirror_module
 import paged_kv.block_pool as block_pool_module
-from cluster.calibration import InstanceProfile
-from cluster.conductor import Conductor, ConductorConfig, PlacementConfig
+from cluster.policies.cost_model import InstanceProfile
+from cluster.conductor.conductor import Conductor, ConductorConfig
+from cluster.conductor.placement import PlacementConfig
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import Ledger, RunningDecode
 from cluster.conductor.placement import Placement, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
-from cluster.cost_model import DecodeStepModel, PrefillCostModel
+from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
 from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.receiver import Receiver, StaleEpoch
-from cluster.instance_state import RequestInfo
-from cluster.staging import StagingArea
-from cluster.transfer import TransferConfig, TransferEngine
-from cluster.wire import output_to_dict
+from cluster.policies.snapshot import RequestInfo
+from cluster.messenger.staging import StagingArea
+from cluster.messenger import MessengerConfig, Messenger
+from cluster.protocol import output_to_dict
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
@@ -273,7 +274,7 @@ def decode_engine(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny"), "Qwen3ForCausalLM", tie=False, seed=3)
     client = AsyncLLMEngine(EngineConfig(model=str(model), device="cpu", role="decode", kv_cache_gib=0.01,
                                          threads=1, max_num_batched_tokens=64))
-    transfer = TransferEngine(TransferConfig(secret=SECRET, transport="shm"))
+    transfer = Messenger(MessengerConfig(secret=SECRET, transport="shm"))
 
     async def up():
         await client.start()

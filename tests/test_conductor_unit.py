@@ -6,15 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.calibration import InstanceProfile
-from cluster.conductor import ConductorConfig, PlacementConfig
+from cluster.policies.cost_model import InstanceProfile
+from cluster.conductor.conductor import ConductorConfig
+from cluster.conductor.placement import PlacementConfig
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import InstanceLoad, Ledger, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
-from cluster.cost_model import DecodeStepModel, PrefillCostModel
-from cluster.kv_stream import KVDestination
-from cluster.transfer import RegionHandle
-from cluster.wire import output_from_dict, output_to_dict, params_from_dict, params_to_dict
+from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
+from cluster.instance.kv_stream import KVDestination
+from cluster.messenger import RegionHandle
+from cluster.protocol import output_from_dict, output_to_dict, params_from_dict, params_to_dict
 from engine.kv_layout import KVLayout
 from engine.llm_engine import RequestOutput
 from engine.sampler import Logprobs

@@ -1,4 +1,4 @@
-"""Signed control requests (``cluster/control_auth.py``): keys, signatures, replays, and the httpx
+"""Signed control requests (``cluster/protocol.py``): keys, signatures, replays, and the httpx
 and starlette glue, against an in-process app and a real uvicorn on loopback."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from cluster.control_auth import (
+from cluster.protocol import (
     CONTROL,
     DIGEST_HEADER,
     MESSENGER,

@@ -14,9 +14,9 @@ import asyncio
 import pytest
 import torch
 
-from cluster.kv_stream import KVDestination, KVLayout, KVSender
-from cluster.staging import StagingArea, StagingFull
-from cluster.transfer import TransferConfig, TransferEngine
+from cluster.instance.kv_stream import KVDestination, KVLayout, KVSender
+from cluster.messenger.staging import StagingArea, StagingFull
+from cluster.messenger import MessengerConfig, Messenger
 from engine.config import EngineConfig
 from engine.disaggregation import KVCapacityError, KVHandoff
 from engine.llm_engine import LLMEngine
@@ -39,8 +39,8 @@ def _engine(model: str, role: str, num_blocks_gib: float = 0.01) -> LLMEngine:
 @pytest.fixture(params=["shm", "tcp"])
 def pair(request, model):
     prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
-    tp = TransferEngine(TransferConfig(secret=SECRET, transport=request.param))
-    td = TransferEngine(TransferConfig(secret=SECRET, transport=request.param))
+    tp = Messenger(MessengerConfig(secret=SECRET, transport=request.param))
+    td = Messenger(MessengerConfig(secret=SECRET, transport=request.param))
     layout = KVLayout.of_cache(prefill.runner.kv_cache)
     send, recv = StagingArea(tp, 1 << 22), StagingArea(td, 1 << 22)
     sender = KVSender(tp, send, layout)
@@ -201,7 +201,7 @@ def test_reserve_without_room_raises_and_leaks_nothing(pair, model):
 
 
 def test_staging_allocator_first_fit_merges_and_refuses():
-    with TransferEngine(TransferConfig(secret=SECRET, transport="tcp")) as te:
+    with Messenger(MessengerConfig(secret=SECRET, transport="tcp")) as te:
         area = StagingArea(te, 1024)
         a, b, c = area.allocate(100), area.allocate(200), area.allocate(300)
         assert (a.offset, b.offset, c.offset) == (0, 128, 384)

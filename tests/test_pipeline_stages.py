@@ -186,14 +186,14 @@ def test_a_pipelined_engine_answers_as_the_whole_model_and_overlaps_chunks(tmp_p
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_stages_linked_by_the_messenger_answer_as_the_whole_model(tmp_path, transport):
-    from cluster.stage import StageLink, StageWorker
-    from cluster.transfer import TransferConfig, TransferEngine
+    from cluster.cpp.stage import StageLink, StageWorker
+    from cluster.messenger import MessengerConfig, Messenger
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
     model = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", tie=True, seed=11)
     secret = b"stage link test secret 0123456789"
-    engines = [TransferEngine(TransferConfig(secret=secret, transport=transport)) for _ in range(3)]
+    engines = [Messenger(MessengerConfig(secret=secret, transport=transport)) for _ in range(3)]
 
     def engine(stage):
         return LLMEngine(EngineConfig(model=str(model), device="cpu", threads=1, kv_cache_gib=0.002, role="prefill",
@@ -241,10 +241,10 @@ class _LastChunkBlocks:
 def test_every_stage_streams_its_layers_to_the_decode_instance(tmp_path):
     import asyncio
 
-    from cluster.kv_stream import KVDestination, KVSender
-    from cluster.stage import StageLink, StageWorker
-    from cluster.staging import StagingArea
-    from cluster.transfer import TransferConfig, TransferEngine
+    from cluster.instance.kv_stream import KVDestination, KVSender
+    from cluster.cpp.stage import StageLink, StageWorker
+    from cluster.messenger.staging import StagingArea
+    from cluster.messenger import MessengerConfig, Messenger
     from engine.disaggregation import KVHandoff
     from engine.kv_layout import KVLayout
     from engine.llm_engine import LLMEngine
@@ -252,7 +252,7 @@ def test_every_stage_streams_its_layers_to_the_decode_instance(tmp_path):
 
     model = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", tie=False, seed=13)
     secret = b"stage link test secret 0123456789"
-    transfers = [TransferEngine(TransferConfig(secret=secret, transport="shm")) for _ in range(4)]
+    transfers = [Messenger(MessengerConfig(secret=secret, transport="shm")) for _ in range(4)]
 
     def engine(role, stage=None):
         return LLMEngine(EngineConfig(model=str(model), device="cpu", threads=1, kv_cache_gib=0.002, role=role,

@@ -28,12 +28,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.control_auth import MESSENGER, derive_key
-from cluster.launcher import free_port
+from cluster.protocol import MESSENGER, derive_key
+from cluster.conductor.supervisor import free_port
 from cluster.pool.client import OBJECTS, SEGMENTS, SegmentInfo
 from cluster.pool.metadata import connect_metadata
-from cluster.transfer import TransferConfig, TransferEngine
-from cluster.transfer.protocol import Status
+from cluster.messenger import MessengerConfig, Messenger
+from cluster.messenger.wire import Status
 from engine import LLM, SamplingParams
 from tests.test_cluster import Cluster
 
@@ -306,7 +306,7 @@ def _flip_a_byte_of_every_object(cluster: PoolCluster, segment_id: str) -> int:
     (as a stray writer would): the node's checksums no longer match its bytes."""
     keys = sorted({k[len(OBJECTS):].rsplit("/", 1)[0] for k in cluster.object_keys()})
     address = cluster.node_address(segment_id)
-    with TransferEngine(TransferConfig(secret=derive_key(SECRET.encode(), MESSENGER))) as engine:
+    with Messenger(MessengerConfig(secret=derive_key(SECRET.encode(), MESSENGER))) as engine:
         status, body = engine.call(address, {"op": "lease", "keys": keys})
         assert status == Status.OK, body
         grants = [g for g in body["grants"] if g is not None]

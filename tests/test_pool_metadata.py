@@ -20,8 +20,8 @@ import etcd3gw
 import httpx
 import pytest
 
-from cluster.launcher import free_port
-from cluster.control_auth import CONTROL, ControlAuth, derive_key
+from cluster.conductor.supervisor import free_port
+from cluster.protocol import CONTROL, ControlAuth, derive_key
 from cluster.pool.metadata import (
     METADATA_PURPOSE,
     EtcdMetadata,

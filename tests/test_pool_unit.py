@@ -15,7 +15,7 @@ from cluster.pool import PoolClient, PoolFull, Segment, SegmentConfig, SegmentSe
 from cluster.pool.client import SEGMENTS, NewObject
 from cluster.pool.metadata import LocalMetadata
 from cluster.pool.objects import part_checksums
-from cluster.transfer import TransferConfig, TransferEngine
+from cluster.messenger import MessengerConfig, Messenger
 
 SECRET = b"pool-unit-test-secret-0123456789"
 PART = 4096
@@ -45,7 +45,7 @@ def _bytes(segment: Segment, grant) -> bytes:
 
 @pytest.fixture
 def engine():
-    with TransferEngine(TransferConfig(secret=SECRET)) as e:
+    with Messenger(MessengerConfig(secret=SECRET)) as e:
         yield e
 
 
@@ -192,7 +192,7 @@ def test_ssd_dir_is_cleared_at_start(tmp_path):
     assert not list(tmp_path.glob("*.kv"))
 
 
-def _node(engine: TransferEngine, metadata: LocalMetadata, name: str, dram: int, **kw) -> SegmentService:
+def _node(engine: Messenger, metadata: LocalMetadata, name: str, dram: int, **kw) -> SegmentService:
     client = PoolClient(engine, metadata, segments_ttl_s=0.0)
     return SegmentService(Segment(engine, SegmentConfig(dram_bytes=dram)), engine, metadata, client, name,
                           lease_ttl_s=2.0, heartbeat_s=0.2, **kw)
@@ -208,8 +208,8 @@ def _wait(predicate, timeout: float = 5.0) -> None:
 
 def test_client_put_get_corruption_and_departure():
     metadata = LocalMetadata()
-    with TransferEngine(TransferConfig(secret=SECRET)) as node_engine, \
-            TransferEngine(TransferConfig(secret=SECRET)) as reader_engine:
+    with Messenger(MessengerConfig(secret=SECRET)) as node_engine, \
+            Messenger(MessengerConfig(secret=SECRET)) as reader_engine:
         node = _node(node_engine, metadata, "node", 16 * OBJ)
         reader = PoolClient(reader_engine, metadata, segments_ttl_s=0.0)
         src = reader_engine.alloc_shared(4 * OBJ)
@@ -246,9 +246,9 @@ def test_two_clients_split_objects_by_parts_as_a_pipeline_group_does():
     """The first client reserves and leases; the other writes and reads only its parts, under
     them; the seal takes both clients' checksums; the bytes are the objects'."""
     metadata = LocalMetadata()
-    with TransferEngine(TransferConfig(secret=SECRET)) as node_engine, \
-            TransferEngine(TransferConfig(secret=SECRET)) as first_engine, \
-            TransferEngine(TransferConfig(secret=SECRET)) as later_engine:
+    with Messenger(MessengerConfig(secret=SECRET)) as node_engine, \
+            Messenger(MessengerConfig(secret=SECRET)) as first_engine, \
+            Messenger(MessengerConfig(secret=SECRET)) as later_engine:
         node = _node(node_engine, metadata, "node", 16 * OBJ)
         first = PoolClient(first_engine, metadata, segments_ttl_s=0.0)
         later = PoolClient(later_engine, None)  # no metadata: it works under the first one's
@@ -294,8 +294,8 @@ def test_a_burst_of_puts_spreads_over_equally_free_segments_and_misses_count():
     """The free space a client sees is a snapshot (refreshed about once a second); puts between
     two snapshots must not all land on the one segment that looked freest."""
     metadata = LocalMetadata()
-    with TransferEngine(TransferConfig(secret=SECRET)) as e1, TransferEngine(TransferConfig(secret=SECRET)) as e2, \
-            TransferEngine(TransferConfig(secret=SECRET)) as writer_engine:
+    with Messenger(MessengerConfig(secret=SECRET)) as e1, Messenger(MessengerConfig(secret=SECRET)) as e2, \
+            Messenger(MessengerConfig(secret=SECRET)) as writer_engine:
         a = _node(e1, metadata, "a", 8 * OBJ)
         b = _node(e2, metadata, "b", 8 * OBJ)
         writer = PoolClient(writer_engine, metadata, segments_ttl_s=60.0)
@@ -314,8 +314,8 @@ def test_a_burst_of_puts_spreads_over_equally_free_segments_and_misses_count():
 
 def test_hot_objects_get_more_replicas_and_reads_spread():
     metadata = LocalMetadata()
-    with TransferEngine(TransferConfig(secret=SECRET)) as e1, TransferEngine(TransferConfig(secret=SECRET)) as e2, \
-            TransferEngine(TransferConfig(secret=SECRET)) as reader_engine:
+    with Messenger(MessengerConfig(secret=SECRET)) as e1, Messenger(MessengerConfig(secret=SECRET)) as e2, \
+            Messenger(MessengerConfig(secret=SECRET)) as reader_engine:
         a = _node(e1, metadata, "a", 8 * OBJ, hot_reads=3, max_replicas=2)
         b = _node(e2, metadata, "b", 4 * OBJ, hot_reads=3, max_replicas=2)
         reader = PoolClient(reader_engine, metadata, segments_ttl_s=0.0)

@@ -14,9 +14,9 @@ from bench.sim.metrics import summarize
 from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, simulate
 from bench.simulate import main
 from bench.trace import TraceEntry, load_trace
-from cluster.cost_model import DecodeStepModel, PipelinedPrefillCost
+from cluster.policies.cost_model import DecodeStepModel, PipelinedPrefillCost
 from bench.sim.prefill import PrefillInstance
-from cluster.prefix_index import LRUBlockCache
+from cluster.policies.prefix_index import LRUBlockCache
 
 BS = 512
 
@@ -264,7 +264,7 @@ def test_pool_off_leaves_results_unchanged(scheduler):
 
 def test_pool_mode_uses_the_live_conductors_scheduler():
     from bench.sim.simulator import Simulator
-    from cluster.scheduling import GlobalCacheAwareScheduler
+    from cluster.policies.scheduling import GlobalCacheAwareScheduler
 
     entries = shared_prefix_trace(1)
     pooled = Simulator(SimConfig(pool_capacity_tokens=None), entries).scheduler

@@ -1,4 +1,4 @@
-"""cluster.launcher.Supervisor with small fake instances: restarts, crash loops, backoff, stop."""
+"""cluster.conductor.supervisor.Supervisor with small fake instances: restarts, crash loops, backoff, stop."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cluster.launcher import RestartPolicy, Supervisor, describe_exit
+from cluster.conductor.supervisor import RestartPolicy, Supervisor, describe_exit
 
 # A fake instance: optionally ignores SIGTERM, then listens on its port (so a connection tells the
 # test it is up and has set its signal handling) until killed.
@@ -66,7 +66,7 @@ def gone(pid: int) -> bool:
 
 
 def logged(caplog, level: int) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "cluster.launcher" and r.levelno == level]
+    return [r.getMessage() for r in caplog.records if r.name == "cluster.conductor.supervisor" and r.levelno == level]
 
 
 def by_role(sup: Supervisor, role: str) -> dict:
@@ -80,7 +80,7 @@ def new(roles, command, policy=None, **kw) -> Supervisor:
 
 
 def test_killed_instance_restarts_on_the_same_url(caplog):
-    caplog.set_level(logging.INFO, "cluster.launcher")
+    caplog.set_level(logging.INFO, "cluster.conductor.supervisor")
     sup = new(["prefill", "decode"], listener())
     assert sup.missing_roles() == {"prefill": "not started", "decode": "not started"}
     # Started from a thread that ends at once: the children must not die with it (PR_SET_PDEATHSIG
@@ -165,7 +165,7 @@ def test_backoff_doubles_up_to_the_cap_and_resets_after_a_stable_run(caplog):
         spawned_at.append(time.monotonic())
         return ["/bin/sh", "-c", "sleep 0.4" if len(spawned_at) == 4 else "exit 1"]
 
-    caplog.set_level(logging.WARNING, "cluster.launcher")
+    caplog.set_level(logging.WARNING, "cluster.conductor.supervisor")
     sup = new(["decode"], command, RestartPolicy(backoff_initial_s=0.05, backoff_max_s=1.0, stable_after_s=0.3,
                                                  max_restarts=4, window_s=60))
     sup.start()
@@ -191,7 +191,7 @@ def test_stop_kills_what_ignores_sigterm_reaps_all_and_restarts_nothing(caplog):
     sup.start()
     wait_until(lambda: all(listening(u) for u in sup.instances))
     pids = [s["pid"] for s in sup.status()]
-    caplog.set_level(logging.WARNING, "cluster.launcher")
+    caplog.set_level(logging.WARNING, "cluster.conductor.supervisor")
     began = time.monotonic()
     sup.stop(timeout_s=0.5)
     took = time.monotonic() - began

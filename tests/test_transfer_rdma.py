@@ -16,9 +16,9 @@ import torch
 import verbs_double
 from verbs_double import VERBS
 
-from cluster.transfer import PeerError, RdmaUnavailable, RemoteAccessError, TransferConfig, TransferEngine, TransferError
-from cluster.transfer.protocol import Status
-from cluster.transfer.rdma import RdmaDevice
+from cluster.messenger import PeerError, RdmaUnavailable, RemoteAccessError, MessengerConfig, Messenger, TransferError
+from cluster.messenger.wire import Status
+from cluster.messenger.rdma import RdmaDevice
 
 SECRET = b"rdma test double secret"
 MiB = 1 << 20
@@ -29,14 +29,14 @@ def fabric():
     yield verbs_double.reset()
 
 
-def config(**overrides) -> TransferConfig:
-    return TransferConfig(secret=SECRET, timeout_s=overrides.pop("timeout_s", 5.0), slice_bytes=overrides.pop("slice_bytes", 64 * 1024), **overrides)
+def config(**overrides) -> MessengerConfig:
+    return MessengerConfig(secret=SECRET, timeout_s=overrides.pop("timeout_s", 5.0), slice_bytes=overrides.pop("slice_bytes", 64 * 1024), **overrides)
 
 
 @pytest.fixture
 def pair():
-    a = TransferEngine(config(), verbs=VERBS)
-    b = TransferEngine(config(), verbs=VERBS)
+    a = Messenger(config(), verbs=VERBS)
+    b = Messenger(config(), verbs=VERBS)
     yield a, b
     a.close()
     b.close()
@@ -62,8 +62,8 @@ def test_no_device_is_detected_and_reported(list_fails):
     with pytest.raises(RdmaUnavailable, match="no RDMA device"):
         RdmaDevice.open(None, VERBS, config())
     with pytest.raises(RdmaUnavailable):
-        TransferEngine(config(transport="rdma"), verbs=VERBS)
-    with TransferEngine(config(), verbs=VERBS) as engine:  # auto: falls back, says why
+        Messenger(config(transport="rdma"), verbs=VERBS)
+    with Messenger(config(), verbs=VERBS) as engine:  # auto: falls back, says why
         assert engine.rdma_status.startswith("RDMA unavailable: no RDMA device")
         assert "\n" not in engine.rdma_status
 
@@ -95,7 +95,7 @@ def test_queue_pairs_walk_reset_init_rtr_rts_and_refuse_early_posts():
 
 @pytest.mark.parametrize("checksum", [False, True])
 def test_write_and_read_scattered_slices_over_rdma(checksum):
-    with TransferEngine(config(checksum=checksum), verbs=VERBS) as a, TransferEngine(config(checksum=checksum), verbs=VERBS) as b:
+    with Messenger(config(checksum=checksum), verbs=VERBS) as a, Messenger(config(checksum=checksum), verbs=VERBS) as b:
         n, piece = 8 * MiB, 64 * 1024
         src, dst, back = random_bytes(n, 1), torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
         hs, hd, hb = a.register(src), b.register(dst), a.register(back)
@@ -150,7 +150,7 @@ def test_stale_remote_key_fails_the_batch_then_the_engine_reconnects(pair):
 
 
 def test_missing_completions_fail_the_batch_within_the_timeout(fabric):
-    with TransferEngine(config(timeout_s=0.5), verbs=VERBS) as a, TransferEngine(config(timeout_s=0.5), verbs=VERBS) as b:
+    with Messenger(config(timeout_s=0.5), verbs=VERBS) as a, Messenger(config(timeout_s=0.5), verbs=VERBS) as b:
         src = a.register(torch.ones(MiB, dtype=torch.uint8))
         dst = b.register(torch.zeros(MiB, dtype=torch.uint8))
         a.write(b.address, [(src, 0, dst, 0, MiB)]).wait(10)

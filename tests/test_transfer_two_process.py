@@ -1,4 +1,4 @@
-"""Two processes on loopback: a peer engine (``python -m cluster.transfer``) and this one.
+"""Two processes on loopback: a peer engine (``python -m cluster.messenger``) and this one.
 
 256 MiB of random bytes move as 64 KiB and 1 MiB entries in both directions over TCP and shared
 memory; every byte is checked (the peer hashes its region, reads are compared here). Then the
@@ -25,17 +25,17 @@ import pytest
 import torch
 import xxhash
 
-from cluster.transfer import (
+from cluster.messenger import (
     AuthenticationError,
     PeerError,
     RegionHandle,
     RemoteAccessError,
-    TransferConfig,
-    TransferEngine,
+    MessengerConfig,
+    Messenger,
     TransferError,
 )
-from cluster.transfer.__main__ import SECRET_ENV
-from cluster.transfer.protocol import Status
+from cluster.messenger.__main__ import SECRET_ENV
+from cluster.messenger.wire import Status
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -48,7 +48,7 @@ class Peer:
 
     def __init__(self, nbytes: int, *, shared: bool = True, port: int = 0, timeout_s: float = 5.0) -> None:
         env = {**os.environ, SECRET_ENV: SECRET.hex()}
-        cmd = [sys.executable, "-m", "cluster.transfer", "--bytes", str(nbytes), "--port", str(port), "--timeout", str(timeout_s)]
+        cmd = [sys.executable, "-m", "cluster.messenger", "--bytes", str(nbytes), "--port", str(port), "--timeout", str(timeout_s)]
         if shared:
             cmd.append("--shared")
         self.proc = subprocess.Popen(
@@ -115,8 +115,8 @@ def data():
     return random_bytes(SIZE, 1), random_bytes(SIZE, 2)
 
 
-def make_engine(**overrides) -> TransferEngine:
-    return TransferEngine(TransferConfig(secret=overrides.pop("secret", SECRET), timeout_s=overrides.pop("timeout_s", 5.0), **overrides))
+def make_engine(**overrides) -> Messenger:
+    return Messenger(MessengerConfig(secret=overrides.pop("secret", SECRET), timeout_s=overrides.pop("timeout_s", 5.0), **overrides))
 
 
 def scattered(local, remote, piece: int, perm: np.ndarray) -> list:

@@ -10,17 +10,17 @@ import threading
 import pytest
 import torch
 
-from cluster.transfer import (
+from cluster.messenger import (
     AuthenticationError,
     Batch,
     ChecksumError,
     RegionHandle,
-    TransferConfig,
-    TransferEngine,
+    MessengerConfig,
+    Messenger,
     TransferError,
 )
-from cluster.transfer.auth import client_handshake, server_handshake
-from cluster.transfer.protocol import (
+from cluster.messenger.auth import client_handshake, server_handshake
+from cluster.messenger.wire import (
     CHECKSUM,
     FLAG_CHECKSUM,
     REPLY,
@@ -34,14 +34,14 @@ from cluster.transfer.protocol import (
     recv_struct,
     send_buffers,
 )
-from cluster.transfer.regions import RegionTable
-from cluster.transfer.tcp import connect
+from cluster.messenger.regions import RegionTable
+from cluster.messenger.tcp import connect
 
 SECRET = b"unit test cluster secret"
 
 
-def config(**overrides) -> TransferConfig:
-    return TransferConfig(secret=SECRET, timeout_s=overrides.pop("timeout_s", 5.0), transport=overrides.pop("transport", "tcp"), **overrides)
+def config(**overrides) -> MessengerConfig:
+    return MessengerConfig(secret=SECRET, timeout_s=overrides.pop("timeout_s", 5.0), transport=overrides.pop("transport", "tcp"), **overrides)
 
 
 @pytest.mark.parametrize(
@@ -62,11 +62,11 @@ def config(**overrides) -> TransferConfig:
 def test_config_rejects_invalid_values(bad):
     kwargs = {"secret": SECRET, **bad}
     with pytest.raises(ValueError):
-        TransferConfig(**kwargs)
+        MessengerConfig(**kwargs)
 
 
 def test_defaults_listen_on_loopback():
-    assert TransferConfig(secret=SECRET).host == "127.0.0.1"
+    assert MessengerConfig(secret=SECRET).host == "127.0.0.1"
 
 
 def test_handle_round_trips_as_plain_data():
@@ -146,13 +146,13 @@ def test_send_and_receive_many_buffers_with_short_reads():
     b.close()
 
 
-def _raw_stream(engine: TransferEngine) -> socket.socket:
+def _raw_stream(engine: Messenger) -> socket.socket:
     sock, _ = connect(engine.address, config(), {"engine_id": "raw", "host": "elsewhere", "rdma": False})
     return sock
 
 
 def test_owner_rejects_a_write_whose_checksum_does_not_match():
-    with TransferEngine(config()) as owner:
+    with Messenger(config()) as owner:
         region = torch.zeros(8192, dtype=torch.uint8)
         handle = owner.register(region)
         sock = _raw_stream(owner)
@@ -209,7 +209,7 @@ class LyingOwner:
 
 def test_reader_rejects_slices_whose_checksum_does_not_match():
     liar = LyingOwner()
-    with TransferEngine(config(checksum=True)) as engine:
+    with Messenger(config(checksum=True)) as engine:
         local = engine.register(bytearray(4096))
         remote = RegionHandle("liar", liar.address, 1, 16384)
         with pytest.raises(ChecksumError):
@@ -242,7 +242,7 @@ def test_batch_is_a_future_and_an_awaitable():
 
 
 def test_empty_batch_completes_and_foreign_local_handles_are_refused():
-    with TransferEngine(config()) as a, TransferEngine(config()) as b:
+    with Messenger(config()) as a, Messenger(config()) as b:
         theirs = b.register(bytearray(64))
         a.write(b.address, []).wait(5)
         with pytest.raises(TransferError, match="not a region of this engine"):

@@ -13,7 +13,7 @@ relies on, so the transport's logic can be tested on machines without an RDMA de
   touches no memory; a permitted one copies the bytes (``memmove`` stands in for the DMA);
 - completions: signaled work requests complete on the QP's send CQ, polled with ``poll(n)``.
 
-Enum values are rdma-core's. ``VERBS`` plugs the double into ``TransferEngine(..., verbs=VERBS)``.
+Enum values are rdma-core's. ``VERBS`` plugs the double into ``Messenger(..., verbs=VERBS)``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 from collections import deque
 from types import SimpleNamespace
 
-from cluster.transfer.rdma import Verbs
+from cluster.messenger.rdma import Verbs
 
 enums = SimpleNamespace(
     IBV_QPT_RC=2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from cluster.cost_model import (
+from cluster.policies.cost_model import (
     A800_X8,
     LLAMA3_70B,
     DecodeStepModel,

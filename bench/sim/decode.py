@@ -16,8 +16,8 @@ import heapq
 from collections import deque
 from typing import Callable
 
-from cluster.cost_model import DecodeStepModel
-from cluster.instance_state import DecodeInstanceState
+from cluster.policies.cost_model import DecodeStepModel
+from cluster.policies.snapshot import DecodeInstanceState
 
 FinishCallback = Callable[[int, float], None]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from bench.trace import TraceEntry
-from cluster.prefix_index import LRUBlockCache, prefix_tokens
+from cluster.policies.prefix_index import LRUBlockCache, prefix_tokens
 
 
 def lru_hit_rate(entries: Sequence[TraceEntry], capacity_tokens: int | None, block_size: int = 512) -> float:

@@ -4,7 +4,7 @@ Requests run one after another in arrival order, so a prefill's start and end ar
 moment it is assigned and no events are needed. Chunking a prompt on one node does not change
 when it ends (the FLOP model telescopes over chunks); it only lets KV stream to the decode node
 per chunk, which the simulator accounts for as the last chunk's transfer. A CPP group is one
-instance whose chunks flow through its stages (``cluster.cost_model.PipelinedPrefillCost``).
+instance whose chunks flow through its stages (``cluster.policies.cost_model.PipelinedPrefillCost``).
 
 Keys enter the cache at assignment, as the Conductor updates its view immediately; a later
 request queued behind can count on them because the queue is FIFO. Blocks of queued requests
@@ -14,8 +14,8 @@ simply fixes a request's prefix hit when it is assigned.
 
 from __future__ import annotations
 
-from cluster.instance_state import PrefillInstanceState
-from cluster.prefix_index import LRUBlockCache
+from cluster.policies.snapshot import PrefillInstanceState
+from cluster.policies.prefix_index import LRUBlockCache
 
 
 class PrefillInstance:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cluster.cost_model import PrefillCostModel
+from cluster.policies.cost_model import PrefillCostModel
 
 
 def fit_prefill_predictor(true_model: PrefillCostModel, noise: float, seed: int) -> PrefillCostModel:

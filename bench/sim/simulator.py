@@ -33,7 +33,7 @@ from bench.sim.decode import DecodeInstance
 from bench.sim.prefill import PrefillInstance
 from bench.sim.profiling import fit_prefill_predictor
 from bench.trace import TraceEntry
-from cluster.admission import (
+from cluster.policies.early_rejection import (
     SLO,
     AcceptAll,
     AdmissionPolicy,
@@ -44,10 +44,10 @@ from cluster.admission import (
     current_decode_load,
 )
 from cluster.conductor.placement import PlacementConfig, Placer
-from cluster.cost_model import PrefillCostModel
-from cluster.instance_state import RequestInfo
-from cluster.prefix_index import LRUBlockCache
-from cluster.scheduling import DecodeLoadBalancer, PrefillScheduler
+from cluster.policies.cost_model import PrefillCostModel
+from cluster.policies.snapshot import RequestInfo
+from cluster.policies.prefix_index import LRUBlockCache
+from cluster.policies.scheduling import DecodeLoadBalancer, PrefillScheduler
 
 COMPLETED, REJECTED_ON_ARRIVAL, REJECTED_AT_DECODE = 0, 1, 2
 

@@ -6,10 +6,8 @@
 * ``ledger.py``: what was routed where, with rollback;
 * ``flow.py``: one request through the instances, with its compensations;
 * ``client.py``: the only HTTP to instances (typed calls, timeouts, error mapping);
-* ``registry.py``: polling the instances (health, cached prefix keys).
+* ``registry.py``: polling the instances (health, cached prefix keys);
+* ``supervisor.py``: starting and restarting the instance processes of a cluster on this machine.
+
+The policies it applies are pure code in ``cluster/policies/``, shared with the simulator.
 """
-
-from cluster.conductor.conductor import Conductor, ConductorConfig
-from cluster.conductor.placement import PlacementConfig
-
-__all__ = ["Conductor", "ConductorConfig", "PlacementConfig"]

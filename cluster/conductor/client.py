@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from cluster.control_auth import CONTROL, ControlAuth, derive_key
-from cluster.wire import EPOCH_HEADER, output_from_dict, params_to_dict
+from cluster.protocol import CONTROL, ControlAuth, derive_key
+from cluster.protocol import EPOCH_HEADER, output_from_dict, params_to_dict
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 

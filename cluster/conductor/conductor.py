@@ -37,11 +37,11 @@ from cluster.conductor.flow import Counters, RequestFlow
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
-from cluster.instance_state import RequestInfo
+from cluster.policies.snapshot import RequestInfo
 from cluster.pool.client import CLIENT_COUNTERS, PoolClient
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.objects import object_keys
-from cluster.control_auth import CONTROL, ControlVerifier, derive_key, verify_request
+from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
 from engine.async_engine import default_model_name
 from engine.config import ModelConfig
 from engine.default_model import resolve_model
@@ -81,7 +81,7 @@ class ConductorConfig:
 
 class Conductor(EngineClient):
     def __init__(self, config: ConductorConfig, supervisor: Any = None, pool: PoolClient | None = None) -> None:
-        """``supervisor``: the ``cluster.launcher.Supervisor`` of the instances this process
+        """``supervisor``: the ``cluster.conductor.supervisor.Supervisor`` of the instances this process
         started, if any; it explains a missing role while they restart. ``pool``: the KVCache
         pool's metadata, to look prefixes up and report its totals (None: no pool)."""
         self.config = config

@@ -27,7 +27,7 @@ from typing import Any
 from cluster.conductor.client import InstanceBusy, InstanceClient, InstanceFull, InstanceRefused, InstanceUnavailable
 from cluster.conductor.ledger import Booking, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
-from cluster.wire import params_to_dict
+from cluster.protocol import params_to_dict
 from engine.engine_client import EngineError, EngineOverloaded
 from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ reservations it holds there (which it renews, ``reservations``). A queue length 
 0.2 s would be stale, and a burst of arrivals would all pile onto the instance that last looked
 idle: so a placement is booked in the same synchronous step that decided it (``Booking``), and
 every entry a booking made is undone by ``Booking.close`` on whatever path the request leaves.
-From the ledger come the snapshots the policies read (``cluster/instance_state.py``).
+From the ledger come the snapshots the policies read (``cluster/policies/snapshot.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.conductor.registry import InstanceRecord
-from cluster.instance_state import DecodeInstanceState, PrefillInstanceState
+from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Placement: the policies in, a placement or a refusal out. Pure code, no I/O.
 
 From the ledger's snapshots of the instances that are up, the Conductor's prefill scheduler
-(``cluster/scheduling.py``: Algorithm 1 for ``global``) picks the prefill instance and maybe a
+(``cluster/policies/scheduling.py``: Algorithm 1 for ``global``) picks the prefill instance and maybe a
 holder to pull a hot prefix from, ``DecodeLoadBalancer`` orders the decode instances by
-predicted TBT, and the admission policy (``cluster/admission.py``) accepts or refuses: the same
+predicted TBT, and the admission policy (``cluster/policies/early_rejection.py``) accepts or refuses: the same
 functions the simulator calls. On top of them one bound the paper leaves implicit: at most
 ``max_queued_prefills`` requests wait on one prefill instance; beyond it a request is refused
 (it would only hold decode KV idle while it waits).
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.admission import SLO, AcceptAll, AdmissionPolicy, EarlyRejection, PredictiveEarlyRejection
-from cluster.cost_model import DecodeStepModel, PrefillTime, TransferModel
-from cluster.instance_state import DecodeInstanceState, PrefillInstanceState, RequestInfo
-from cluster.scheduling import (
+from cluster.policies.early_rejection import SLO, AcceptAll, AdmissionPolicy, EarlyRejection, PredictiveEarlyRejection
+from cluster.policies.cost_model import DecodeStepModel, PrefillTime, TransferModel
+from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState, RequestInfo
+from cluster.policies.scheduling import (
     DecodeLoadBalancer,
     GlobalCacheAwareScheduler,
     LoadBalancingScheduler,

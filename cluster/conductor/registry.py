@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from cluster.calibration import InstanceProfile
+from cluster.policies.cost_model import InstanceProfile
 from cluster.conductor.client import InstanceClient, InstanceStarting
 from engine.kv_layout import KVLayout
 

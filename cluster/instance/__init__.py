@@ -4,13 +4,10 @@
 
 * ``service.py``: bring-up (engine, Messenger, staging, calibration), registration, and the
   snapshots polls are answered from (``cache_mirror.py``: the prefix keys as changes);
+* ``calibration.py``: the cost models measured on this instance's engine at start;
+* ``kv_stream.py``: a prefill's KV, layer by layer, into a decode instance's reservation;
 * ``receiver.py``: reservations (leases the Conductor renews, epochs, staging held back);
 * ``serving.py``: prefill-and-stream, decode from received KV, whole requests;
 * ``replication.py``: hot-prefix push and adopt;
 * ``routes.py``: the ``/instance/*`` control routes over all of these.
 """
-
-from cluster.instance.routes import build_instance_app
-from cluster.instance.service import InstanceConfig, InstanceService
-
-__all__ = ["InstanceConfig", "InstanceService", "build_instance_app"]

@@ -22,7 +22,7 @@
 
 The first stage of a pipeline group (``stages``) holds only its layers: it leases and reserves
 for the group, reads and writes its own layers' parts, and has every later stage do the same
-with theirs (``cluster.stage.StageLink``: ``pool_load``, ``pool_store``, ``pool_store_end``). A
+with theirs (``cluster.cpp.stage.StageLink``: ``pool_load``, ``pool_store``, ``pool_store_end``). A
 group's load is read and verified by every stage before the prompt runs, so that all stages
 agree on the prefix and none can fail mid-step; it costs the read of the group's parts
 (tens of milliseconds for thousands of tokens) against a step of seconds. A group stores only
@@ -45,9 +45,9 @@ import torch
 from cluster.pool.client import NewObject, PoolClient, PoolRead, PoolWrite
 from cluster.pool.layerwise import LayerwiseStore, LayerwiseStores
 from cluster.pool.objects import PoolGeometry, part_checksums
-from cluster.stage import StageLink
-from cluster.staging import StagingArea, StagingFull, StagingRange, when_free
-from cluster.transfer import TransferError
+from cluster.cpp.stage import StageLink
+from cluster.messenger.staging import StagingArea, StagingFull, StagingRange, when_free
+from cluster.messenger import TransferError
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
 from engine.llm_engine import LLMEngine, PromptChunk

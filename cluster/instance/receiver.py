@@ -25,8 +25,8 @@ from typing import TypeVar
 
 import torch
 
-from cluster.kv_stream import KVDestination
-from cluster.staging import StagingArea, StagingFull, StagingRange
+from cluster.instance.kv_stream import KVDestination
+from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVCapacityError, KVHandoff
 from engine.kv_layout import KVLayout

@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 
 from cluster.instance.receiver import Receiver
-from cluster.kv_stream import KVDestination, settle
-from cluster.staging import StagingArea, when_free
-from cluster.transfer import TransferEngine
+from cluster.instance.kv_stream import KVDestination, settle
+from cluster.messenger.staging import StagingArea, when_free
+from cluster.messenger import Messenger
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
 
 
 class Replicator:
-    def __init__(self, client: AsyncLLMEngine, handoff: KVHandoff, transfer: TransferEngine,
+    def __init__(self, client: AsyncLLMEngine, handoff: KVHandoff, transfer: Messenger,
                  send: StagingArea | None, receiver: Receiver, transfer_timeout_s: float) -> None:
         self._client = client
         self._handoff = handoff

@@ -1,5 +1,5 @@
 """An instance's HTTP routes for the Conductor (all under ``/instance``, all authenticated with
-signed requests, ``cluster/control_auth.py``), and ``/health`` / ``/stats``:
+signed requests, ``cluster/protocol.py``), and ``/health`` / ``/stats``:
 
 * ``GET  /instance/info``     role, model facts, KV page layout, Messenger address, measured profile
 * ``GET  /instance/state``    load, free blocks, and the cached prefix keys (changes since ``since``)
@@ -14,7 +14,7 @@ signed requests, ``cluster/control_auth.py``), and ``/health`` / ``/stats``:
 * ``POST /instance/push``     (prefill) send cached prefix blocks into another instance's
   reservation; ``POST /instance/adopt`` there keeps them as cached blocks
 * ``POST /instance/stage/join`` (a first pipeline stage whose later stages are started by hand,
-  ``cluster.stage_group``) a later stage takes its ``StageSpec``, then its links
+  ``cluster.cpp.group``) a later stage takes its ``StageSpec``, then its links
 
 Every call carries the Conductor's epoch (header ``X-Conductor-Epoch``): a newer one makes the
 instance release the older Conductor's reservations; an older one is refused (409).
@@ -38,11 +38,11 @@ from starlette.routing import Route
 
 from cluster.instance.receiver import StaleEpoch
 from cluster.instance.service import InstanceService
-from cluster.kv_stream import KVDestination
-from cluster.stage_group import peer_from
-from cluster.transfer import TransferError
-from cluster.control_auth import CONTROL, ControlVerifier, derive_key, verify_request
-from cluster.wire import EPOCH_HEADER, output_to_dict, params_from_dict, token_ids
+from cluster.instance.kv_stream import KVDestination
+from cluster.cpp.group import peer_from
+from cluster.messenger import TransferError
+from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
+from cluster.protocol import EPOCH_HEADER, output_to_dict, params_from_dict, token_ids
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
 

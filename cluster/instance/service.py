@@ -1,8 +1,8 @@
 """An instance's bring-up and what it tells the Conductor.
 
 At start the instance loads its engine (``AsyncLLMEngine``: one engine thread), opens its
-Messenger (``TransferEngine``) and staging (send for a prefill / both instance, receive for
-every role), calibrates its cost models (``cluster/calibration.py``) and registers with the
+Messenger (``Messenger``) and staging (send for a prefill / both instance, receive for
+every role), calibrates its cost models (``cluster/instance/calibration.py``) and registers with the
 Conductor, again whenever the Conductor has not polled it for a while (the Conductor restarted,
 or lost it). Polls (``info``, ``state``) are answered from snapshots the engine thread publishes
 after each step, never by waiting for the engine thread: one long step must not make a healthy
@@ -21,20 +21,21 @@ from typing import Any
 
 import httpx
 
-from cluster.calibration import InstanceProfile, profile
+from cluster.instance.calibration import profile
+from cluster.policies.cost_model import InstanceProfile
 from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.pool_io import PoolIO
 from cluster.instance.receiver import Receiver
 from cluster.instance.replication import Replicator
 from cluster.instance.serving import Serving
-from cluster.kv_stream import KVSender
-from cluster.stage_group import StageGroup, StageRendezvous, StageSpec
+from cluster.instance.kv_stream import KVSender
+from cluster.cpp.group import StageGroup, StageRendezvous, StageSpec
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity
 from cluster.pool.metadata import connect_metadata
-from cluster.staging import StagingArea
-from cluster.transfer import TransferConfig, TransferEngine
-from cluster.control_auth import CONTROL, MESSENGER, ControlAuth, derive_key
+from cluster.messenger.staging import StagingArea
+from cluster.messenger import MessengerConfig, Messenger
+from cluster.protocol import CONTROL, MESSENGER, ControlAuth, derive_key
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
@@ -59,7 +60,7 @@ class InstanceConfig:
     calibration_seed: int = 0
     pool: PoolConfig = PoolConfig()  # the KVCache pool this instance joins (off without metadata)
     # A first pipeline stage whose later stages are started by hand and join it under this name
-    # (``cluster.stage_group``); None: it starts them itself.
+    # (``cluster.cpp.group``); None: it starts them itself.
     stage_group: str | None = None
 
     def __post_init__(self) -> None:
@@ -88,7 +89,7 @@ class InstanceService:
         self.ready = False
         self.error: str | None = None
         self.last_polled = 0.0
-        self.transfer: TransferEngine | None = None
+        self.transfer: Messenger | None = None
         self.profile: InstanceProfile | None = None
         self.send: StagingArea | None = None
         self.recv: StagingArea | None = None
@@ -129,8 +130,8 @@ class InstanceService:
                 return
             cfg = self.config
             host = cfg.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
-            transfer = self.transfer = TransferEngine(
-                TransferConfig(secret=derive_key(cfg.secret, MESSENGER), host=host, timeout_s=cfg.transfer_timeout_s))
+            transfer = self.transfer = Messenger(
+                MessengerConfig(secret=derive_key(cfg.secret, MESSENGER), host=host, timeout_s=cfg.transfer_timeout_s))
             handoff, facts = await self.client.call(lambda e: (KVHandoff(e), self._engine_facts(e)))
             layout = handoff.layout
             # At least one longest-possible prompt's KV fits, so a valid request never finds the
@@ -222,7 +223,7 @@ class InstanceService:
                              f"engine's {layout.block_size}-token blocks")
         return PoolGeometry(layout, pc.block_tokens // layout.block_size, model_identity(facts["model_path"]))
 
-    def _join_pool(self, transfer: TransferEngine, handoff: KVHandoff, geometry: PoolGeometry, staging: int,
+    def _join_pool(self, transfer: Messenger, handoff: KVHandoff, geometry: PoolGeometry, staging: int,
                    layers: range) -> PoolIO:
         """Contribute a segment to the KVCache pool (if configured) and open this instance's way
         in and out of it. Blocking (metadata calls): run off the event loop."""

@@ -26,10 +26,10 @@ from typing import Any
 from cluster.instance.pool_io import PoolIO, PoolLoad
 from cluster.instance.receiver import Receiver
 from cluster.pool.metadata import MetadataUnavailable
-from cluster.kv_stream import KVDestination, KVSender
-from cluster.stage import StageLink
-from cluster.staging import when_free
-from cluster.transfer import TransferError
+from cluster.instance.kv_stream import KVDestination, KVSender
+from cluster.cpp.stage import StageLink
+from cluster.messenger.staging import when_free
+from cluster.messenger import TransferError
 from engine.async_engine import AsyncLLMEngine
 from engine.engine_client import EngineError
 from engine.llm_engine import LLMEngine, RequestOutput

@@ -16,14 +16,14 @@ import os
 import signal
 import threading
 
-from cluster.control_auth import MESSENGER, derive_key
+from cluster.protocol import MESSENGER, derive_key
 from cluster.pool.client import PoolClient
 from cluster.pool.config import PoolConfig
 from cluster.pool.metadata import connect_metadata
 from cluster.pool.segment import Segment, SegmentConfig
 from cluster.pool.service import SegmentService
 from cluster.pool.ssd import SsdTier
-from cluster.transfer import TransferConfig, TransferEngine
+from cluster.messenger import MessengerConfig, Messenger
 
 log = logging.getLogger("cluster.pool")
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     if not config.dram_bytes:
         raise SystemExit("a pool node must contribute some DRAM (--dram-gib > 0)")
     secret = _secret(args)
-    transfer = TransferEngine(TransferConfig(secret=derive_key(secret, MESSENGER), host=args.host,
+    transfer = Messenger(MessengerConfig(secret=derive_key(secret, MESSENGER), host=args.host,
                                              timeout_s=args.transfer_timeout_s))
     metadata = connect_metadata(config.metadata_url, secret, etcd=config.etcd)
     ssd = SsdTier(config.ssd_dir, config.ssd_bytes) if config.ssd_dir else None

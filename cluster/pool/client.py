@@ -15,7 +15,7 @@ and counters, refreshed every heartbeat). The bytes never pass through the metad
   Store's ``free_ratio_first``): allocate, write, seal (the owner checks the checksums and
   publishes), each one round trip for all the objects a segment takes.
 
-A pipeline group's stages share this work (``cluster.stage``): the first stage leases a prefix
+A pipeline group's stages share this work (``cluster.cpp.stage``): the first stage leases a prefix
 and reserves new objects; each stage reads and writes only its layers' parts, the later ones
 under the first stage's leases and reservations (``PoolRead.leases``, ``read_leased``,
 ``PoolWrite.reservation``, ``write_reserved``), and the first stage seals with every stage's
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import xxhash
 
 from cluster.pool.metadata import MetadataStore
-from cluster.transfer import Batch, RegionHandle, TransferEngine, TransferError
-from cluster.transfer.protocol import Status
+from cluster.messenger import Batch, RegionHandle, Messenger, TransferError
+from cluster.messenger.wire import Status
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class SegmentInfo:
 class PoolClient:
     """Thread-safe; blocking calls (run them off the event loop)."""
 
-    def __init__(self, transfer: TransferEngine | None, metadata: MetadataStore | None, *,
+    def __init__(self, transfer: Messenger | None, metadata: MetadataStore | None, *,
                  segments_ttl_s: float = 1.0, transfer_timeout_s: float = 30.0) -> None:
         """``metadata`` None: a client that only reads and writes under another client's leases
         and reservations (a later pipeline stage's)."""

@@ -19,7 +19,7 @@ import torch
 
 from cluster.pool.client import PoolWrite
 from cluster.pool.objects import PoolGeometry, part_checksums
-from cluster.staging import StagingArea, StagingRange
+from cluster.messenger.staging import StagingArea, StagingRange
 from engine.kv_layout import pack
 from engine.llm_engine import PromptChunk
 

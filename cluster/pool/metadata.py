@@ -46,7 +46,7 @@ import etcd3gw
 from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease as EtcdLease
 
-from cluster.control_auth import ControlAuthError, ControlVerifier, derive_key, sign
+from cluster.protocol import ControlAuthError, ControlVerifier, derive_key, sign
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ import torch
 
 from cluster.pool.objects import part_checksums
 from cluster.pool.ssd import SsdTier
-from cluster.staging import StagingArea, StagingFull, StagingRange
-from cluster.transfer import RegionHandle, TransferEngine
+from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
+from cluster.messenger import RegionHandle, Messenger
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class SegmentConfig:
 class Segment:
     """Thread-safe: the Messenger serves each peer on its own thread."""
 
-    def __init__(self, transfer: TransferEngine, config: SegmentConfig, ssd: SsdTier | None = None,
+    def __init__(self, transfer: Messenger, config: SegmentConfig, ssd: SsdTier | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.area = StagingArea(transfer, config.dram_bytes)

@@ -27,8 +27,8 @@ import threading
 from cluster.pool.client import SEGMENTS, PoolClient, object_entry
 from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 from cluster.pool.segment import PoolFull, Segment
-from cluster.transfer import TransferEngine
-from cluster.transfer.protocol import Status
+from cluster.messenger import Messenger
+from cluster.messenger.wire import Status
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ OPS = ("lease", "touch", "release", "alloc", "seal", "abort")  # what a segment 
 
 
 class SegmentService:
-    def __init__(self, segment: Segment, transfer: TransferEngine, metadata: MetadataStore, client: PoolClient,
+    def __init__(self, segment: Segment, transfer: Messenger, metadata: MetadataStore, client: PoolClient,
                  name: str, *, lease_ttl_s: float = 5.0, heartbeat_s: float = 1.0, hot_reads: int = 8,
                  max_replicas: int = 3) -> None:
         if not heartbeat_s < lease_ttl_s:

@@ -15,7 +15,7 @@ import socket
 import struct
 
 from .errors import AuthenticationError
-from .protocol import decode_json, encode_json, recv_exact
+from .wire import decode_json, encode_json, recv_exact
 
 MAGIC = b"MCPYTE01"
 NONCE_BYTES = 32

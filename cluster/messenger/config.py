@@ -1,4 +1,4 @@
-"""Typed, validated settings of a :class:`~cluster.transfer.engine.TransferEngine`."""
+"""Typed, validated settings of a :class:`~cluster.messenger.messenger.Messenger`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ MiB = 1 << 20
 
 
 @dataclass(frozen=True)
-class TransferConfig:
+class MessengerConfig:
     """Settings of one engine; invalid values raise ``ValueError`` on construction.
 
     ``slice_bytes`` is the unit a large request is cut into before the slices are spread over the

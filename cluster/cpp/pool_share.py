@@ -26,13 +26,13 @@ import torch
 from cluster.pool.client import PoolClient
 from cluster.pool.layerwise import LayerwiseStore, LayerwiseStores
 from cluster.pool.objects import PoolGeometry
-from cluster.staging import StagingArea, StagingFull, StagingRange
-from cluster.transfer import TransferEngine
+from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
+from cluster.messenger import Messenger
 from engine.kv_layout import unpack_layer
 
 
 class StagePool:
-    def __init__(self, transfer: TransferEngine, area: StagingArea, geometry: PoolGeometry, layers: range,
+    def __init__(self, transfer: Messenger, area: StagingArea, geometry: PoolGeometry, layers: range,
                  timeout_s: float) -> None:
         """``geometry``: the group's objects (every layer of the model); ``layers``: this stage's."""
         self._pool = PoolClient(transfer, None, transfer_timeout_s=timeout_s)

@@ -1,6 +1,6 @@
-"""The TransferEngine: one per process, the API the KV pool and the prefill->decode path use.
+"""The Messenger: one per process, the API the KV pool and the prefill->decode path use.
 
-It registers memory, serves peers through its :class:`Messenger`, and moves batches to and from
+It registers memory, serves peers through its :class:`RegionServer`, and moves batches to and from
 peers over the transport chosen per peer: RDMA when both sides have a device, shared memory when
 the peer is on this host and the remote regions are shareable, TCP otherwise (or whatever the
 caller forces). Connections are opened on first use and reopened on the next request after a
@@ -21,10 +21,10 @@ from typing import Any, Protocol
 import torch
 
 from .batch import Batch, Request
-from .config import TransferConfig
+from .config import MessengerConfig
 from .errors import RdmaUnavailable, TransferError
-from .messenger import ControlHandler, Messenger
-from .protocol import Op, Status, decode_json, encode_json
+from .region_server import ControlHandler, RegionServer
+from .wire import Op, Status, decode_json, encode_json
 from .rdma import RdmaDevice, RdmaTransport
 from .regions import LocalRegion, RegionHandle, RegionTable
 from .shm import SharedMemoryPool, ShmTransport, export_region
@@ -74,10 +74,10 @@ class _Link:
         self.control.close()
 
 
-class TransferEngine:
+class Messenger:
     """Registers memory and moves batches of byte ranges to and from peer engines."""
 
-    def __init__(self, config: TransferConfig, *, verbs: Any | None = None) -> None:
+    def __init__(self, config: MessengerConfig, *, verbs: Any | None = None) -> None:
         """``verbs`` replaces pyverbs (tests pass an in-process stand-in); None loads pyverbs."""
         self.config = config
         self.engine_id = secrets.token_hex(8)
@@ -97,7 +97,7 @@ class TransferEngine:
         self._hello = {"engine_id": self.engine_id, "host": host_identity(), "rdma": self._rdma is not None}
         self._services: dict[str, ControlHandler] = {}
         self._handlers = {Op.EXPORT: self._export, Op.RDMA_CONNECT: self._rdma_connect, Op.SERVICE: self._dispatch}
-        self._messenger = Messenger(config, self._table, self._hello, self._handlers)
+        self._messenger = RegionServer(config, self._table, self._hello, self._handlers)
         self.address = self._messenger.address
         self._links: dict[str, _Link] = {}
         self._link_locks: dict[str, threading.Lock] = {}
@@ -195,7 +195,7 @@ class TransferEngine:
             self._rdma.close()
         self._shared.close()
 
-    def __enter__(self) -> TransferEngine:
+    def __enter__(self) -> Messenger:
         return self
 
     def __exit__(self, *exc: object) -> None:

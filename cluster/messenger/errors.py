@@ -37,7 +37,7 @@ class RdmaUnavailable(TransferError):
 
 def remote_error(status: int, where: str) -> TransferError:
     """The exception for a non-OK status an owner replied with."""
-    from .protocol import Status  # protocol has no package imports; importing here keeps errors leaf-level
+    from .wire import Status  # protocol has no package imports; importing here keeps errors leaf-level
 
     reason = {
         Status.UNKNOWN_REGION: "unknown region handle",

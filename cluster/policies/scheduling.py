@@ -26,9 +26,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.cost_model import DecodeStepModel, PrefillTime, TransferModel
-from cluster.instance_state import DecodeInstanceState, PrefillInstanceState, RequestInfo
-from cluster.prefix_index import prefix_tokens
+from cluster.policies.cost_model import DecodeStepModel, PrefillTime, TransferModel
+from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState, RequestInfo
+from cluster.policies.prefix_index import prefix_tokens
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ LLaMA3-70B in bf16, FAST'25 §2.2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -242,3 +242,22 @@ class TransferModel:
     @classmethod
     def from_specs(cls, model: ModelSpec, hw: HardwareSpec) -> TransferModel:
         return cls(bytes_per_s=hw.nic_bytes_per_s, kv_bytes_per_token=model.kv_bytes_per_token)
+
+
+@dataclass(frozen=True)
+class InstanceProfile:
+    """An instance's measured time models (decode is None on a prefill-only instance)."""
+
+    prefill: PrefillCostModel
+    decode: DecodeStepModel | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prefill": self.prefill.__dict__,
+            "decode": None if self.decode is None else self.decode.__dict__,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> InstanceProfile:
+        decode = data.get("decode")
+        return cls(PrefillCostModel(**data["prefill"]), None if decode is None else DecodeStepModel(**decode))

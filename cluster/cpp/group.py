@@ -3,7 +3,7 @@
 The first stage (a prefill instance) gets its later stages in one of two ways:
 
 * ``StageGroup.spawn`` (``python -m server --cpp-stages X``): it starts them as its own child
-  processes (``python -m cluster.stage_group --spec ...``); each prints its peer, takes its
+  processes (``python -m cluster.cpp.group --spec ...``); each prints its peer, takes its
   links on stdin and exits when stdin closes. A child that exits is a dead stage.
 * ``StageGroup.join`` (by hand, on any hosts: ``python -m server --role prefill --stage i/X
   --group NAME``, with ``--first URL`` for i > 0): each later stage asks the first stage's
@@ -31,15 +31,15 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from cluster.control_auth import CONTROL, MESSENGER, ControlAuth, derive_key
-from cluster.kv_stream import KVSender
+from cluster.protocol import CONTROL, MESSENGER, ControlAuth, derive_key
+from cluster.instance.kv_stream import KVSender
 from cluster.pool.config import model_identity
 from cluster.pool.objects import PoolGeometry
-from cluster.stage import StageLink, StagePeer, StageWorker
-from cluster.stage_pool import StagePool
-from cluster.staging import StagingArea
-from cluster.transfer import RegionHandle, TransferConfig, TransferEngine, TransferError
-from cluster.transfer.protocol import Status
+from cluster.cpp.stage import StageLink, StagePeer, StageWorker
+from cluster.cpp.pool_share import StagePool
+from cluster.messenger.staging import StagingArea
+from cluster.messenger import RegionHandle, MessengerConfig, Messenger, TransferError
+from cluster.messenger.wire import Status
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
@@ -153,7 +153,7 @@ class StageGroup:
     """The first stage's view of its later stages: its ``link`` to them, and a watcher that
     calls ``on_death(reason)`` (on its own thread) once one is gone."""
 
-    def __init__(self, transfer: TransferEngine, buffer_bytes: int, timeout_s: float) -> None:
+    def __init__(self, transfer: Messenger, buffer_bytes: int, timeout_s: float) -> None:
         self.link = StageLink(transfer, buffer_bytes, timeout_s)
         self.processes: list[subprocess.Popen] = []
         self._transfer = transfer
@@ -168,7 +168,7 @@ class StageGroup:
                 for i in range(len(peers))]
 
     @classmethod
-    def spawn(cls, spec: StageSpec, transfer: TransferEngine, secret: bytes, host: str,
+    def spawn(cls, spec: StageSpec, transfer: Messenger, secret: bytes, host: str,
               on_death: Callable[[str], None], startup_s: float = 300.0) -> StageGroup:
         """Start stages 1 to X - 1 as child processes of this one."""
         group = cls(transfer, spec.buffer_bytes, spec.timeout_s)
@@ -177,7 +177,7 @@ class StageGroup:
         try:
             for i in range(1, stages):
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "cluster.stage_group", "--spec", json.dumps(spec.for_stage(i).to_dict()),
+                    [sys.executable, "-m", "cluster.cpp.group", "--spec", json.dumps(spec.for_stage(i).to_dict()),
                      "--host", host],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                     env={**os.environ, "MOONCAKE_CLUSTER_SECRET": secret.decode()})
@@ -202,7 +202,7 @@ class StageGroup:
         return group
 
     @classmethod
-    def join(cls, spec: StageSpec, transfer: TransferEngine, rendezvous: StageRendezvous,
+    def join(cls, spec: StageSpec, transfer: Messenger, rendezvous: StageRendezvous,
              on_death: Callable[[str], None], startup_s: float = 600.0) -> StageGroup:
         """Offer ``spec`` to the stages started by hand and wait until every one has joined."""
         group = cls(transfer, spec.buffer_bytes, spec.timeout_s)
@@ -256,7 +256,7 @@ class StageGroup:
                 proc.kill()
 
 
-def ping(transfer: TransferEngine, address: str) -> bool:
+def ping(transfer: Messenger, address: str) -> bool:
     try:
         status, _ = transfer.call(address, {"op": "stage_ping"})
     except TransferError:
@@ -273,7 +273,7 @@ def peer_from(data: dict | None) -> StagePeer | None:
 
 
 # -- a later stage's process ----------------------------------------------------------------------------
-def start_worker(spec: StageSpec, host: str, secret: bytes) -> tuple[StageWorker, TransferEngine]:
+def start_worker(spec: StageSpec, host: str, secret: bytes) -> tuple[StageWorker, Messenger]:
     """Load the stage's layers and serve them (links not set yet)."""
     fields = dict(spec.engine)
     fields["stage"] = tuple(fields["stage"])
@@ -283,7 +283,7 @@ def start_worker(spec: StageSpec, host: str, secret: bytes) -> tuple[StageWorker
     path = resolve_model(config.model)
     max_len = config.max_model_len or ModelConfig.from_folder(path).max_position_embeddings
     runner = ModelRunner(config, path, max_len)
-    transfer = TransferEngine(TransferConfig(secret=derive_key(secret, MESSENGER), host=host, timeout_s=spec.timeout_s))
+    transfer = Messenger(MessengerConfig(secret=derive_key(secret, MESSENGER), host=host, timeout_s=spec.timeout_s))
     sender = KVSender(transfer, StagingArea(transfer, spec.staging_bytes), runner.wire_layout,
                       write_window_s=spec.timeout_s, layers=runner.model.layer_range)
     pool = None
@@ -341,11 +341,11 @@ def _ask(http: httpx.Client, url: str, body: dict, within_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.stage_group --spec JSON``: one later stage of a prefill instance's
+    """``python -m cluster.cpp.group --spec JSON``: one later stage of a prefill instance's
     pipeline, started by that instance. Prints ``stage ready {peer}``, takes ``{"next": peer |
     null, "first": peer}`` as one line on stdin, then serves until stdin closes (the instance
     stopped or died)."""
-    parser = argparse.ArgumentParser(prog="python -m cluster.stage_group", description=main.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cluster.cpp.group", description=main.__doc__.split("\n\n")[0])
     parser.add_argument("--spec", required=True, help="the stage's StageSpec as JSON")
     parser.add_argument("--host", default="127.0.0.1", help="where its Messenger listens")
     args = parser.parse_args(argv)

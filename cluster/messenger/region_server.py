@@ -1,4 +1,4 @@
-"""Owning side: the Messenger answers peers' requests against this engine's registered regions.
+"""Owning side: the RegionServer answers peers' requests against this engine's registered regions.
 
 It listens (loopback unless configured otherwise), authenticates every connection with the
 cluster secret, then serves one connection per thread. Each request's descriptors are resolved
@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable
 
 from .auth import server_handshake
-from .config import TransferConfig
+from .config import MessengerConfig
 from .errors import AuthenticationError
-from .protocol import (
+from .wire import (
     CHECKSUM,
     FLAG_CHECKSUM,
     FLAG_WRITE,
@@ -45,10 +45,10 @@ log = logging.getLogger(__name__)
 ControlHandler = Callable[[dict, dict], tuple[Status, dict]]
 
 
-class Messenger:
+class RegionServer:
     """Listens for peers and serves their reads, writes and control requests."""
 
-    def __init__(self, config: TransferConfig, table: RegionTable, hello: dict, handlers: dict[Op, ControlHandler]) -> None:
+    def __init__(self, config: MessengerConfig, table: RegionTable, hello: dict, handlers: dict[Op, ControlHandler]) -> None:
         self._config = config
         self._table = table
         self._hello = hello

@@ -14,33 +14,12 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from cluster.cost_model import DecodeStepModel, PrefillCostModel
+from cluster.policies.cost_model import DecodeStepModel, InstanceProfile, PrefillCostModel
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class InstanceProfile:
-    """An instance's measured time models (decode is None on a prefill-only instance)."""
-
-    prefill: PrefillCostModel
-    decode: DecodeStepModel | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "prefill": self.prefill.__dict__,
-            "decode": None if self.decode is None else self.decode.__dict__,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> InstanceProfile:
-        decode = data.get("decode")
-        return cls(PrefillCostModel(**data["prefill"]), None if decode is None else DecodeStepModel(**decode))
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from .auth import client_handshake
 from .batch import Batch, Request, Slice
-from .config import TransferConfig
+from .config import MessengerConfig
 from .errors import ChecksumError, PeerError, TransferError, remote_error
-from .protocol import (
+from .wire import (
     CHECKSUM,
     FLAG_CHECKSUM,
     MAX_CONTROL_PAYLOAD,
@@ -49,7 +49,7 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def connect(address: str, config: TransferConfig, hello: dict) -> tuple[socket.socket, dict]:
+def connect(address: str, config: MessengerConfig, hello: dict) -> tuple[socket.socket, dict]:
     """Open and authenticate one connection; returns it with the server's hello."""
     try:
         sock = socket.create_connection(split_address(address), timeout=config.timeout_s)
@@ -102,7 +102,7 @@ class Message:
 class Stream:
     """One authenticated, pipelined connection to a peer's Messenger."""
 
-    def __init__(self, sock: socket.socket, name: str, config: TransferConfig, on_dead: Callable[[], None] = lambda: None):
+    def __init__(self, sock: socket.socket, name: str, config: MessengerConfig, on_dead: Callable[[], None] = lambda: None):
         self.name = name
         self._sock = sock
         self._checksum = config.checksum
@@ -290,7 +290,7 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, address: str, config: TransferConfig, hello: dict) -> None:
+    def __init__(self, address: str, config: MessengerConfig, hello: dict) -> None:
         self._config = config
         self._streams: list[Stream] = []
         try:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .errors import TransferError
-from .protocol import Status
+from .wire import Status
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import torch
 
-from cluster.transfer import RegionHandle, TransferEngine
+from cluster.messenger import RegionHandle, Messenger
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ class StagingRange:
 
 
 class StagingArea:
-    def __init__(self, engine: TransferEngine, nbytes: int) -> None:
+    def __init__(self, engine: Messenger, nbytes: int) -> None:
         if nbytes <= 0:
             raise ValueError(f"staging size must be positive, got {nbytes}")
         self.nbytes = nbytes

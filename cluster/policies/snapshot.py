@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.prefix_index import BlockKey, PrefixView
+from cluster.policies.prefix_index import BlockKey, PrefixView
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.cost_model import DecodeStepModel
-from cluster.instance_state import DecodeInstanceState, RequestInfo
-from cluster.scheduling import DecodePlan, PrefillPlan
+from cluster.policies.cost_model import DecodeStepModel
+from cluster.policies.snapshot import DecodeInstanceState, RequestInfo
+from cluster.policies.scheduling import DecodePlan, PrefillPlan
 
 
 @dataclass(frozen=True)

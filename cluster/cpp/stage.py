@@ -11,8 +11,8 @@ only for steps that sample, so chunk k+1 computes on the first stage while chunk
 second.
 
 With the KVCache pool, each later stage reads and writes its own layers of the objects the
-first stage leases and reserves (``cluster.stage_pool.StagePool``, driven through the link's
-``pool_*`` calls). How the stages are started, found and watched: ``cluster.stage_group``.
+first stage leases and reserves (``cluster.cpp.pool_share.StagePool``, driven through the link's
+``pool_*`` calls). How the stages are started, found and watched: ``cluster.cpp.group``.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from cluster.kv_stream import KVDestination, KVSender
-from cluster.stage_pool import StagePool
-from cluster.transfer import RegionHandle, TransferEngine, TransferError
-from cluster.transfer.protocol import Status
+from cluster.instance.kv_stream import KVDestination, KVSender
+from cluster.cpp.pool_share import StagePool
+from cluster.messenger import RegionHandle, Messenger, TransferError
+from cluster.messenger.wire import Status
 from engine.config import parse_dtype
 from engine.llm_engine import PromptChunk, sinks_on_layer
 from engine.model_runner import ModelRunner, StageStep
@@ -50,7 +50,7 @@ class StagePeer:
 class _Mailbox:
     """One stage end's registered buffers: what arrives, and what it sends from."""
 
-    def __init__(self, transfer: TransferEngine, nbytes: int, timeout_s: float) -> None:
+    def __init__(self, transfer: Messenger, nbytes: int, timeout_s: float) -> None:
         self.transfer = transfer
         self.timeout_s = timeout_s
         self.inbox = transfer.alloc_shared(nbytes)
@@ -103,7 +103,7 @@ class StageLink:
     """The first stage's end (an ``engine.model_runner.StageDownstream``): sends each step to
     ``next`` (set before the first step) and takes the last stage's logits."""
 
-    def __init__(self, transfer: TransferEngine, nbytes: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, transfer: Messenger, nbytes: int, timeout_s: float = 30.0) -> None:
         self._box = _Mailbox(transfer, nbytes, timeout_s)
         self._transfer = transfer
         self._timeout_s = timeout_s
@@ -232,7 +232,7 @@ class StageWorker:
     each step in the order the steps arrive, on the worker's own thread; the result goes to
     ``next`` or, from the last stage, to ``first`` (both set before the first step)."""
 
-    def __init__(self, runner: ModelRunner, transfer: TransferEngine, nbytes: int, timeout_s: float = 30.0,
+    def __init__(self, runner: ModelRunner, transfer: Messenger, nbytes: int, timeout_s: float = 30.0,
                  sender: KVSender | None = None, pool: StagePool | None = None) -> None:
         """``sender``: streams this stage's layers of each prompt's KV to its decode instance;
         ``pool``: this stage's share of the group's pool loads and stores."""
@@ -336,7 +336,7 @@ class StageWorker:
                     pass  # the first stage is gone too
 
 
-def _unload_at(transfer: TransferEngine, stage: StagePeer, request_id: str) -> None:
+def _unload_at(transfer: Messenger, stage: StagePeer, request_id: str) -> None:
     """Tell ``stage`` to let go of the request's pool load once its earlier steps have run."""
     try:
         transfer.notify(stage.address, {"op": "stage_pool_unload", "request_id": request_id})

@@ -4,7 +4,7 @@ The decode instance reserves blocks and a range of its receive staging (``KVDest
 prefill instance's engine calls ``KVSender.layer_done`` after each layer of every step that
 computes a chunk of the prompt: that layer of the blocks the chunk completed is packed by
 ``kernels.gather_kv`` into the send staging and handed to the Messenger
-(``TransferEngine.write``), which copies it into the decode instance's range while the next
+(``Messenger.write``), which copies it into the decode instance's range while the next
 layer computes. A long prompt's KV thus leaves chunk by chunk as it is computed; only the last
 chunk's is still in flight when the prompt is done. The decode instance then unpacks the whole
 buffer into its pages with ``kernels.scatter_kv`` (``engine.disaggregation.KVHandoff.admit``).
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from cluster.staging import StagingArea, StagingRange
-from cluster.transfer import Batch, RegionHandle, TransferEngine, TransferError
+from cluster.messenger.staging import StagingArea, StagingRange
+from cluster.messenger import Batch, RegionHandle, Messenger, TransferError
 from engine.kv_layout import KVLayout, pack
 from engine.llm_engine import PromptChunk
 
@@ -82,7 +82,7 @@ class KVSender:
     """The prefill side (an ``engine.llm_engine.KVSink``): requests announced with ``expect``
     are streamed layer by layer; ``finish`` waits for the last write and frees the staging."""
 
-    def __init__(self, transfer: TransferEngine, staging: StagingArea, layout: KVLayout,
+    def __init__(self, transfer: Messenger, staging: StagingArea, layout: KVLayout,
                  write_window_s: float = float("inf"), per_chunk: bool = True, layers: range | None = None) -> None:
         """``write_window_s``: no layer of a request is written later than this after the layer
         before it. The receiver gives up on a request after its own timeout and reuses the range

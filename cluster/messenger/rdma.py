@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .batch import Batch, Request
-from .config import TransferConfig
+from .config import MessengerConfig
 from .errors import PeerError, RdmaUnavailable, RemoteAccessError, TransferError, remote_error
-from .protocol import FLAG_CHECKSUM, MAX_SLICES_PER_MESSAGE, Op, Status, decode_json, encode_json
+from .wire import FLAG_CHECKSUM, MAX_SLICES_PER_MESSAGE, Op, Status, decode_json, encode_json
 from .regions import LocalRegion
 from .tcp import Stream
 
@@ -96,7 +96,7 @@ def _device_name(device: Any) -> str:
 class RdmaDevice:
     """One opened device: protection domain, memory regions of registered buffers, passive QPs."""
 
-    def __init__(self, verbs: Verbs, name: str, config: TransferConfig) -> None:
+    def __init__(self, verbs: Verbs, name: str, config: MessengerConfig) -> None:
         self.verbs = verbs
         self.name = name
         self.gid_index = config.rdma_gid_index
@@ -112,7 +112,7 @@ class RdmaDevice:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, name: str | None, verbs: Verbs | None, config: TransferConfig) -> RdmaDevice:
+    def open(cls, name: str | None, verbs: Verbs | None, config: MessengerConfig) -> RdmaDevice:
         """Open ``name`` (or the first device); RdmaUnavailable says in one line why not."""
         verbs = verbs or load_pyverbs()
         try:
@@ -230,7 +230,7 @@ class RdmaTransport:
 
     name = "rdma"
 
-    def __init__(self, device: RdmaDevice, control: Stream, config: TransferConfig) -> None:
+    def __init__(self, device: RdmaDevice, control: Stream, config: MessengerConfig) -> None:
         self._device = device
         self._control = control
         self._config = config

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 
 from .batch import Batch, Request
-from .config import TransferConfig
+from .config import MessengerConfig
 from .errors import ChecksumError, PeerError, TransferError, remote_error
-from .protocol import FLAG_WRITE, MAX_SLICES_PER_MESSAGE, Op, Status, checksum, decode_json, encode_json
+from .wire import FLAG_WRITE, MAX_SLICES_PER_MESSAGE, Op, Status, checksum, decode_json, encode_json
 from .regions import RegionTable, SharedSpan, view_address
 from .tcp import Stream
 
@@ -157,7 +157,7 @@ class ShmTransport:
 
     name = "shm"
 
-    def __init__(self, control: Stream, config: TransferConfig) -> None:
+    def __init__(self, control: Stream, config: MessengerConfig) -> None:
         self._control = control
         self._config = config
         self._windows: dict[int, Window] = {}

@@ -2,7 +2,7 @@
 
 Typical use::
 
-    engine = TransferEngine(TransferConfig(secret=cluster_secret))
+    engine = Messenger(MessengerConfig(secret=cluster_secret))
     kv = engine.alloc_shared(nbytes)           # or any contiguous CPU tensor / buffer
     mine = engine.register(kv)                 # RegionHandle: share theirs with to_dict()
     batch = engine.write(peer_address, [(mine, 0, theirs, 0, nbytes)])
@@ -10,8 +10,8 @@ Typical use::
 """
 
 from .batch import Batch
-from .config import TransferConfig
-from .engine import Entry, TransferEngine
+from .config import MessengerConfig
+from .messenger import Entry, Messenger
 from .errors import AuthenticationError, ChecksumError, PeerError, RdmaUnavailable, RemoteAccessError, TransferError
 from .regions import RegionHandle
 
@@ -24,7 +24,7 @@ __all__ = [
     "RdmaUnavailable",
     "RegionHandle",
     "RemoteAccessError",
-    "TransferConfig",
-    "TransferEngine",
+    "MessengerConfig",
+    "Messenger",
     "TransferError",
 ]
