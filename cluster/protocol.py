@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from engine.llm_engine import RequestOutput
-from engine.sampler import Logprobs
+from engine.outputs import RequestOutput
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

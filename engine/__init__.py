@@ -1,16 +1,30 @@
-"""A minimal paged-KV inference engine for Llama-family models."""
+"""A minimal paged-KV inference engine for Llama-family models.
 
-from engine.config import EngineConfig, ModelConfig
-from engine.llm import LLM, GenerationResult
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+The names below load on first use (PEP 562): ``import engine.outputs`` or
+``engine.sampling_params`` (plain data, what the Conductor and the wire need) must not pull in
+torch, triton and the model code.
+"""
 
-__all__ = [
-    "LLM",
-    "EngineConfig",
-    "GenerationResult",
-    "LLMEngine",
-    "ModelConfig",
-    "RequestOutput",
-    "SamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "LLM": "engine.llm",
+    "GenerationResult": "engine.llm",
+    "EngineConfig": "engine.config",
+    "ModelConfig": "engine.config",
+    "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded

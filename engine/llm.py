@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampler import Logprobs
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
 

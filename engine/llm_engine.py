@@ -22,7 +22,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_layout import unpack_layer
 from engine.model_runner import ModelRunner
 from engine.prompt import check_fits, prompt_token_ids
-from engine.sampler import Logprobs, Sampler, score_tokens
+from engine.outputs import Logprobs, RequestOutput
+from engine.sampler import Sampler, score_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -30,27 +31,6 @@ from engine.tokenizer import Tokenizer
 from paged_kv import BlockManager
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (a delta: new tokens and text only)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    logprobs: list[Logprobs] = field(default_factory=list)
-    # With the first token of a request that asked for them: prompt token i's logprob at index i
-    # (None for the first token, which nothing precedes).
-    prompt_logprobs: list[Logprobs | None] | None = None
-    # Set when a prefill instance hands the request off (finish_reason "handoff"): the state of
-    # its seeded generator after the first token, so the decode instance samples as we would.
-    sampler_state: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
 # Dividing by a temperature this small can overflow float32 while the result is already
@@ -73,16 +74,6 @@ class SamplingState:
                 mask[ids] = True
             self._prompt_mask = mask
         return mask
-
-
-@dataclass
-class Logprobs:
-    """Logprob of the sampled token plus the `params.logprobs` most likely alternatives,
-    highest first (see the module docstring for which distribution)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass

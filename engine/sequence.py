@@ -10,7 +10,8 @@ from typing import Protocol
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampler import Logprobs, SamplingState
+from engine.outputs import Logprobs
+from engine.sampler import SamplingState
 from engine.sampling_params import SamplingParams
 from paged_kv import BlockTable
 

@@ -46,7 +46,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
 from engine.tokenizer import Tokenizer
 from server.metrics import RequestTracker, ServerMetrics

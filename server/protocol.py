@@ -17,8 +17,8 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from engine.llm_engine import RequestOutput
-from engine.sampler import Logprobs
+from engine.outputs import RequestOutput
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 

@@ -43,7 +43,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
 from engine.kv_layout import KVLayout
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from paged_kv.block_pool import BlockPool
 from tests.tiny_models import make_tiny_model

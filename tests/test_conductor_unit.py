@@ -17,8 +17,8 @@ from cluster.instance.kv_stream import KVDestination
 from cluster.messenger import RegionHandle
 from cluster.protocol import output_from_dict, output_to_dict, params_from_dict, params_to_dict
 from engine.kv_layout import KVLayout
-from engine.llm_engine import RequestOutput
-from engine.sampler import Logprobs
+from engine.outputs import RequestOutput
+from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
 
 SECRET = b"0123456789abcdef0123"

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from tiny_models import (

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Logprobs, Sampler, SamplingState, make_generator
+from engine.outputs import Logprobs
+from engine.sampler import Sampler, SamplingState, make_generator
 from engine.sampling_params import SamplingParams
 
 torch.set_num_threads(2)

@@ -27,7 +27,7 @@ import httpx
 
 from cluster.protocol import CONTROL, ControlAuth, derive_key
 from cluster.protocol import EPOCH_HEADER, output_from_dict, params_to_dict
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")

@@ -46,7 +46,7 @@ from engine.async_engine import default_model_name
 from engine.config import ModelConfig
 from engine.default_model import resolve_model
 from engine.engine_client import EngineClient, EngineNotReady
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 from engine.prompt import check_fits, prompt_token_ids
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer

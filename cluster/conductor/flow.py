@@ -29,7 +29,7 @@ from cluster.conductor.ledger import Booking, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.protocol import params_to_dict
 from engine.engine_client import EngineError, EngineOverloaded
-from engine.llm_engine import RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ import time
 import numpy as np
 
 from cluster.policies.cost_model import DecodeStepModel, InstanceProfile, PrefillCostModel
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 

@@ -32,7 +32,8 @@ from cluster.messenger.staging import when_free
 from cluster.messenger import TransferError
 from engine.async_engine import AsyncLLMEngine
 from engine.engine_client import EngineError
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
