@@ -1,9 +1,44 @@
 """What crosses between the Conductor and the instances (and between CPP stages), in one place.
 
-* the **messages**: JSON forms of requests (token ids plus sampling parameters: the Conductor
-  tokenizes once) and of outputs (``RequestOutput`` deltas, one JSON object per line on a
-  streaming response); prefix keys travel as hex;
-* the **signed envelope** every control request travels in (below).
+Both sides use the same definitions, so a field cannot be named or typed differently on the two:
+
+* the **messages**: one dataclass per request body and per answer, each with one
+  ``to_dict`` / ``from_dict`` pair (``from_dict`` validates and raises ``BadRequest``, never a
+  ``KeyError``). Prompts travel as token ids plus sampling parameters (the Conductor tokenizes
+  once); outputs as ``RequestOutput`` deltas, one JSON object per line on a streaming answer. A
+  KV destination (``KVDestination.to_dict()``) and a stage's peer travel as the plain dicts their
+  owners define: the Conductor relays them untouched and never imports the torch-side code that
+  reads them;
+* the **errors** an answer can carry, in two kinds (below);
+* the **signed envelope** every control request travels in (further below).
+
+Errors. Every refusal is a ``ProtocolError`` with one HTTP status and one ``code``; the answer's
+body is ``{"error": message, "code": code}`` (plus ``retry_after`` for ``InstanceBusy``), and the
+Conductor's client turns it back into the same class (``error_from``):
+
+=============================  ======  ==========================================================
+``RequestError``: this request cannot go on (here); the instance is fine: never marked down
+-------------------------------------------------------------------------------------------------
+``BadRequest``                 400     a malformed or impossible request (also a ``ValueError``)
+``UnknownReservation``         404     no reservation by that id: never made, released, expired
+``PrefixNotCached``            410     a push's prefix blocks are no longer (all) cached there
+``KVWriteFailed``              424     a KV write to *another* instance failed
+``InstanceBusy``               429     too many waiting, or no staging free now (Retry-After)
+``NoKVRoom``                   507     no room for the request's KV now; the next one may have it
+-------------------------------------------------------------------------------------------------
+``InstanceUnavailable``: this instance is not healthy: the Conductor marks it down
+-------------------------------------------------------------------------------------------------
+``Unauthorized``               401     the call's signature was refused (a wrong cluster secret)
+``WrongEpoch``                 409     the instance serves a newer Conductor than the caller
+``InstanceFailed``             500     the engine failed while serving the request
+``Unreachable``                502     no answer: connection refused or broken (client side)
+``InstanceNotReady``           503     starting (``fatal``: its engine will never load)
+``TimedOut``                   504     no answer in time (client side)
+=============================  ======  ==========================================================
+
+``Unreachable`` and ``TimedOut`` are raised by the client when no answer came; no instance sends
+them. A status without a known ``code`` maps by the status; an unknown status is an
+``InstanceFailed``.
 
 Signed control requests: the cluster secret proves who sent a request without travelling.
 
@@ -33,33 +68,234 @@ import dataclasses
 import hashlib
 import heapq
 import hmac
+import json
 import secrets
 import threading
 import time
 from collections.abc import Callable, Generator, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
 
-from engine.outputs import RequestOutput
-from engine.outputs import Logprobs
+from engine.outputs import Logprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
 
-def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return dataclasses.asdict(params)
+# -- errors -------------------------------------------------------------------------------------------
+
+class ProtocolError(Exception):
+    """An answer that is not a result: its class names why, ``status`` and ``code`` how it travels."""
+
+    status: ClassVar[int]
+    code: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": str(self), "code": self.code}
 
 
-def params_from_dict(data: Any) -> SamplingParams:
-    return SamplingParams.from_dict(data)
+class RequestError(ProtocolError):
+    """This request cannot go on (on this instance); says nothing against the instance."""
 
+
+class InstanceUnavailable(ProtocolError):
+    """This instance is not healthy (no answer, no answer in time, failing, or serving another
+    Conductor): the caller marks it down."""
+
+
+class BadRequest(RequestError, ValueError):
+    """Malformed or impossible; a ``ValueError`` too, so the client of the cluster gets a 400."""
+
+    status, code = 400, "bad_request"
+
+
+class UnknownReservation(RequestError, LookupError):
+    """No reservation by that id here: never made, already taken over, released or expired."""
+
+    status, code = 404, "unknown_reservation"
+
+
+class PrefixNotCached(RequestError):
+    """A push asked for prefix blocks the holder no longer (all) caches."""
+
+    status, code = 410, "prefix_not_cached"
+
+
+class KVWriteFailed(RequestError):
+    """A KV write to another instance failed: nothing against the one that answers this."""
+
+    status, code = 424, "kv_write_failed"
+
+
+class InstanceBusy(RequestError):
+    """Too many requests waiting, or no staging free, right now: try again after ``retry_after``."""
+
+    status, code = 429, "busy"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "retry_after": self.retry_after}
+
+
+class NoKVRoom(RequestError):
+    """No room for the request's KV on the instance now; another instance may have it."""
+
+    status, code = 507, "no_kv_room"
+
+
+class Unauthorized(InstanceUnavailable):
+    """The instance refused the call's signature: it holds another cluster secret."""
+
+    status, code = 401, "unauthorized"
+
+
+class WrongEpoch(InstanceUnavailable):
+    """The instance has seen a newer Conductor than the caller and serves only that one."""
+
+    status, code = 409, "wrong_epoch"
+
+
+class InstanceFailed(InstanceUnavailable):
+    """The instance's engine failed while serving the request."""
+
+    status, code = 500, "instance_failed"
+
+
+class Unreachable(InstanceUnavailable):
+    """No answer: the connection was refused or broke (raised by the client)."""
+
+    status, code = 502, "unreachable"
+
+
+class InstanceNotReady(InstanceUnavailable):
+    """The instance answers but is starting; ``fatal``: its engine could not load, and it never will."""
+
+    status, code = 503, "not_ready"
+
+    def __init__(self, message: str, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "fatal": self.fatal}
+
+
+class TimedOut(InstanceUnavailable):
+    """No answer within the call's timeout (raised by the client)."""
+
+    status, code = 504, "timed_out"
+
+
+ERRORS: tuple[type[ProtocolError], ...] = (
+    BadRequest, UnknownReservation, PrefixNotCached, KVWriteFailed, InstanceBusy, NoKVRoom,
+    Unauthorized, WrongEpoch, InstanceFailed, Unreachable, InstanceNotReady, TimedOut)
+_BY_CODE = {cls.code: cls for cls in ERRORS}
+_BY_STATUS = {cls.status: cls for cls in ERRORS}
+
+
+def error_from(status: int, body: Any, retry_after: str | None = None, context: str = "") -> ProtocolError:
+    """The error an answer with ``status`` and JSON ``body`` (None when it was not JSON) carries:
+    by its ``code``, else by the status, else ``InstanceFailed``. ``retry_after``: the header;
+    ``context``: what the message starts with (the call)."""
+    body = body if isinstance(body, dict) else {}
+    cls = _BY_CODE.get(body.get("code")) or _BY_STATUS.get(status) or InstanceFailed
+    message = context + str(body.get("error") or f"HTTP {status}")
+    if cls is InstanceBusy:
+        try:
+            return InstanceBusy(message, float(body.get("retry_after", retry_after or 1.0)))
+        except (TypeError, ValueError):
+            return InstanceBusy(message)
+    if cls is InstanceNotReady:
+        return InstanceNotReady(message, fatal=body.get("fatal") is True)
+    return cls(message)
+
+
+# -- field checks (each raises BadRequest naming the field) ------------------------------------------
+
+def _field(data: Any, name: str) -> Any:
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    return data.get(name)
+
+
+def _str(data: Any, name: str) -> str:
+    value = _field(data, name)
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{name} must be a non-empty string")
+    return value
+
+
+def _int(data: Any, name: str, default: int | None = None) -> int:
+    value = _field(data, name)
+    if value is None and default is not None:
+        return default
+    if type(value) is not int:
+        raise BadRequest(f"{name} must be an integer")
+    return value
+
+
+def _dict(data: Any, name: str, optional: bool = False) -> dict[str, Any] | None:
+    value = _field(data, name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest(f"{name} must be a JSON object")
+    return value
+
+
+def _flag(data: Any, name: str) -> bool:
+    value = _field(data, name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false")
+    return value
+
+
+def token_ids(value: Any, name: str = "prompt_token_ids") -> list[int]:
+    if not isinstance(value, list) or not value or not all(type(t) is int and t >= 0 for t in value):
+        raise BadRequest(f"{name} must be a non-empty list of non-negative integers")
+    return value
+
+
+def _params(data: Any) -> SamplingParams:
+    try:
+        return SamplingParams.from_dict(_field(data, "params"))
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"params: {e}") from None
+
+
+def _dest(data: Any) -> dict[str, Any]:
+    dest = _dict(data, "dest")
+    if type(dest.get("num_blocks")) is not int or type(dest.get("skip_blocks")) is not int:
+        raise BadRequest("dest must be a KV destination (with num_blocks and skip_blocks)")
+    return dest
+
+
+def _bytes(value: bytes | None) -> str | None:
+    return None if value is None else base64.b64encode(value).decode()
+
+
+def _unbytes(value: Any, name: str) -> bytes | None:
+    if value is None:
+        return None
+    try:
+        return base64.b64decode(value, validate=True)
+    except (TypeError, ValueError):
+        raise BadRequest(f"{name} must be base64") from None
+
+
+# -- outputs ------------------------------------------------------------------------------------------
 
 def output_to_dict(out: RequestOutput) -> dict[str, Any]:
     d = dataclasses.asdict(out)
-    d["sampler_state"] = None if out.sampler_state is None else base64.b64encode(out.sampler_state).decode()
+    d["sampler_state"] = _bytes(out.sampler_state)
     return d
 
 
@@ -67,20 +303,363 @@ def _logprobs(lp: dict[str, Any]) -> Logprobs:
     return Logprobs(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]])
 
 
-def output_from_dict(d: dict[str, Any]) -> RequestOutput:
-    d = dict(d)
-    d["logprobs"] = [_logprobs(lp) for lp in d.get("logprobs", [])]
-    if d.get("prompt_logprobs") is not None:
-        d["prompt_logprobs"] = [None if lp is None else _logprobs(lp) for lp in d["prompt_logprobs"]]
-    state = d.get("sampler_state")
-    d["sampler_state"] = None if state is None else base64.b64decode(state)
-    return RequestOutput(**d)
+def output_from_dict(d: Any) -> RequestOutput:
+    """A ``RequestOutput`` from its JSON form; raises ``BadRequest`` for anything else."""
+    try:
+        d = dict(d)
+        d["logprobs"] = [_logprobs(lp) for lp in d.get("logprobs", [])]
+        if d.get("prompt_logprobs") is not None:
+            d["prompt_logprobs"] = [None if lp is None else _logprobs(lp) for lp in d["prompt_logprobs"]]
+        d["sampler_state"] = _unbytes(d.get("sampler_state"), "sampler_state")
+        return RequestOutput(**d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadRequest(f"malformed output: {e}") from None
 
 
-def token_ids(value: Any, name: str = "prompt_token_ids") -> list[int]:
-    if not isinstance(value, list) or not value or not all(type(t) is int and t >= 0 for t in value):
-        raise ValueError(f"{name} must be a non-empty list of non-negative integers")
-    return value
+def stream_line(item: RequestOutput | ProtocolError) -> bytes:
+    """One line of a streamed answer: an output delta, or the error that ended the stream."""
+    data = item.to_dict() if isinstance(item, ProtocolError) else output_to_dict(item)
+    return (json.dumps(data) + "\n").encode()
+
+
+def read_stream_line(line: str) -> RequestOutput:
+    """The output delta on ``line``; raises the error the instance ended its stream with, or
+    ``InstanceFailed`` for a line that is neither (the instance's fault, not the request's)."""
+    try:
+        data = json.loads(line)
+    except ValueError:
+        raise InstanceFailed(f"malformed stream line: {line[:100]!r}") from None
+    if isinstance(data, dict) and "error" in data:
+        raise error_from(InstanceFailed.status, data)
+    try:
+        return output_from_dict(data)
+    except BadRequest as e:
+        raise InstanceFailed(f"malformed stream line: {e}") from None
+
+
+# -- Conductor -> instance: requests and their answers ------------------------------------------------
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    """``POST /instance/reserve``: hold blocks and receive staging for a prompt's KV (a lease)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+                "params": dataclasses.asdict(self.params)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ReserveRequest:
+        return cls(_str(data, "request_id"), token_ids(_field(data, "prompt_token_ids")), _params(data))
+
+
+@dataclass(frozen=True)
+class ReserveReply:
+    """Where to write the prompt's KV: a ``KVDestination.to_dict()``, relayed by the Conductor."""
+
+    dest: dict[str, Any]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.dest["num_blocks"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dest": self.dest}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ReserveReply:
+        return cls(_dest(data))
+
+
+@dataclass(frozen=True)
+class RenewRequest:
+    """``POST /instance/renew``: extend the leases of these reservations."""
+
+    request_ids: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_ids": self.request_ids}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RenewRequest:
+        rids = _field(data, "request_ids")
+        if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
+            raise BadRequest("request_ids must be a list of strings")
+        return cls(rids)
+
+
+@dataclass(frozen=True)
+class RenewReply:
+    """The ids the instance no longer holds (released or expired)."""
+
+    gone: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gone": self.gone}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RenewReply:
+        return cls(RenewRequest.from_dict({"request_ids": _field(data, "gone")}).request_ids)
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """``POST /instance/abort``: drop a request wherever it is (idempotent). ``writes_done``: no
+    KV write into its reservation can still be in flight, so its staging is reused at once."""
+
+    request_id: str
+    writes_done: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "writes_done": self.writes_done}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AbortRequest:
+        return cls(_str(data, "request_id"), _flag(data, "writes_done"))
+
+
+@dataclass(frozen=True)
+class AbortReply:
+    aborted: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"aborted": self.aborted}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AbortReply:
+        return cls(_str(data, "aborted"))
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """``POST /instance/prefill``: compute the prompt and stream its KV into ``dest`` (a decode
+    instance's reservation)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    dest: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**ReserveRequest(self.request_id, self.prompt_token_ids, self.params).to_dict(), "dest": self.dest}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PrefillRequest:
+        r = ReserveRequest.from_dict(data)
+        return cls(r.request_id, r.prompt_token_ids, r.params, _dest(data))
+
+
+@dataclass(frozen=True)
+class PrefillReply:
+    """The first token's output, once every layer's KV has been written (``finish_reason``
+    ``"handoff"``: the decode instance goes on; anything else: the request ended here)."""
+
+    output: RequestOutput
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": output_to_dict(self.output)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PrefillReply:
+        return cls(output_from_dict(_dict(data, "output")))
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a decode instance continues from: the first token its prefill sampled, how many prompt
+    tokens were cached there, and the sampler's state (a seeded generator's, or None)."""
+
+    first_token: int
+    num_cached_tokens: int = 0
+    sampler_state: bytes | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"first_token": self.first_token, "num_cached_tokens": self.num_cached_tokens,
+                "sampler_state": _bytes(self.sampler_state)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Prefilled:
+        if not isinstance(data, dict):
+            raise BadRequest("prefilled must be a JSON object")
+        return cls(_int(data, "first_token"), _int(data, "num_cached_tokens", 0),
+                   _unbytes(data.get("sampler_state"), "sampler_state"))
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """``POST /instance/generate``: stream a request's outputs as NDJSON (``stream_line``). With
+    ``prefilled``, a decode instance continues a reservation whose KV has landed; without, a
+    ``both`` instance serves the whole request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefilled: Prefilled | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = ReserveRequest(self.request_id, self.prompt_token_ids, self.params).to_dict()
+        if self.prefilled is not None:
+            d["prefilled"] = self.prefilled.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any) -> GenerateRequest:
+        r = ReserveRequest.from_dict(data)
+        prefilled = _dict(data, "prefilled", optional=True)
+        return cls(r.request_id, r.prompt_token_ids, r.params,
+                   None if prefilled is None else Prefilled.from_dict(prefilled))
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """``POST /instance/push`` (on a prefix's holder): write the cached blocks of this prefix that
+    ``dest`` asks for into another instance's reservation (hot-prefix replication)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    dest: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids, "dest": self.dest}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PushRequest:
+        return cls(_str(data, "request_id"), token_ids(_field(data, "prompt_token_ids")), _dest(data))
+
+
+@dataclass(frozen=True)
+class PushReply:
+    pushed: int  # blocks written
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pushed": self.pushed}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PushReply:
+        return cls(_int(data, "pushed"))
+
+
+@dataclass(frozen=True)
+class AdoptRequest:
+    """``POST /instance/adopt`` (on the push's target): keep the received blocks as cached prefix
+    (``ok``), or drop the reservation (the push failed)."""
+
+    request_id: str
+    ok: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "ok": self.ok}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AdoptRequest:
+        return cls(_str(data, "request_id"), _flag(data, "ok"))
+
+
+@dataclass(frozen=True)
+class AdoptReply:
+    adopted: int  # blocks now cached under the prompt's keys
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"adopted": self.adopted}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AdoptReply:
+        return cls(_int(data, "adopted"))
+
+
+# -- a later pipeline stage <-> its first stage (cluster.cpp.group) ------------------------------------
+
+STAGE_PING = "stage_ping"  # the Messenger call each end of a pipeline group checks the other with
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a later stage takes from its first stage to start: its ``EngineConfig`` as a dict
+    (with its stage), its buffers' sizes, the transfer timeout, and the pool geometry (``[blocks
+    per object, pool staging bytes]``) when the group is in a KVCache pool."""
+
+    engine: dict[str, Any]
+    buffer_bytes: int
+    staging_bytes: int
+    timeout_s: float
+    pool: list[int] | None = None
+
+    def for_stage(self, stage: int) -> StageSpec:
+        stages = self.engine["stage"][1]
+        return dataclasses.replace(self, engine={**self.engine, "stage": [stage, stages]})
+
+    @classmethod
+    def of(cls, engine: Any, buffer_bytes: int, staging_bytes: int, timeout_s: float,
+           pool: tuple[int, int] | None) -> StageSpec:
+        """``engine``: the first stage's ``EngineConfig`` (a dataclass)."""
+        return cls(dataclasses.asdict(engine), buffer_bytes, staging_bytes, timeout_s,
+                   None if pool is None else list(pool))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageSpec:
+        engine = _dict(data, "engine")
+        timeout = _field(data, "timeout_s")
+        pool = _field(data, "pool")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise BadRequest("timeout_s must be a number")
+        if pool is not None and (not isinstance(pool, list) or len(pool) != 2 or
+                                 not all(type(n) is int for n in pool)):
+            raise BadRequest("pool must be [blocks per object, pool staging bytes]")
+        return cls(dict(engine), _int(data, "buffer_bytes"), _int(data, "staging_bytes"), float(timeout), pool)
+
+
+@dataclass(frozen=True)
+class StageJoin:
+    """``POST /instance/stage/join`` from a later stage of a group started by hand: without
+    ``peer``, it asks for its ``StageSpec``; with its peer (``cluster.cpp.group.peer_dict``), for
+    its links once every stage has joined."""
+
+    group: str
+    stage: int
+    stages: int
+    peer: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group": self.group, "stage": self.stage, "stages": self.stages, "peer": self.peer}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageJoin:
+        return cls(_str(data, "group"), _int(data, "stage"), _int(data, "stages"),
+                   _dict(data, "peer", optional=True))
+
+
+@dataclass(frozen=True)
+class StageSpecReply:
+    spec: StageSpec
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageSpecReply:
+        return cls(StageSpec.from_dict(_dict(data, "spec")))
+
+
+@dataclass(frozen=True)
+class StageLinks:
+    """A later stage's links (peers as ``peer_dict``s): where it sends (``next``; None for the
+    last stage, which sends back to ``first``) and the first stage it pings."""
+
+    first: dict[str, Any]
+    next: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"next": self.next, "first": self.first}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageLinks:
+        return cls(_dict(data, "first"), _dict(data, "next", optional=True))
 
 
 # Every control call carries the Conductor's epoch: its start time in nanoseconds, so a Conductor

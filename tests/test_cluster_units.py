@@ -34,7 +34,8 @@ from cluster.conductor.placement import Placement, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
 from cluster.instance.cache_mirror import CacheMirror
-from cluster.instance.receiver import Receiver, StaleEpoch
+from cluster.instance.receiver import Receiver
+from cluster.protocol import WrongEpoch
 from cluster.policies.snapshot import RequestInfo
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
@@ -374,7 +375,7 @@ def test_a_newer_epoch_releases_older_reservations_and_refuses_older_reserves(de
         await r.observe_epoch(6)  # any call from a newer Conductor
         assert len(r) == 0 and r.epoch == 6
         await _assert_nothing_held(d, r)
-        with pytest.raises(StaleEpoch):
+        with pytest.raises(WrongEpoch):
             await r.reserve("old-c", PROMPT, PARAMS, epoch=5)
         await _assert_nothing_held(d, r)
         # The newer Conductor reserves; a reserve from a still newer one releases it on arrival.
@@ -446,7 +447,7 @@ def test_a_reserve_in_flight_when_a_newer_epoch_arrives_is_not_granted_to_the_ol
         try:
             await reserve
             granted = True
-        except StaleEpoch:
+        except WrongEpoch:
             granted = False
         held = "in-flight" in r
         renewable_by_old = r.renew(["in-flight"], epoch=8) == []
@@ -566,7 +567,7 @@ def test_conductor_burst_spreads_over_both_prefill_instances_and_leaves_the_ledg
                 return httpx.Response(200, json={"instance_id": url, "cache_version": 0, "cached_keys": []})
             if path == "/instance/reserve":
                 n = -(-len(body["prompt_token_ids"]) // 16)
-                return httpx.Response(200, json={"dest": {"n": n}})
+                return httpx.Response(200, json={"dest": {"skip_blocks": 0, "num_blocks": n}})
             if path == "/instance/renew":
                 return httpx.Response(200, json={"gone": []})
             if path == "/instance/prefill":

@@ -15,7 +15,7 @@ from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
 from cluster.instance.kv_stream import KVDestination
 from cluster.messenger import RegionHandle
-from cluster.protocol import output_from_dict, output_to_dict, params_from_dict, params_to_dict
+from cluster.protocol import ReserveRequest, output_from_dict, output_to_dict
 from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
 from engine.outputs import Logprobs
@@ -82,9 +82,9 @@ def test_record_matches_the_leading_run_of_cached_keys():
 
 def test_wire_round_trips():
     params = SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3, logprobs=2, max_tokens=9)
-    assert params_from_dict(params_to_dict(params)) == params
+    assert ReserveRequest.from_dict(ReserveRequest("r", [1], params).to_dict()).params == params
     with pytest.raises(ValueError):
-        params_from_dict({"temperature": 0.5, "bogus": 1})
+        ReserveRequest.from_dict({"request_id": "r", "prompt_token_ids": [1], "params": {"temperature": 0.5, "bogus": 1}})
     out = RequestOutput("r", [5], "hi", True, "handoff", 3, 1, 0,
                         [Logprobs(5, -0.1, [(5, -0.1), (7, -2.5)])], sampler_state=b"\x00\x01\xff")
     assert output_from_dict(output_to_dict(out)) == out

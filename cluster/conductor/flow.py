@@ -16,7 +16,6 @@ idempotent on the instance.
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -24,10 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.conductor.client import InstanceBusy, InstanceClient, InstanceFull, InstanceRefused, InstanceUnavailable
+from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import Booking, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
-from cluster.protocol import params_to_dict
+from cluster.protocol import (BadRequest, GenerateRequest, InstanceBusy, InstanceUnavailable, NoKVRoom, Prefilled,
+                              ProtocolError, RequestError, ReserveReply)
 from engine.engine_client import EngineError, EngineOverloaded
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -84,14 +84,8 @@ class RequestFlow:
             yield first
             if not handoff:
                 return
-            body = {
-                "request_id": rid, "prompt_token_ids": ids, "params": params_to_dict(params),
-                "prefilled": {
-                    "first_token": first.new_token_ids[0],
-                    "sampler_state": None if sampler_state is None else base64.b64encode(sampler_state).decode(),
-                    "num_cached_tokens": first.num_cached_tokens,
-                },
-            }
+            body = GenerateRequest(rid, ids, params,
+                                   Prefilled(first.new_token_ids[0], first.num_cached_tokens, sampler_state))
             entry = booking.add(decode, "running", rid, RunningDecode(time.monotonic(), len(ids)))
             async for out in self._relay(decode, body, entry):
                 yield out
@@ -99,14 +93,14 @@ class RequestFlow:
             booking.remove(decode, "reserved", rid)
 
     async def _reserve(self, rid: str, ids: list[int], params: SamplingParams, decodes: list[InstanceRecord],
-                       booking: Booking) -> tuple[InstanceRecord, dict[str, Any]]:
+                       booking: Booking) -> tuple[InstanceRecord, ReserveReply]:
         full = []
         for rec in decodes:
             # Noted before the call: if it times out, the instance may still have granted it.
             booking.add(rec, "reserved", rid, True)
             try:
                 dest = await self._client.reserve(rec.url, rid, ids, params)
-            except InstanceFull:
+            except NoKVRoom:
                 booking.remove(rec, "reserved", rid)
                 full.append(rec)
                 self._counters.decode_retries += 1
@@ -114,7 +108,9 @@ class RequestFlow:
             except InstanceUnavailable as e:
                 self._registry.mark_down(rec, f"reserve: {e}")
                 continue
-            except (InstanceRefused, InstanceBusy) as e:
+            except BadRequest:
+                raise  # the same request is bad on every instance
+            except RequestError as e:
                 log.info("reserve on %s refused: %s", rec.url, e)
                 continue
             # The KV is headed here, not to the planned instance, if that one was full.
@@ -143,22 +139,22 @@ class RequestFlow:
             ok = True
             try:
                 await self._client.push(source.url, mid, prefix, dest)
-            except (InstanceRefused, InstanceBusy, InstanceUnavailable) as e:
+            except ProtocolError as e:
                 log.info("migration from %s to %s failed: %s", source.url, target.url, e)
                 ok = False
             adopted = await self._client.adopt(target.url, mid, ok)
             booking.remove(target, "reserved", mid)  # adopted or dropped there
             if ok:
                 self._counters.migrations += 1
-                self._counters.migrated_blocks += adopted and dest["num_blocks"]
-        except (InstanceFull, InstanceRefused, InstanceBusy, InstanceUnavailable, ValueError) as e:
+                self._counters.migrated_blocks += adopted and dest.num_blocks
+        except ProtocolError as e:
             log.info("migration to %s skipped: %s", target.url, e)
 
     # -- the colocated path ---------------------------------------------------------------------------
     async def colocated(self, rid: str, ids: list[int], params: SamplingParams, booking: Booking,
                         rec: InstanceRecord) -> AsyncIterator[RequestOutput]:
         self._counters.accepted += 1
-        body = {"request_id": rid, "prompt_token_ids": ids, "params": params_to_dict(params)}
+        body = GenerateRequest(rid, ids, params)
         entry = booking.add(rec, "running", rid, RunningDecode(time.monotonic(), len(ids), generated=0))
         with self._settled(rid, booking):
             async for out in self._relay(rec, body, entry):
@@ -167,7 +163,7 @@ class RequestFlow:
             booking.remove(rec, "running", rid)
 
     # -- shared ---------------------------------------------------------------------------------------
-    async def _relay(self, rec: InstanceRecord, body: dict[str, Any], entry: RunningDecode) -> AsyncIterator[RequestOutput]:
+    async def _relay(self, rec: InstanceRecord, body: GenerateRequest, entry: RunningDecode) -> AsyncIterator[RequestOutput]:
         stream = self._client.generate(rec.url, body, rec.lost)
         try:
             while True:
@@ -175,7 +171,7 @@ class RequestFlow:
                     out = await anext(stream)
                 except StopAsyncIteration:
                     return
-                except (InstanceUnavailable, InstanceRefused, InstanceBusy) as e:
+                except ProtocolError as e:
                     raise self._failed(rec, "decode", e) from None
                 entry.generated += len(out.new_token_ids)
                 yield out
@@ -185,10 +181,13 @@ class RequestFlow:
     async def _call(self, rec: InstanceRecord, what: str, call: Coroutine[Any, Any, Any]) -> Any:
         try:
             return await call
-        except (InstanceUnavailable, InstanceRefused, InstanceBusy, InstanceFull) as e:
+        except BadRequest:
+            raise
+        except ProtocolError as e:
             raise self._failed(rec, what, e) from None
 
-    def _failed(self, rec: InstanceRecord, what: str, e: Exception) -> Exception:
+    def _failed(self, rec: InstanceRecord, what: str, e: ProtocolError) -> Exception:
+        """What the client gets for ``e``; only an unhealthy instance is marked down."""
         if isinstance(e, InstanceBusy):
             return self._counters.reject(f"overloaded: the {rec.role} instance has too much waiting", e.retry_after)
         if isinstance(e, InstanceUnavailable):
@@ -214,9 +213,9 @@ class RequestFlow:
     async def abort_on(self, rec: InstanceRecord, key: str, writes_done: bool = True) -> None:
         try:
             await self._client.abort(rec.url, key, writes_done)
-        except (InstanceUnavailable, InstanceRefused, InstanceBusy) as e:
+        except BadRequest as e:
+            log.warning("abort of %s on %s refused: %s", key, rec.url, e)
+        except ProtocolError as e:
             # Unanswered: the instance's lease on the reservation runs out by itself.
             log.info("abort of %s on %s failed: %s", key, rec.url, e)
-        except ValueError as e:
-            log.warning("abort of %s on %s refused: %s", key, rec.url, e)
 

@@ -5,7 +5,9 @@ brings health, free blocks and the cached prefix keys, as changes since the vers
 last saw. Load is not polled: every request passes through the Conductor, which keeps its own
 exact record (``ledger.py``).
 
-An instance that fails a poll or a request is marked down and left out of scheduling; its
+An instance that fails a poll, or that a request finds unhealthy (``InstanceUnavailable``,
+``cluster/protocol.py``; a refused request says nothing against it), is marked down and left out
+of scheduling; its
 ``lost`` event fires, which ends the calls in flight to it. Polling continues, and the first
 successful ``/instance/info`` brings it back; a restarted process is a new incarnation, and
 ``on_new_incarnation`` lets the ledger forget what the old one was doing.
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from cluster.policies.cost_model import InstanceProfile
-from cluster.conductor.client import InstanceClient, InstanceStarting
+from cluster.conductor.client import InstanceClient
+from cluster.protocol import InstanceNotReady
 from engine.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -125,7 +128,7 @@ class Registry:
             if not rec.up:
                 try:
                     info = await self.client.info(rec.url, self.poll_timeout_s)
-                except InstanceStarting as e:
+                except InstanceNotReady as e:
                     rec.last_error, rec.failed_to_start = str(e), e.fatal
                     return
                 if info["instance_id"] != rec.instance_id:

@@ -27,11 +27,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import httpx
 
-from cluster.protocol import CONTROL, MESSENGER, ControlAuth, derive_key
+from cluster.protocol import CONTROL, MESSENGER, STAGE_PING, ControlAuth, StageJoin, StageLinks, StageSpec
+from cluster.protocol import StageSpecReply, derive_key
 from cluster.instance.kv_stream import KVSender
 from cluster.pool.config import model_identity
 from cluster.pool.objects import PoolGeometry
@@ -51,37 +51,6 @@ PING_S = 1.0
 MISSED_PINGS = 3  # in a row: the other end is dead
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """What a later stage takes from its first stage to start: its ``EngineConfig`` (with its
-    stage), its buffers' sizes, the transfer timeout, and the pool geometry (``[blocks per
-    object, pool staging bytes]``) when the group is in a KVCache pool."""
-
-    engine: dict
-    buffer_bytes: int
-    staging_bytes: int
-    timeout_s: float
-    pool: list[int] | None = None
-
-    def for_stage(self, stage: int) -> StageSpec:
-        stages = self.engine["stage"][1]
-        return StageSpec({**self.engine, "stage": [stage, stages]}, self.buffer_bytes, self.staging_bytes,
-                         self.timeout_s, self.pool)
-
-    @classmethod
-    def of(cls, engine: EngineConfig, buffer_bytes: int, staging_bytes: int, timeout_s: float,
-           pool: tuple[int, int] | None) -> StageSpec:
-        return cls(asdict(engine), buffer_bytes, staging_bytes, timeout_s, None if pool is None else list(pool))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> StageSpec:
-        return cls(dict(data["engine"]), int(data["buffer_bytes"]), int(data["staging_bytes"]),
-                   float(data["timeout_s"]), None if data.get("pool") is None else [int(n) for n in data["pool"]])
-
-
 class StageRendezvous:
     """Where the later stages of a group started by hand meet their first stage. Thread-safe;
     the join calls block (run them off the event loop)."""
@@ -95,7 +64,7 @@ class StageRendezvous:
         self._cond = threading.Condition()
         self._spec: StageSpec | None = None
         self._peers: dict[int, StagePeer] = {}
-        self._links: dict[int, dict] | None = None
+        self._links: dict[int, StageLinks] | None = None
 
     def _check(self, group: str, stage: int) -> None:
         if group != self.group:
@@ -104,17 +73,16 @@ class StageRendezvous:
             raise ValueError(f"group {self.group!r} has stages 1 to {self.stages - 1} to join, not {stage}")
 
     # -- a later stage's calls (the first stage's /instance/stage/join) ------------------------------
-    def spec(self, group: str, stage: int, timeout_s: float) -> dict:
+    def spec(self, group: str, stage: int, timeout_s: float) -> StageSpec:
         """The stage's ``StageSpec``, once the first stage has one (its engine is up)."""
         self._check(group, stage)
         with self._cond:
             if not self._cond.wait_for(lambda: self._spec is not None, timeout_s):
                 raise TimeoutError("the first stage is still starting")
-            return self._spec.for_stage(stage).to_dict()
+            return self._spec.for_stage(stage)
 
-    def join(self, group: str, stage: int, peer: StagePeer, timeout_s: float) -> dict:
-        """Join with ``peer``; once every stage has, its links: ``{"next": peer | None, "first":
-        peer}``. Raises ValueError once the group has formed (a stage that restarts needs its
+    def join(self, group: str, stage: int, peer: StagePeer, timeout_s: float) -> StageLinks:
+        """Join with ``peer``; once every stage has, its links. Raises ValueError once the group has formed (a stage that restarts needs its
         first stage restarted too), TimeoutError while stages are missing."""
         self._check(group, stage)
         with self._cond:
@@ -142,7 +110,7 @@ class StageRendezvous:
                 raise TimeoutError(f"group {self.group!r}: stages {self.missing()} did not join in {timeout_s:g} s")
             return [self._peers[i] for i in range(1, self.stages)]
 
-    def link(self, links: list[dict]) -> None:
+    def link(self, links: list[StageLinks]) -> None:
         """Hand each joined stage its links (``links[i - 1]``: stage ``i``'s)."""
         with self._cond:
             self._links = {i + 1: links[i] for i in range(len(links))}
@@ -159,12 +127,12 @@ class StageGroup:
         self._transfer = transfer
         self._closing = threading.Event()
 
-    def _wire(self, peers: list[StagePeer]) -> list[dict]:
+    def _wire(self, peers: list[StagePeer]) -> list[StageLinks]:
         """Chain the stages: this one's link sends to the second, each to the next, the last back
         here; each later stage's links."""
         self.link.next, self.link.followers = peers[0], peers
         first = peer_dict(self.link.peer)
-        return [{"next": peer_dict(peers[i + 1]) if i + 1 < len(peers) else None, "first": first}
+        return [StageLinks(first, peer_dict(peers[i + 1]) if i + 1 < len(peers) else None)
                 for i in range(len(peers))]
 
     @classmethod
@@ -193,7 +161,7 @@ class StageGroup:
                     raise RuntimeError(f"pipeline stage {i} of {stages} did not start (exit {proc.poll()})")
                 peers.append(peer_from(json.loads(line[len("stage ready "):])))
             for proc, links in zip(group.processes, group._wire(peers)):
-                proc.stdin.write(json.dumps(links) + "\n")
+                proc.stdin.write(json.dumps(links.to_dict()) + "\n")
                 proc.stdin.flush()
         except BaseException:
             group.close()
@@ -258,7 +226,7 @@ class StageGroup:
 
 def ping(transfer: Messenger, address: str) -> bool:
     try:
-        status, _ = transfer.call(address, {"op": "stage_ping"})
+        status, _ = transfer.call(address, {"op": STAGE_PING})
     except TransferError:
         return False
     return status == Status.OK
@@ -300,14 +268,15 @@ def serve_joined(first_url: str, group: str, stage: int, stages: int, host: str,
     instance at ``first_url``), then serve until the first stage is gone. Returns the exit code."""
     auth = ControlAuth(derive_key(secret, CONTROL))
     url = first_url.rstrip("/") + "/instance/stage/join"
-    body = {"group": group, "stage": stage, "stages": stages}
+    join = StageJoin(group, stage, stages)
     with httpx.Client(auth=auth, timeout=startup_s) as http:
-        spec = StageSpec.from_dict(_ask(http, url, body, startup_s)["spec"])
+        spec = StageSpecReply.from_dict(_ask(http, url, join.to_dict(), startup_s)).spec
         log.info("stage %d/%d of group %r: loading its layers", stage, stages, group)
         worker, transfer = start_worker(spec, host, secret)
         try:
-            links = _ask(http, url, {**body, "peer": peer_dict(worker.peer)}, startup_s)
-            worker.next, worker.first = peer_from(links.get("next")), peer_from(links["first"])
+            links = StageLinks.from_dict(_ask(http, url, StageJoin(group, stage, stages, peer_dict(worker.peer)).to_dict(),
+                                              startup_s))
+            worker.next, worker.first = peer_from(links.next), peer_from(links.first)
             log.info("stage %d/%d of group %r joined; serving", stage, stages, group)
             missed = 0
             while missed < MISSED_PINGS:
@@ -354,10 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     worker, transfer = start_worker(StageSpec.from_dict(json.loads(args.spec)), args.host, secret)
     print("stage ready " + json.dumps(peer_dict(worker.peer)), flush=True)
     try:
-        links = json.loads(sys.stdin.readline() or "null")
-        if links is None:
+        line = sys.stdin.readline()
+        if not line:
             return 0
-        worker.next, worker.first = peer_from(links.get("next")), peer_from(links["first"])
+        links = StageLinks.from_dict(json.loads(line))
+        worker.next, worker.first = peer_from(links.next), peer_from(links.first)
         sys.stdin.read()  # until the instance closes the pipe
     finally:
         worker.close()

@@ -7,7 +7,8 @@
 * ``calibration.py``: the cost models measured on this instance's engine at start;
 * ``kv_stream.py``: a prefill's KV, layer by layer, into a decode instance's reservation;
 * ``receiver.py``: reservations (leases the Conductor renews, epochs, staging held back);
-* ``serving.py``: prefill-and-stream, decode from received KV, whole requests;
+* ``prefill.py``: serve a prefill and stream its KV into a decode instance's reservation;
+* ``decode.py``: continue decoding from received KV, and whole (colocated) requests;
 * ``replication.py``: hot-prefix push and adopt;
 * ``routes.py``: the ``/instance/*`` control routes over all of these.
 """

@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 
 from cluster.instance.kv_stream import KVDestination
+from cluster.protocol import BadRequest, UnknownReservation, WrongEpoch
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVCapacityError, KVHandoff
@@ -35,10 +36,6 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class StaleEpoch(RuntimeError):
-    """A call from a Conductor older than one this instance has already seen."""
 
 
 @dataclass
@@ -83,14 +80,15 @@ class Receiver:
     # -- making and keeping -------------------------------------------------------------------------
     async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams, epoch: int) -> KVDestination:
         """Hold blocks and a staging range; raises ``KVCapacityError`` (no room now),
-        ``ValueError`` (never servable, or the id is taken) or ``StaleEpoch``."""
+        ``ValueError`` (never servable, or the id is taken: ``BadRequest``), ``UnknownReservation``
+        (aborted meanwhile) or ``WrongEpoch``."""
         await self.observe_epoch(epoch)
         if epoch < self.epoch:
-            raise StaleEpoch(f"epoch {epoch} is older than {self.epoch}")
+            raise WrongEpoch(f"epoch {epoch} is older than {self.epoch}")
         if request_id in self._leases:
-            raise ValueError(f"request {request_id!r} already holds a reservation")
+            raise BadRequest(f"request {request_id!r} already holds a reservation")
         if request_id in self._released:
-            raise LookupError(f"request {request_id!r} was aborted")
+            raise UnknownReservation(f"request {request_id!r} was aborted")
         res = await self._client.call(lambda e: self._handoff.reserve(request_id, token_ids, params))
         n = res.num_sent_blocks
         staging = None
@@ -112,8 +110,8 @@ class Receiver:
             if staging is not None:
                 self.staging.release(staging)  # nothing was told where it is: nobody writes there
             if stale:
-                raise StaleEpoch(f"epoch {epoch} was replaced by {self.epoch} while reserving")
-            raise LookupError(f"request {request_id!r} was aborted")
+                raise WrongEpoch(f"epoch {epoch} was replaced by {self.epoch} while reserving")
+            raise UnknownReservation(f"request {request_id!r} was aborted")
         return KVDestination(self._address, self.staging.handle, staging.offset if staging else 0,
                              res.cached_blocks, n)
 
@@ -153,7 +151,7 @@ class Receiver:
             with self._lock:
                 lease = self._leases.pop(request_id, None)
             if lease is None:
-                raise LookupError(f"no KV reservation for {request_id!r} (released or expired)")
+                raise UnknownReservation(f"no KV reservation for {request_id!r} (released or expired)")
             try:
                 kv = None
                 if lease.staging is not None:

@@ -16,6 +16,7 @@ from cluster.instance.receiver import Receiver
 from cluster.instance.kv_stream import KVDestination, settle
 from cluster.messenger.staging import StagingArea, when_free
 from cluster.messenger import Messenger
+from cluster.protocol import BadRequest, PrefixNotCached, UnknownReservation
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
 
@@ -32,9 +33,10 @@ class Replicator:
 
     async def push(self, request_id: str, token_ids: list[int], dest: KVDestination) -> int:
         """Write the cached prefix blocks ``dest`` asks for into it; returns the blocks sent.
-        Raises ValueError (not all cached here now), ``TransferError`` / ``TimeoutError``."""
+        Raises ``PrefixNotCached`` (not all cached here now), ``BadRequest``, ``TransferError`` /
+        ``TimeoutError``."""
         if self._send is None:
-            raise ValueError("this instance does not send KV")
+            raise BadRequest("this instance does not send KV")
         if not dest.num_blocks:
             return 0
         layout = self._handoff.layout
@@ -46,9 +48,12 @@ class Replicator:
             out = self._send.view(staging, layout.torch_dtype, layout.shape(dest.num_blocks))
             # Bounded like any KV write: the target gives up on the reservation, and later reuses
             # its range, when a push takes too long (the engine thread may be busy with a step).
-            await asyncio.wait_for(
-                self._client.call(lambda _: self._handoff.export_prefix(token_ids, dest.skip_blocks, dest.num_blocks, out)),
-                self._timeout_s)
+            try:
+                await asyncio.wait_for(self._client.call(
+                    lambda _: self._handoff.export_prefix(token_ids, dest.skip_blocks, dest.num_blocks, out)),
+                    self._timeout_s)
+            except ValueError as e:  # evicted since the Conductor last polled this instance
+                raise PrefixNotCached(str(e)) from None
             exported = True
             batch = self._transfer.write(dest.address, [(self._send.handle, staging.offset, dest.region, dest.offset,
                                                          staging.nbytes)])
@@ -65,9 +70,9 @@ class Replicator:
 
     async def adopt(self, request_id: str, ok: bool) -> int:
         """Keep a reservation's received blocks as cached prefix (``ok``), or drop it; returns
-        the blocks now cached under the prompt's keys. Raises LookupError without a reservation."""
+        the blocks now cached under the prompt's keys. Raises ``UnknownReservation``."""
         if request_id not in self._receiver:
-            raise LookupError(f"no KV reservation for {request_id!r}")
+            raise UnknownReservation(f"no KV reservation for {request_id!r}")
         if not ok:
             # The push failed, perhaps by timing out: a late write could still land in the staging.
             await self._receiver.release(request_id, settled=False)

@@ -17,73 +17,73 @@ signed requests, ``cluster/protocol.py``), and ``/health`` / ``/stats``:
   ``cluster.cpp.group``) a later stage takes its ``StageSpec``, then its links
 
 Every call carries the Conductor's epoch (header ``X-Conductor-Epoch``): a newer one makes the
-instance release the older Conductor's reservations; an older one is refused (409).
-Status codes: 400 bad request, 404 unknown reservation, 409 stale Conductor, 429 too many
-waiting (with Retry-After), 502 a KV write failed, 503 not ready / staging busy, 507 no room.
+instance release the older Conductor's reservations; an older one is refused (409,
+``WrongEpoch``). Bodies and answers are the messages of ``cluster/protocol.py``; a refusal is one
+of its ``ProtocolError``s, with its status (``_as_protocol_error`` says which exception is which).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cluster.instance.receiver import StaleEpoch
 from cluster.instance.service import InstanceService
 from cluster.instance.kv_stream import KVDestination
 from cluster.cpp.group import peer_from
 from cluster.messenger import TransferError
-from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
-from cluster.protocol import EPOCH_HEADER, output_to_dict, params_from_dict, token_ids
+from cluster.protocol import CONTROL, EPOCH_HEADER, ControlVerifier, derive_key, verify_request
+from cluster.protocol import (
+    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
+    InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
+    RenewReply, RenewRequest, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, Unauthorized,
+    UnknownReservation, stream_line)
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
+from engine.outputs import RequestOutput
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 _JOIN_WAIT_S = 60.0  # how long one stage-join call waits for the rest of the group
 
 
-def _error(status: int, message: str, **headers: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+def _answer(e: ProtocolError) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(e.retry_after)))} if isinstance(e, InstanceBusy) else None
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
-def _mapped(e: BaseException) -> JSONResponse:
-    """The status code of an exception raised while serving a control call."""
+def _as_protocol_error(e: Exception) -> ProtocolError:
+    """The protocol's name for an exception raised while serving a control call; anything not
+    named here is a bug, and re-raised."""
+    if isinstance(e, ProtocolError):
+        return e
     if isinstance(e, EngineOverloaded):
-        return _error(429, str(e), **{"Retry-After": str(max(1, round(e.retry_after)))})
+        return InstanceBusy(str(e), e.retry_after)
     if isinstance(e, KVCapacityError):
-        return _error(507, f"no room for the KV: {e}")
-    if isinstance(e, StaleEpoch):
-        return _error(409, str(e))
+        return NoKVRoom(f"no room for the KV: {e}")
     if isinstance(e, LookupError):
-        return _error(404, str(e))
-    if isinstance(e, (ValueError, json.JSONDecodeError)):
-        return _error(400, str(e))
+        return UnknownReservation(str(e))
+    if isinstance(e, ValueError):  # the engine's checks of a request (JSON errors are ValueErrors)
+        return BadRequest(str(e))
     if isinstance(e, TransferError):
-        return _error(502, f"KV transfer failed: {e}")
-    if isinstance(e, TimeoutError):
-        return _error(503, str(e) or "timed out")
+        return KVWriteFailed(f"KV transfer failed: {e}")
+    if isinstance(e, TimeoutError):  # staging stayed full for a transfer timeout
+        return InstanceBusy(str(e) or "timed out waiting for staging")
     if isinstance(e, (EngineError, EngineNotReady)):
-        return _error(500, str(e))
+        return InstanceFailed(str(e))
     raise e
 
 
-async def _request_body(request: Request) -> tuple[str, dict[str, Any]]:
-    body = await request.json()
-    if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    rid = body.get("request_id")
-    if not isinstance(rid, str) or not rid:
-        raise ValueError("request_id must be a non-empty string")
-    return rid, body
+async def _body(request: Request) -> object:
+    try:
+        return await request.json()
+    except ValueError as e:
+        raise BadRequest(f"the body is not JSON: {e}") from None
 
 
 class InstanceRoutes:
@@ -100,19 +100,18 @@ class InstanceRoutes:
             async def route(request: Request) -> Response:
                 s = self.s
                 if (denied := await verify_request(self._verifier, request)) is not None:
-                    return _error(401, denied)
+                    return _answer(Unauthorized(denied))
                 if needs_ready and not s.ready:
                     # "fatal": the engine could not start and will not by itself (a bad model, say).
-                    return JSONResponse({"error": s.error or "instance is starting", "fatal": s.error is not None},
-                                        status_code=503)
+                    return _answer(InstanceNotReady(s.error or "instance is starting", fatal=s.error is not None))
                 if roles is not None and s.config.role not in roles:
-                    return _error(400, f"a {s.config.role} instance does not do this")
+                    return _answer(BadRequest(f"a {s.config.role} instance does not do this"))
                 try:
                     if s.receiver is not None:
                         await s.receiver.observe_epoch(_epoch(request))
                     return await handler(request)
                 except Exception as e:  # noqa: BLE001 -- mapped to a status, or re-raised
-                    return _mapped(e)
+                    return _answer(_as_protocol_error(e))
 
             return route
 
@@ -137,61 +136,49 @@ class InstanceRoutes:
 
     # -- requests ----------------------------------------------------------------------------------
     async def reserve(self, request: Request) -> Response:
-        rid, body = await _request_body(request)
-        ids, params = token_ids(body.get("prompt_token_ids")), params_from_dict(body.get("params"))
-        dest = await self.s.receiver.reserve(rid, ids, params, _epoch(request))
-        return JSONResponse({"dest": dest.to_dict()})
+        r = ReserveRequest.from_dict(await _body(request))
+        dest = await self.s.receiver.reserve(r.request_id, r.prompt_token_ids, r.params, _epoch(request))
+        return JSONResponse(ReserveReply(dest.to_dict()).to_dict())
 
     async def renew(self, request: Request) -> Response:
-        body = await request.json()
-        rids = body.get("request_ids") if isinstance(body, dict) else None
-        if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
-            raise ValueError("request_ids must be a list of strings")
-        return JSONResponse({"gone": self.s.receiver.renew(rids, _epoch(request))})
+        r = RenewRequest.from_dict(await _body(request))
+        return JSONResponse(RenewReply(self.s.receiver.renew(r.request_ids, _epoch(request))).to_dict())
 
     async def prefill(self, request: Request) -> Response:
-        rid, body = await _request_body(request)
-        ids, params = token_ids(body.get("prompt_token_ids")), params_from_dict(body.get("params"))
-        out = await self.s.serving.prefill(rid, ids, params, KVDestination.from_dict(body.get("dest")))
-        return JSONResponse({"output": output_to_dict(out)})
+        r = PrefillRequest.from_dict(await _body(request))
+        out = await self.s.prefiller.prefill(r.request_id, r.prompt_token_ids, r.params, KVDestination.from_dict(r.dest))
+        return JSONResponse(PrefillReply(out).to_dict())
 
     async def generate(self, request: Request) -> Response:
-        rid, body = await _request_body(request)
-        prefilled = body.get("prefilled")
-        if prefilled is None:
+        r = GenerateRequest.from_dict(await _body(request))
+        if r.prefilled is None:
             if self.s.config.role != "both":
-                raise ValueError("a decode instance only continues requests whose KV it received")
-            stream = self.s.serving.whole(rid, token_ids(body.get("prompt_token_ids")), params_from_dict(body.get("params")))
+                raise BadRequest("a decode instance only continues requests whose KV it received")
+            stream = self.s.decoder.whole(r.request_id, r.prompt_token_ids, r.params)
         else:
-            if isinstance(prefilled, dict) and isinstance(prefilled.get("sampler_state"), str):
-                prefilled = {**prefilled, "sampler_state": base64.b64decode(prefilled["sampler_state"])}
-            stream = self.s.serving.continue_decode(rid, prefilled)
+            stream = self.s.decoder.continue_decode(r.request_id, r.prefilled)
         try:
             first = await anext(stream)
         except StopAsyncIteration:
-            raise EngineError("the engine ended the request without output") from None
+            raise InstanceFailed("the engine ended the request without output") from None
         return StreamingResponse(_ndjson(first, stream), media_type="application/x-ndjson")
 
     async def abort(self, request: Request) -> Response:
-        rid, body = await _request_body(request)
+        r = AbortRequest.from_dict(await _body(request))
         if self.s.client.is_ready:
-            await self.s.client.abort(rid)  # a live request (its stream ends with "abort")
+            await self.s.client.abort(r.request_id)  # a live request (its stream ends with "abort")
         if self.s.receiver is not None:
-            await self.s.receiver.release(rid, settled=body.get("writes_done") is True)
-        return JSONResponse({"aborted": rid})
+            await self.s.receiver.release(r.request_id, settled=r.writes_done)
+        return JSONResponse(AbortReply(r.request_id).to_dict())
 
     async def push(self, request: Request) -> Response:
-        rid, body = await _request_body(request)
-        dest = KVDestination.from_dict(body.get("dest"))
-        try:
-            pushed = await self.s.replicator.push(rid, token_ids(body.get("prompt_token_ids")), dest)
-        except ValueError as e:
-            return _error(409, str(e))  # the prefix is not (all) cached here any more
-        return JSONResponse({"pushed": pushed})
+        r = PushRequest.from_dict(await _body(request))
+        pushed = await self.s.replicator.push(r.request_id, r.prompt_token_ids, KVDestination.from_dict(r.dest))
+        return JSONResponse(PushReply(pushed).to_dict())
 
     async def adopt(self, request: Request) -> Response:
-        rid, body = await _request_body(request)
-        return JSONResponse({"adopted": await self.s.replicator.adopt(rid, body.get("ok") is True)})
+        r = AdoptRequest.from_dict(await _body(request))
+        return JSONResponse(AdoptReply(await self.s.replicator.adopt(r.request_id, r.ok)).to_dict())
 
     async def stage_join(self, request: Request) -> Response:
         """A later pipeline stage started by hand: without ``peer``, its ``StageSpec``; with it,
@@ -199,20 +186,23 @@ class InstanceRoutes:
         stages are missing, and the stage asks again)."""
         rendezvous = self.s.rendezvous
         if rendezvous is None:
-            raise ValueError("this instance leads no pipeline group that stages join")
-        body = await request.json()
-        group, stage = body.get("group"), body.get("stage")
-        if not isinstance(group, str) or type(stage) is not int or body.get("stages") != rendezvous.stages:
-            raise ValueError(f"a join names its group, its stage and the group's size ({rendezvous.stages})")
+            raise BadRequest("this instance leads no pipeline group that stages join")
+        join = StageJoin.from_dict(await _body(request))
+        if join.stages != rendezvous.stages:
+            raise BadRequest(f"a join names its group, its stage and the group's size ({rendezvous.stages})")
         loop = asyncio.get_running_loop()
-        if body.get("peer") is None:
-            spec = await loop.run_in_executor(None, rendezvous.spec, group, stage, _JOIN_WAIT_S)
-            return JSONResponse({"spec": spec})
         try:
-            peer = peer_from(body["peer"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed peer: {e}") from None
-        return JSONResponse(await loop.run_in_executor(None, rendezvous.join, group, stage, peer, _JOIN_WAIT_S))
+            if join.peer is None:
+                spec = await loop.run_in_executor(None, rendezvous.spec, join.group, join.stage, _JOIN_WAIT_S)
+                return JSONResponse(StageSpecReply(spec).to_dict())
+            try:
+                peer = peer_from(join.peer)
+            except (KeyError, TypeError, ValueError) as e:
+                raise BadRequest(f"malformed peer: {e}") from None
+            links = await loop.run_in_executor(None, rendezvous.join, join.group, join.stage, peer, _JOIN_WAIT_S)
+        except TimeoutError as e:  # the group is still forming: the stage asks again
+            raise InstanceNotReady(str(e)) from None
+        return JSONResponse(links.to_dict())
 
     def routes(self) -> list[Route]:
         c = self._control
@@ -236,20 +226,20 @@ class InstanceRoutes:
 def _epoch(request: Request) -> int:
     value = request.headers.get(EPOCH_HEADER, "0")
     if not value.isdigit():
-        raise ValueError(f"{EPOCH_HEADER} must be a non-negative integer")
+        raise BadRequest(f"{EPOCH_HEADER} must be a non-negative integer")
     return int(value)
 
 
-async def _ndjson(first, stream: AsyncIterator) -> AsyncIterator[bytes]:
+async def _ndjson(first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
     # Leaving early (the Conductor disconnected) closes ``stream``, which aborts the request.
     try:
-        yield (json.dumps(output_to_dict(first)) + "\n").encode()
+        yield stream_line(first)
         if first.finished:
             return
         async for out in stream:
-            yield (json.dumps(output_to_dict(out)) + "\n").encode()
-    except (EngineError, EngineNotReady, ValueError) as e:
-        yield (json.dumps({"error": str(e)}) + "\n").encode()
+            yield stream_line(out)
+    except (EngineError, EngineNotReady, ValueError, ProtocolError) as e:
+        yield stream_line(_as_protocol_error(e))
     finally:
         await stream.aclose()
 

@@ -27,15 +27,16 @@ from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.pool_io import PoolIO
 from cluster.instance.receiver import Receiver
 from cluster.instance.replication import Replicator
-from cluster.instance.serving import Serving
+from cluster.instance.decode import Decoder
+from cluster.instance.prefill import Prefiller
 from cluster.instance.kv_stream import KVSender
-from cluster.cpp.group import StageGroup, StageRendezvous, StageSpec
+from cluster.cpp.group import StageGroup, StageRendezvous
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity
 from cluster.pool.metadata import connect_metadata
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
-from cluster.protocol import CONTROL, MESSENGER, ControlAuth, derive_key
+from cluster.protocol import CONTROL, MESSENGER, ControlAuth, StageSpec, derive_key
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
@@ -95,7 +96,8 @@ class InstanceService:
         self.recv: StagingArea | None = None
         self.receiver: Receiver | None = None
         self.replicator: Replicator | None = None
-        self.serving: Serving | None = None
+        self.prefiller: Prefiller | None = None  # an instance that sends KV
+        self.decoder: Decoder | None = None
         self.pool: PoolIO | None = None
         self.pool_service: SegmentService | None = None
         self.stages: StageGroup | None = None  # a first pipeline stage's later stages
@@ -182,8 +184,10 @@ class InstanceService:
                 # What the Conductor needs to name a prompt's pool objects itself.
                 facts["pool"] = {"namespace": self.pool.geometry.namespace,
                                  "blocks_per_object": self.pool.geometry.blocks_per_object}
-            self.serving = Serving(self.client, sender, self.receiver, cfg.transfer_timeout_s, self.pool,
-                                   self.stages.link if self.stages is not None else None)
+            if sender is not None:
+                self.prefiller = Prefiller(self.client, sender, cfg.transfer_timeout_s, self.pool,
+                                           self.stages.link if self.stages is not None else None)
+            self.decoder = Decoder(self.client, self.receiver, self.pool)
             started = time.perf_counter()
             self.profile = await self.client.call(lambda e: profile(e, cfg.calibration_seed))
             log.info("calibrated in %.1f s: %s", time.perf_counter() - started, self.profile)
