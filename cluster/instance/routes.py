@@ -41,8 +41,7 @@ from cluster.protocol import CONTROL, EPOCH_HEADER, ControlVerifier, derive_key,
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
     InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
-    RenewReply, RenewRequest, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, Unauthorized,
-    UnknownReservation, stream_line)
+    RenewReply, RenewRequest, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, Unauthorized, stream_line)
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
 from engine.outputs import RequestOutput
@@ -66,8 +65,6 @@ def _as_protocol_error(e: Exception) -> ProtocolError:
         return InstanceBusy(str(e), e.retry_after)
     if isinstance(e, KVCapacityError):
         return NoKVRoom(f"no room for the KV: {e}")
-    if isinstance(e, LookupError):
-        return UnknownReservation(str(e))
     if isinstance(e, ValueError):  # the engine's checks of a request (JSON errors are ValueErrors)
         return BadRequest(str(e))
     if isinstance(e, TransferError):
