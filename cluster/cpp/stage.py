@@ -32,6 +32,7 @@ from cluster.instance.kv_stream import KVDestination, KVSender
 from cluster.cpp.pool_share import StagePool
 from cluster.messenger import RegionHandle, Messenger, TransferError
 from cluster.messenger.wire import Status
+from cluster.protocol import STAGE_PING
 from engine.config import parse_dtype
 from engine.llm_engine import PromptChunk, sinks_on_layer
 from engine.model_runner import ModelRunner, StageStep
@@ -113,7 +114,7 @@ class StageLink:
         self._lock = threading.Lock()
         self._failed: str | None = None
         transfer.serve(self._on_logits, ("stage_logits",))
-        transfer.serve(_pong, ("stage_ping",))  # the later stages' liveness checks
+        transfer.serve(_pong, (STAGE_PING,))  # the later stages' liveness checks
 
     @property
     def peer(self) -> StagePeer:
@@ -251,7 +252,7 @@ class StageWorker:
         transfer.serve(self._on_kv, ("stage_expect", "stage_finish"))
         transfer.serve(self._on_pool, ("stage_pool_load", "stage_pool_unload", "stage_pool_store",
                                        "stage_pool_store_end"))
-        transfer.serve(_pong, ("stage_ping",))  # the first stage's liveness checks
+        transfer.serve(_pong, (STAGE_PING,))  # the first stage's liveness checks
         self._thread = threading.Thread(target=self._loop, name="stage worker", daemon=True)
         self._thread.start()
 
