@@ -29,7 +29,8 @@ import torch
 
 import kernels
 from engine.kv_layout import pack
-from engine.llm_engine import KVSink, LLMEngine
+from engine.hooks import KVSink
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import KVLoad, PendingKVLoad, Sequence, SequenceStatus
 from paged_kv.prefix_keys import chain_keys

@@ -2,16 +2,15 @@
 
 ``step()`` is three calls (as in nano-vllm): the scheduler picks this step's chunks, the model
 runner computes logits for them, and postprocessing samples, detokenizes, checks stop
-conditions and frees finished sequences.
+conditions and frees finished sequences. What the cluster hooks into a step (KV sinks, KV loads,
+a pipeline stage's hand-on) is built in one place beside it: ``engine/hooks.py``.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
@@ -19,76 +18,18 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_layout import unpack_layer
+from engine.hooks import KVSink, StepHooks
 from engine.model_runner import ModelRunner
-from engine.prompt import check_fits, prompt_token_ids
 from engine.outputs import Logprobs, RequestOutput
+from engine.prompt import check_fits, prompt_token_ids
 from engine.sampler import Sampler, score_tokens
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
 from paged_kv import BlockManager
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PromptChunk:
-    """Prompt tokens ``[start, end)`` of request ``request_id`` computed in this step (``start``
-    past its cached prefix on the first chunk), with the blocks the prompt holds now. Plain data:
-    a pipeline's first stage hands its steps' chunks on to the stages after it. ``last``: the
-    chunk that completes the prompt."""
-
-    request_id: str
-    block_ids: list[int]
-    start: int
-    end: int
-    num_prompt_tokens: int
-
-    @property
-    def last(self) -> bool:
-        return self.end == self.num_prompt_tokens
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> PromptChunk:
-        return cls(str(data["request_id"]), [int(b) for b in data["block_ids"]], int(data["start"]),
-                   int(data["end"]), int(data["num_prompt_tokens"]))
-
-
-class KVSink(Protocol):
-    """Where a prefill instance's engine sends the KV of the prompts it computes: the stream to a
-    decode instance (cluster/instance/kv_stream.py), the KVCache pool (cluster/instance/pool_io.py).
-
-    ``layer_done`` runs on the engine thread after each layer of every step in which prompts the
-    sink ``wants`` compute a chunk (``chunks``: the step's chunks of those prompts, before any
-    output token; a prompt preempted meanwhile starts over from its cached prefix); once it
-    returns for layer ``l``, layer ``l`` of every block up to ``chunk.end`` is final. It must not block on the
-    transfer (the next layer is waiting).
-    """
-
-    def wants(self, request_id: str) -> bool: ...
-
-    def layer_done(self, layer: int, kv_cache: torch.Tensor, chunks: list[PromptChunk]) -> None: ...
-
-
-def sinks_on_layer(sinks: list[KVSink], kv_cache: torch.Tensor,
-                   chunks: list[PromptChunk]) -> Callable[[int], None] | None:
-    """A step's ``on_layer``: each sink's ``layer_done`` with the chunks it wants; None when no
-    sink wants any (an engine's step, and a later pipeline stage's)."""
-    wanted = [(sink, [c for c in chunks if sink.wants(c.request_id)]) for sink in sinks]
-    wanted = [(sink, mine) for sink, mine in wanted if mine]
-    if not wanted:
-        return None
-
-    def send_layer(layer: int) -> None:
-        for sink, mine in wanted:
-            sink.layer_done(layer, kv_cache, mine)
-
-    return send_layer
 
 
 @dataclass
@@ -187,37 +128,22 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        on_layer = None
-        chunks: list[PromptChunk] = []
-        if self.kv_sinks or self.runner.downstream is not None:
-            # Prompts computing a chunk now: its KV is final layer by layer as the step runs.
-            chunks = [PromptChunk(s.seq.request_id, list(s.seq.block_table.block_ids), s.seq.num_computed_tokens,
-                                  s.seq.num_computed_tokens + s.num_new_tokens, s.seq.num_prompt_tokens)
-                      for s in batch if s.seq.num_output_tokens == 0]
-            on_layer = sinks_on_layer(self.kv_sinks, self.runner.kv_cache, chunks)
-        loading = [s.seq for s in batch if s.seq.kv_load is not None]
-        failed: set[Sequence] = set()
-        before_layer = self._loader(loading, failed) if loading else None
+        hooks = StepHooks(batch, self.kv_sinks, self.runner.kv_cache, self.runner.downstream is not None)
+        logits, sampling, scores = self.runner.run(batch, hooks.on_layer, hooks.before_layer, hooks.handed_on)
+        return self._postprocess_step(batch, hooks, logits, sampling, scores)
 
-        handed_on = None
-        if self.runner.downstream is not None:
-            # A first pipeline stage hands on its chunks (for the later stages' KV sinks) and its
-            # loads (each later stage loaded its layers of them beforehand: ``PoolIO``).
-            handed_on = ([c.to_dict() for c in chunks],
-                         [{"request_id": seq.request_id, "block_ids": seq.kv_load.block_ids, "skip": seq.kv_load.skip}
-                          for seq in loading])
-        logits, sampling, scores = self.runner.run(batch, on_layer, before_layer, handed_on)
-        outputs = []
-        for seq in loading:
-            if seq in failed:
-                outputs.append(self._end(seq, "kv_load_failed"))
-            else:
-                seq.kv_load.source.close(used=True)
-                seq.kv_load = None
+    def _postprocess_step(self, batch: list[ScheduledSeq], hooks: StepHooks, logits: torch.Tensor,
+                          sampling: list[ScheduledSeq], scores: list[tuple[Sequence, range, torch.Tensor]]
+                          ) -> list[RequestOutput]:
+        """Advance every sequence of the step by what it computed, score the prompts that asked,
+        then sample and postprocess each sampling row. A sequence whose KV load failed is ended
+        (``kv_load_failed``) instead: its KV past the failed layer is garbage, never published."""
+        failed = hooks.settle_loads()
+        outputs = [self._end(seq, "kv_load_failed") for seq in failed]
         for s in batch:
             seq = s.seq
             if seq in failed:
-                continue  # its KV past the failed layer is garbage: never published
+                continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(
                     s.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens
@@ -236,25 +162,6 @@ class LLMEngine:
             for s, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._postprocess(s.seq, token, lp))
         return outputs
-
-    def _loader(self, loading: list[Sequence], failed: set[Sequence]) -> Callable[[int], None]:
-        """``before_layer`` of a step with KV loads: layer ``i`` of each load goes into its
-        blocks just before layer ``i`` computes. A load that fails stops there; its sequence's
-        step output is discarded (see ``step``)."""
-        kv_cache = self.runner.kv_cache
-
-        def load_layer(i: int) -> None:
-            for seq in loading:
-                if seq in failed:
-                    continue
-                pending = seq.kv_load
-                objects = pending.source.layer(i)
-                if objects is None:
-                    failed.add(seq)
-                    continue
-                unpack_layer(kv_cache, i, objects, pending.block_ids, pending.skip)
-
-        return load_layer
 
     def _end(self, seq: Sequence, reason: str) -> RequestOutput:
         """Finish ``seq`` with no new token (its step did not produce one)."""

@@ -25,7 +25,7 @@ import torch
 from cluster.messenger.staging import StagingArea, StagingRange
 from cluster.messenger import Batch, RegionHandle, Messenger, TransferError
 from engine.kv_layout import KVLayout, pack
-from engine.llm_engine import PromptChunk
+from engine.hooks import PromptChunk
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class _Outgoing:
 
 
 class KVSender:
-    """The prefill side (an ``engine.llm_engine.KVSink``): requests announced with ``expect``
+    """The prefill side (an ``engine.hooks.KVSink``): requests announced with ``expect``
     are streamed layer by layer; ``finish`` waits for the last write and frees the staging."""
 
     def __init__(self, transfer: Messenger, staging: StagingArea, layout: KVLayout,

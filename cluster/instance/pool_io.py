@@ -50,7 +50,8 @@ from cluster.messenger.staging import StagingArea, StagingFull, StagingRange, wh
 from cluster.messenger import TransferError
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
-from engine.llm_engine import LLMEngine, PromptChunk
+from engine.hooks import PromptChunk
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Before a prompt runs, its writer reserves the pool objects the prompt will complete
 (``PoolClient.reserve``, or ``write_reserved`` under another client's reservation) and ``add``s
 them with a range of its pool staging. ``LayerwiseStores`` is then one of the engine's KV sinks
-(``engine.llm_engine.KVSink``): after each layer of the step that computes the prompt's last
+(``engine.hooks.KVSink``): after each layer of the step that computes the prompt's last
 chunk, that layer of every object is packed into the staging and its write started
 (``PoolWrite.write(part)``). Once the prompt is done, ``pop`` hands the store back to be sealed
 or aborted. A pipeline stage holds only some layers (``layers``): its staging holds those parts
@@ -21,7 +21,7 @@ from cluster.pool.client import PoolWrite
 from cluster.pool.objects import PoolGeometry, part_checksums
 from cluster.messenger.staging import StagingArea, StagingRange
 from engine.kv_layout import pack
-from engine.llm_engine import PromptChunk
+from engine.hooks import PromptChunk
 
 
 @dataclass
