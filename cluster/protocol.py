@@ -339,6 +339,11 @@ def read_stream_line(line: str) -> RequestOutput:
 
 # -- Conductor -> instance: requests and their answers ------------------------------------------------
 
+def _prompt(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    """The fields every request about a prompt starts with."""
+    return {"request_id": request_id, "prompt_token_ids": prompt_token_ids, "params": dataclasses.asdict(params)}
+
+
 @dataclass(frozen=True)
 class ReserveRequest:
     """``POST /instance/reserve``: hold blocks and receive staging for a prompt's KV (a lease)."""
@@ -348,8 +353,7 @@ class ReserveRequest:
     params: SamplingParams
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
-                "params": dataclasses.asdict(self.params)}
+        return _prompt(self.request_id, self.prompt_token_ids, self.params)
 
     @classmethod
     def from_dict(cls, data: Any) -> ReserveRequest:
@@ -444,7 +448,7 @@ class PrefillRequest:
     dest: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**ReserveRequest(self.request_id, self.prompt_token_ids, self.params).to_dict(), "dest": self.dest}
+        return {**_prompt(self.request_id, self.prompt_token_ids, self.params), "dest": self.dest}
 
     @classmethod
     def from_dict(cls, data: Any) -> PrefillRequest:
@@ -500,7 +504,7 @@ class GenerateRequest:
     prefilled: Prefilled | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = ReserveRequest(self.request_id, self.prompt_token_ids, self.params).to_dict()
+        d = _prompt(self.request_id, self.prompt_token_ids, self.params)
         if self.prefilled is not None:
             d["prefilled"] = self.prefilled.to_dict()
         return d
