@@ -28,11 +28,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
-from engine.default_model import DEFAULT_MODEL_NAME
+from engine.default_model import default_model_name
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -42,14 +41,6 @@ from engine.engine_client import EngineClient, EngineError, EngineNotReady, Engi
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def default_model_name(model: str | None) -> str:
-    """The name served in ``/v1/models`` for a ``--model`` argument."""
-    if model is None:
-        return DEFAULT_MODEL_NAME
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name or str(model)
 
 
 class _Request:

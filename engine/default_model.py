@@ -95,3 +95,11 @@ def resolve_model(model: str | None) -> Path:
     if path.is_dir():
         return path
     raise FileNotFoundError(f"model not found: {model!r} is neither 'default', a .gguf file, nor a directory")
+
+
+def default_model_name(model: str | None) -> str:
+    """The name served in ``/v1/models`` for a ``--model`` argument."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or str(model)

@@ -42,7 +42,7 @@ from cluster.pool.client import CLIENT_COUNTERS, PoolClient
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.objects import object_keys
 from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
-from engine.async_engine import default_model_name
+from engine.default_model import default_model_name
 from engine.config import ModelConfig
 from engine.default_model import resolve_model
 from engine.engine_client import EngineClient, EngineNotReady
