@@ -93,3 +93,104 @@ def test_checker_flags_planted_upward_imports(tmp_path: Path) -> None:
         ("engine/sub/deep.py", 10, "tests.prompts"),
         ("engine/sub/deep.py", 10, "cluster"),
     ]
+
+
+# -- inside cluster/: one package per paper box, with the edges architecture.md asks for ---------
+# For each package of cluster/ (and protocol.py), the first-party modules it may import besides
+# itself, as dotted prefixes. Anything of this project not listed is refused.
+_LIGHT_ENGINE = ("engine.outputs", "engine.sampling_params", "engine.engine_client", "engine.prompt",
+                 "engine.tokenizer", "engine.config", "engine.default_model", "engine.kv_layout")
+CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
+    # pure code on plain snapshots, shared with the simulator
+    "cluster.policies": (),
+    # bytes between registered regions: no model, no blocks, no HTTP
+    "cluster.messenger": (),
+    # the wire: plain data of the engine only
+    "cluster.protocol": ("engine.outputs", "engine.sampling_params"),
+    # the pool stores objects over the messenger; of the engine only the wire layout and the sink seam
+    "cluster.pool": ("cluster.messenger", "cluster.protocol", "engine.kv_layout", "engine.hooks",
+                     "paged_kv.prefix_keys"),
+    # the front door: policies, the pool's lookups, the wire; no model code, no instance internals
+    "cluster.conductor": ("cluster.policies", "cluster.pool", "cluster.protocol", "paged_kv.prefix_keys",
+                          *_LIGHT_ENGINE),
+    # a prefill instance's stages: the KV stream is the prefill half's, the rest is below
+    "cluster.cpp": ("cluster.instance.kv_stream", "cluster.messenger", "cluster.pool", "cluster.protocol",
+                    "engine"),
+    # one engine process: everything below the Conductor
+    "cluster.instance": ("cluster.cpp", "cluster.messenger", "cluster.pool", "cluster.policies",
+                         "cluster.protocol", "engine", "paged_kv"),
+}
+# Modules that do I/O or threads: policies must stay pure; the messenger speaks no HTTP.
+FORBIDDEN_THIRD_PARTY: Mapping[str, tuple[str, ...]] = {
+    "cluster.policies": ("asyncio", "socket", "threading", "subprocess", "httpx", "starlette", "uvicorn",
+                         "etcd3gw", "torch", "urllib", "os"),
+    "cluster.messenger": ("httpx", "starlette", "uvicorn"),
+}
+
+
+def _cluster_unit(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts
+    return ".".join(parts[:2]) if parts[1] != "protocol" else "cluster.protocol"
+
+
+def _matches(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def cluster_violations(root: Path = ROOT) -> list[str]:
+    found = []
+    for path in sorted((root / "cluster").rglob("*.py")):
+        if path.parent == root / "cluster" and path.name not in ("__init__.py", "protocol.py"):
+            found.append(f"{path.relative_to(root)}: only __init__.py and protocol.py sit loose in cluster/")
+            continue
+        if path.name == "__init__.py" and path.parent == root / "cluster":
+            continue
+        unit = _cluster_unit(path)
+        allowed = CLUSTER_ALLOWED.get(unit)
+        if allowed is None:
+            found.append(f"{path.relative_to(root)}: {unit} is not a package of cluster/ that the rules know")
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for module in _imported_modules(node):
+                top = module.partition(".")[0]
+                if top in FIRST_PARTY:
+                    if not _matches(module, (unit,)) and not _matches(module, allowed):
+                        found.append(f"{path.relative_to(root)}:{node.lineno} imports {module}")
+                elif _matches(module, FORBIDDEN_THIRD_PARTY.get(unit, ())):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} imports {module} (I/O)")
+    return found
+
+
+def test_cluster_packages_keep_their_edges() -> None:
+    for unit in CLUSTER_ALLOWED:
+        target = ROOT / unit.replace(".", "/")
+        assert (target / "__init__.py").is_file() or target.with_suffix(".py").is_file(), unit
+    found = cluster_violations()
+    assert not found, "cluster/ layering:\n" + "\n".join(found)
+
+
+def test_conductor_process_loads_no_model_code() -> None:
+    """The front door tokenizes and routes; it must not pay for triton, the kernels or the model."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cluster.conductor.conductor, cluster.conductor.supervisor, server.app;"
+            "print(' '.join(sorted(m for m in sys.modules if m in ('triton', 'kernels', 'engine.model',"
+            " 'engine.model_runner', 'engine.llm_engine') or m.startswith(('kernels.', 'triton.')))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == []
+
+
+def test_cluster_checker_flags_planted_edges(tmp_path: Path) -> None:
+    (tmp_path / "cluster" / "policies").mkdir(parents=True)
+    (tmp_path / "cluster" / "__init__.py").write_text("")
+    (tmp_path / "cluster" / "loose.py").write_text("")
+    (tmp_path / "cluster" / "policies" / "bad.py").write_text(
+        "import httpx\nfrom cluster.instance.service import InstanceService\nfrom cluster.policies import snapshot\n")
+    assert cluster_violations(tmp_path) == [
+        "cluster/loose.py: only __init__.py and protocol.py sit loose in cluster/",
+        "cluster/policies/bad.py:1 imports httpx (I/O)",
+        "cluster/policies/bad.py:2 imports cluster.instance.service",
+    ]
