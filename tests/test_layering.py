@@ -128,8 +128,8 @@ FORBIDDEN_THIRD_PARTY: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def _cluster_unit(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def _cluster_unit(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = rel.parts
     return ".".join(parts[:2]) if parts[1] != "protocol" else "cluster.protocol"
 
@@ -146,7 +146,7 @@ def cluster_violations(root: Path = ROOT) -> list[str]:
             continue
         if path.name == "__init__.py" and path.parent == root / "cluster":
             continue
-        unit = _cluster_unit(path)
+        unit = _cluster_unit(root, path)
         allowed = CLUSTER_ALLOWED.get(unit)
         if allowed is None:
             found.append(f"{path.relative_to(root)}: {unit} is not a package of cluster/ that the rules know")
