@@ -34,7 +34,7 @@ from cluster.messenger import RegionHandle, Messenger, TransferError
 from cluster.messenger.wire import Status
 from cluster.protocol import STAGE_PING
 from engine.config import parse_dtype
-from engine.llm_engine import PromptChunk, sinks_on_layer
+from engine.hooks import PromptChunk, sinks_on_layer
 from engine.model_runner import ModelRunner, StageStep
 
 log = logging.getLogger(__name__)
