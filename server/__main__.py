@@ -25,6 +25,7 @@ import logging
 import os
 import stat
 import sys
+import time
 
 from engine.quantization import QUANTIZATIONS
 from server.app import DEFAULT_MAX_BODY_BYTES
@@ -167,6 +168,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "abandoned request is reused only after this long")
     c.add_argument("--staging-gib", type=_positive_float, default=0.5,
                    help="(instance) size of each KV staging area (send, receive)")
+    c.add_argument("--recalibrate", action="store_true",
+                   help="measure the cost models again instead of loading the profile cached for the same "
+                        "model, precision, threads, step budget, role and machine (every started instance too)")
+    c.add_argument("--recalibrate-after", type=float, default=None, metavar="UNIX_TIME",
+                   help="(instance) measure again unless the cached profile is newer than this; the Conductor "
+                        "passes its start time with --recalibrate, so a restarted instance loads what its first "
+                        "run measured")
     c.add_argument("--scheduler", choices=["random", "load", "local", "global"], default="global",
                    help="(Conductor) prefill scheduling: global = Algorithm 1 with hot-prefix replication")
     c.add_argument("--kvcache-balancing-threshold", type=float, default=2.0,
@@ -267,6 +275,8 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
            "--cpp-stages", str(args.cpp_stages), "--cpp-min-tokens", str(args.cpp_min_tokens)]
     if args.cpp_chunk_tokens is not None:
         out += ["--cpp-chunk-tokens", str(args.cpp_chunk_tokens)]
+    if args.recalibrate:
+        out += ["--recalibrate-after", repr(time.time())]
     if args.no_pool:
         out += ["--no-pool"]
     else:
@@ -355,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
                 transfer_timeout_s=args.transfer_timeout_s, reservation_lease_s=args.reservation_lease_s,
                 max_waiting=args.max_waiting, pool=_pool_config(args, url),
                 stage_group=args.group if args.stage is not None else None,
+                recalibrate_after=time.time() if args.recalibrate else args.recalibrate_after,
             )
         except ValueError as e:
             sys.exit(f"error: {e}")

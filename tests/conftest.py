@@ -7,11 +7,17 @@ without an ``etcd`` binary its tests are skipped, unless ``CI=true``, where they
 Without CUDA, Triton kernels can only run in Triton's interpreter, which is chosen when a kernel
 is decorated: set it before any test module imports :mod:`kernels`. It does not change the torch
 twins the engine runs on CPU.
+
+Instances cache their calibration (``cluster/instance/calibration.py``); tests, and the instance
+processes they start (which inherit the environment), keep theirs in a directory of the session's
+own, never in the user's cache.
 """
 
+import atexit
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -23,6 +29,10 @@ from cluster.conductor.supervisor import free_port
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_CALIBRATION_CACHE = tempfile.mkdtemp(prefix="mooncake-calibration-")
+os.environ["MOONCAKE_CALIBRATION_CACHE"] = _CALIBRATION_CACHE
+atexit.register(shutil.rmtree, _CALIBRATION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from cluster.instance.calibration import profile
+from cluster.instance.calibration import cached_profile
 from cluster.policies.cost_model import InstanceProfile
 from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.pool_io import PoolIO
@@ -59,6 +59,8 @@ class InstanceConfig:
     transfer_timeout_s: float = 30.0
     max_waiting: int = 64  # requests waiting for their first token; beyond it: 429
     calibration_seed: int = 0
+    # A Unix time: a calibration cached before it is measured again (``--recalibrate``).
+    recalibrate_after: float | None = None
     pool: PoolConfig = PoolConfig()  # the KVCache pool this instance joins (off without metadata)
     # A first pipeline stage whose later stages are started by hand and join it under this name
     # (``cluster.cpp.group``); None: it starts them itself.
@@ -188,9 +190,8 @@ class InstanceService:
                 self.prefiller = Prefiller(self.client, sender, cfg.transfer_timeout_s, self.pool,
                                            self.stages.link if self.stages is not None else None)
             self.decoder = Decoder(self.client, self.receiver, self.pool)
-            started = time.perf_counter()
-            self.profile = await self.client.call(lambda e: profile(e, cfg.calibration_seed))
-            log.info("calibrated in %.1f s: %s", time.perf_counter() - started, self.profile)
+            self.profile = await self.client.call(
+                lambda e: cached_profile(e, cfg.calibration_seed, cfg.recalibrate_after))
             self._facts = {**facts, "layout": layout.to_dict(), "profile": self.profile.to_dict(),
                            "transfer_address": transfer.address}
             self._publish_cache(loop, handoff)
