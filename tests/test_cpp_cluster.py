@@ -159,7 +159,7 @@ def test_a_second_turn_loads_the_first_turns_output_on_every_stage(group, cluste
 
 
 def test_kill_9_of_the_later_stage_and_the_group_comes_back(group, cluster, colocated):
-    stages = subprocess.run(["pgrep", "-f", "-n", "cluster.cpp.stage"], capture_output=True, text=True).stdout.split()
+    stages = subprocess.run(["pgrep", "-f", "-n", "cluster.cpp.group"], capture_output=True, text=True).stdout.split()
     assert stages, "no stage process"
     fresh = "Count down: " + ", ".join(str(i) for i in range(400, 150, -1)) + ","  # seconds of prefill
     with ThreadPoolExecutor(1) as pool:
