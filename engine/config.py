@@ -133,7 +133,7 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads; None: all cores
     seed: int = 0
     # "both": prefill and decode here (colocated). "prefill": a request ends here after its first
-    # token, handed off to a decode instance with its KV (see cluster/instance.py).
+    # token, handed off to a decode instance with its KV (see cluster/instance/prefill.py).
     role: str = "both"
     # Chunked pipeline parallel prefill: (i, X) holds stage i of X, a contiguous range of the
     # layers (``engine.model.stage_layers``). None: the whole model.

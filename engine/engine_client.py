@@ -1,7 +1,7 @@
 """The interface the HTTP front end talks to: an asynchronous engine client.
 
 The OpenAI server (``server/app.py``) only ever sees this interface. ``AsyncLLMEngine``
-(``engine/async_engine.py``) implements it over one local ``LLMEngine``; ``cluster/conductor.py``
+(``engine/async_engine.py``) implements it over one local ``LLMEngine``; ``cluster/conductor/conductor.py``
 implements it over prefill and decode instances. Nothing here knows about HTTP: errors are
 plain exceptions that the front end maps to status codes.
 
