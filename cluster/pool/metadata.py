@@ -19,7 +19,7 @@ Every store is synchronous and safe to share between threads. Four implementatio
 * ``MetadataServer`` / ``HttpMetadata``: a ``LocalMetadata`` served over HTTP by the Conductor and
   its client, the zero-configuration backend (Mooncake's master with
   ``--enable_http_metadata_server``). Every request is signed with a key derived from the
-  cluster secret for this purpose alone (``control_auth``); anything else gets 401.
+  cluster secret for this purpose alone (``cluster.protocol``); anything else gets 401.
 * ``EtcdMetadata``: a real etcd (>= 3.4) through its HTTP gateway, for clusters that have one.
 """
 
