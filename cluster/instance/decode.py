@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
-from cluster.instance.pool_io import PoolIO
-from cluster.instance.prefill import prepare_load, starter
+from cluster.instance.pool_io import PoolIO, prepare_load, starter
 from cluster.instance.receiver import Receiver
 from cluster.protocol import Prefilled
 from engine.async_engine import AsyncLLMEngine

@@ -37,6 +37,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ import torch
 
 from cluster.pool.client import NewObject, PoolClient, PoolRead, PoolWrite
 from cluster.pool.layerwise import LayerwiseStore, LayerwiseStores
+from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.objects import PoolGeometry, part_checksums
 from cluster.cpp.stage import StageLink
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange, when_free
@@ -369,3 +371,24 @@ class PoolLoad:
                 return
             self._closed = True
         self._on_close(used)
+
+
+async def prepare_load(pool: PoolIO | None, request_id: str, token_ids: list[int],
+                       params: SamplingParams) -> PoolLoad | None:
+    """The pool's part of the prompt's prefix to load before computing it, or None."""
+    if pool is None or params.prompt_logprobs is not None:
+        return None  # a prompt scored token by token computes every position
+    try:
+        return await pool.prepare_load(request_id, token_ids)
+    except (TimeoutError, TransferError, MetadataUnavailable) as exc:
+        # The pool is a cache: without it the engine computes the whole prompt.
+        log.warning("pool: prefix load failed, computing the prompt: %s", exc)
+        return None
+
+
+def starter(pool: PoolIO | None, request_id: str, token_ids: list[int], params: SamplingParams,
+            load: PoolLoad | None) -> Callable[[LLMEngine], Any]:
+    """What the engine thread runs to start the request: plainly, or after ``load``."""
+    if load is None:
+        return lambda e: e.add_request(token_ids, params, request_id=request_id)
+    return pool.start(request_id, token_ids, params, load)

@@ -7,7 +7,7 @@ computed, and the prefill-role engine ends the request at its first token (``han
 Answered once every layer's write to the decode instance has completed.
 
 With a KVCache pool (``PoolIO``), a prompt first loads whatever prefix the pool has beyond the
-local cache (``prepare_load``, ``starter``: shared with the colocated path in ``decode.py``),
+local cache (``pool_io.prepare_load``, ``pool_io.starter``, as the colocated path in ``decode.py``),
 and what was computed goes back to the pool layer by layer as it is prefilled.
 """
 
@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
 
-from cluster.instance.pool_io import PoolIO, PoolLoad
-from cluster.pool.metadata import MetadataUnavailable
+from cluster.instance.pool_io import PoolIO, PoolLoad, prepare_load, starter
 from cluster.instance.kv_stream import KVDestination, KVSender
 from cluster.cpp.stage import StageLink
 from cluster.messenger.staging import when_free
@@ -27,32 +24,10 @@ from cluster.messenger import TransferError
 from cluster.protocol import BadRequest
 from engine.async_engine import AsyncLLMEngine
 from engine.engine_client import EngineError
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-async def prepare_load(pool: PoolIO | None, request_id: str, token_ids: list[int],
-                       params: SamplingParams) -> PoolLoad | None:
-    """The pool's part of the prompt's prefix to load before computing it, or None."""
-    if pool is None or params.prompt_logprobs is not None:
-        return None  # a prompt scored token by token computes every position
-    try:
-        return await pool.prepare_load(request_id, token_ids)
-    except (TimeoutError, TransferError, MetadataUnavailable) as exc:
-        # The pool is a cache: without it the engine computes the whole prompt.
-        log.warning("pool: prefix load failed, computing the prompt: %s", exc)
-        return None
-
-
-def starter(pool: PoolIO | None, request_id: str, token_ids: list[int], params: SamplingParams,
-            load: PoolLoad | None) -> Callable[[LLMEngine], Any]:
-    """What the engine thread runs to start the request: plainly, or after ``load``."""
-    if load is None:
-        return lambda e: e.add_request(token_ids, params, request_id=request_id)
-    return pool.start(request_id, token_ids, params, load)
 
 
 class Prefiller:
