@@ -249,6 +249,13 @@ def _dict(data: Any, name: str, optional: bool = False) -> dict[str, Any] | None
     return value
 
 
+def _strings(data: Any, name: str) -> list[str]:
+    value = _field(data, name)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"{name} must be a list of strings")
+    return value
+
+
 def _flag(data: Any, name: str) -> bool:
     value = _field(data, name)
     if value is None:
@@ -389,10 +396,7 @@ class RenewRequest:
 
     @classmethod
     def from_dict(cls, data: Any) -> RenewRequest:
-        rids = _field(data, "request_ids")
-        if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
-            raise BadRequest("request_ids must be a list of strings")
-        return cls(rids)
+        return cls(_strings(data, "request_ids"))
 
 
 @dataclass(frozen=True)
@@ -406,7 +410,7 @@ class RenewReply:
 
     @classmethod
     def from_dict(cls, data: Any) -> RenewReply:
-        return cls(RenewRequest.from_dict({"request_ids": _field(data, "gone")}).request_ids)
+        return cls(_strings(data, "gone"))
 
 
 @dataclass(frozen=True)
