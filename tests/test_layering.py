@@ -129,9 +129,8 @@ FORBIDDEN_THIRD_PARTY: Mapping[str, tuple[str, ...]] = {
 
 
 def _cluster_unit(root: Path, path: Path) -> str:
-    rel = path.relative_to(root).with_suffix("")
-    parts = rel.parts
-    return ".".join(parts[:2]) if parts[1] != "protocol" else "cluster.protocol"
+    """``cluster.PACKAGE`` for a file of that package; ``cluster.protocol`` for protocol.py."""
+    return ".".join(path.relative_to(root).with_suffix("").parts[:2])
 
 
 def _matches(module: str, prefixes: tuple[str, ...]) -> bool:
