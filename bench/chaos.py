@@ -57,7 +57,6 @@ import os
 import secrets
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -69,7 +68,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.disagg import ServerProcess, free_port, stop_server, wait_for_health
+from bench.harness import INSTANCE_HELD, ServerProcess, launch_server, sse_events
 from bench.serving import arrival_times
 
 SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
@@ -87,9 +86,6 @@ PROMPTS: tuple[tuple[str, str], ...] = (
     (CHAT, "What is the boiling point of water?"),
 )
 
-# What the instances report holding; all must drain to 0 once the cluster is quiet.
-INSTANCE_HELD = ("num_used_blocks", "num_reservations", "num_running", "num_waiting",
-                 "staging_send_ranges", "staging_recv_ranges")
 # The Conductor's own books about each instance.
 CONDUCTOR_HELD = ("prefilling", "running", "incoming", "reserved")
 
@@ -183,27 +179,17 @@ def choice_text(chunk: dict[str, Any], path: str) -> str | None:
 
 
 def parse_sse(lines: list[str], path: str) -> tuple[str, str, str]:
-    """(result, text, error) of an SSE body's ``data:`` lines: completed only with ``[DONE]`` and no
-    error event."""
-    text, done = [], False
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            done = True
-            break
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return UNCLEAR, "".join(text), f"unparseable event: {data[:200]}"
-        if "error" in chunk:
-            return STREAM_ERROR, "".join(text), str(chunk["error"])[:300]
-        if (t := choice_text(chunk, path)) is not None:
-            text.append(t)
-    if not done:
-        return UNCLEAR, "".join(text), "stream ended without [DONE]"
-    return COMPLETED, "".join(text), ""
+    """(result, text, error) of an SSE body: completed only with ``[DONE]`` and no error event."""
+    try:
+        stream = sse_events(lines)
+    except ValueError as e:
+        return UNCLEAR, "", f"broken stream: {str(e)[:200]}"
+    text = "".join(t for chunk in stream.events if (t := choice_text(chunk, path)) is not None)
+    if stream.error is not None:
+        return STREAM_ERROR, text, str(stream.error)[:300]
+    if not stream.done:
+        return UNCLEAR, text, "stream ended without [DONE]"
+    return COMPLETED, text, ""
 
 
 async def _exchange(client: httpx.AsyncClient, base_url: str, out: Outcome, max_tokens: int) -> None:
@@ -537,20 +523,14 @@ class Cluster:
 
 
 def start_cluster(cfg: ChaosConfig) -> Cluster:
-    port = free_port()
     # float32, the reference precision: there a greedy answer does not depend on how requests
     # were batched, which the expected texts rely on (the CPU default, int4 weights,
     # rounds differently at different batch sizes). --server-arg can still choose another.
-    cmd = [cfg.python, "-m", "server", "--host", HOST, "--port", str(port), "--dtype", "float32", *cfg.server_args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if not env.get(SECRET_ENV):
-        env[SECRET_ENV] = secrets.token_hex(16)
-    cfg.log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(cfg.log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
-    return Cluster(ServerProcess("chaos", cmd, proc, cfg.log_path, f"http://{HOST}:{port}"), port)
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(16)}
+    server = launch_server(["--dtype", "float32", *cfg.server_args], cfg.log_path, name="chaos",
+                           python=cfg.python, host=HOST, env=env)
+    return Cluster(server, int(server.base_url.rsplit(":", 1)[1]))
 
 
 def stop_cluster(cluster: Cluster, timeout_s: float = 30.0) -> None:
@@ -560,7 +540,7 @@ def stop_cluster(cluster: Cluster, timeout_s: float = 30.0) -> None:
     for pid in cluster.seen_pids:
         if cluster.owns(pid):
             _signal(pid, signal.SIGCONT)
-    stop_server(cluster.server, timeout_s)
+    cluster.server.stop(timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(cluster.owns(p) for p in cluster.seen_pids):
         time.sleep(0.2)
@@ -1089,7 +1069,7 @@ def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:
     cluster = start_cluster(cfg)
     _progress(f"starting: {shlex.join(cluster.server.cmd)} (log: {cfg.log_path})")
     try:
-        report = {"startup_s": round(wait_for_health(cluster.server, cfg.health_timeout_s), 1)}
+        report = {"startup_s": round(cluster.server.wait_healthy(cfg.health_timeout_s), 1)}
         _progress(f"healthy after {report['startup_s']} s")
         report.update(asyncio.run(run_scenarios(cfg, cluster, fuzz_cases)))
     finally:

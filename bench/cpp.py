@@ -24,13 +24,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 
-from bench.disagg import free_port, start_server, stop_server, wait_for_health
+from bench.harness import launch_server
 from bench.pool import first_token_s, random_tokens
 from bench.transfer import format_table
 from engine.default_model import resolve_model
@@ -58,14 +57,13 @@ def stretched_model(model: Path, factor: int, into: Path) -> Path:
 def measure(stages: int, lengths: list[int], rounds: int, chunk: int, log_dir: Path,
             model: Path | None = None) -> dict[int, float]:
     """Median TTFT (s) per prompt length on a cluster whose prefill group has ``stages`` stages."""
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--prefill-instances", "1",
-           "--decode-instances", "1", "--instance-threads", "1", "--no-pool", "--cpp-stages", str(stages),
-           "--max-num-batched-tokens", str(chunk)] + ([] if model is None else ["--model", str(model)])
-    server = start_server(f"X={stages}", cmd, base_url, log_dir / f"server-x{stages}.log")
+    flags = ["--prefill-instances", "1", "--decode-instances", "1", "--instance-threads", "1", "--no-pool",
+             "--cpp-stages", str(stages), "--max-num-batched-tokens", str(chunk)]
+    flags += [] if model is None else ["--model", str(model)]
+    server = launch_server(flags, log_dir / f"server-x{stages}.log", name=f"X={stages}")
+    base_url = server.base_url
     try:
-        wait_for_health(server, 600)
+        server.wait_healthy(600)
         model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
         first_token_s(base_url, model, random_tokens(64, seed=1))  # warm-up: not timed
         out = {}
@@ -76,7 +74,7 @@ def measure(stages: int, lengths: list[int], rounds: int, chunk: int, log_dir: P
             print(f"  X={stages}: {n} tokens: {out[n]:.2f} s", flush=True)
         return out
     finally:
-        stop_server(server)
+        server.stop()
 
 
 def report(results: dict[int, dict[int, float]], lengths: list[int]) -> str:

@@ -49,19 +49,15 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import httpx
 import numpy as np
 
 from bench.serving import (
@@ -73,6 +69,7 @@ from bench.serving import (
     run_benchmark,
     tbt,
 )
+from bench.harness import HOST, free_port, start_server
 from bench.trace import MIN_TOKEN_ID, BenchRequest, load_trace, synthesize_requests
 
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces"
@@ -293,13 +290,7 @@ def format_table(summaries: dict[str, dict[str, dict]], slos: dict | None = None
 # --------------------------------------------------------------------------- server processes
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def server_command(name: str, port: int, *, python: str = sys.executable, host: str = "127.0.0.1",
+def server_command(name: str, port: int, *, python: str = sys.executable, host: str = HOST,
                    extra: Sequence[str] = (), drop_flags: Sequence[str] = ()) -> list[str]:
     """``python -m server --host H --port P`` + the deployment's flags + ``extra``."""
     flags = list(DEPLOYMENTS[name])
@@ -325,95 +316,6 @@ def flag_listed(flag: str, help_text: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
 
 
-@dataclass
-class ServerProcess:
-    name: str
-    cmd: list[str]
-    proc: subprocess.Popen
-    log_path: Path
-    base_url: str
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-
-def start_server(name: str, cmd: list[str], base_url: str, log_path: Path) -> ServerProcess:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
-    return ServerProcess(name, cmd, proc, log_path, base_url)
-
-
-def wait_for_health(sp: ServerProcess, timeout_s: float) -> float:
-    """Poll ``/health`` until 200; raises if the process exits or time runs out."""
-    t0 = time.monotonic()
-    with httpx.Client(timeout=5.0) as client:
-        while True:
-            if sp.proc.poll() is not None:
-                raise RuntimeError(f"{sp.name} server exited with {sp.proc.returncode} before it was "
-                                   f"ready; log tail:\n{sp.log_tail()}")
-            try:
-                if client.get(f"{sp.base_url}/health").status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"{sp.name} server not healthy after {timeout_s:g} s; log tail:\n"
-                                   f"{sp.log_tail()}")
-            time.sleep(0.5)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def stop_server(sp: ServerProcess, timeout_s: float = 30.0) -> None:
-    """SIGTERM the server's process group; SIGKILL it if anything is left after ``timeout_s``."""
-    pgid = sp.proc.pid  # start_new_session: the leader's pid is the group id
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + timeout_s
-    try:
-        sp.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _group_alive(pgid) or sp.proc.poll() is None:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            sp.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        end = time.monotonic() + 5.0  # killed children are reaped by init, not by us
-        while _group_alive(pgid) and time.monotonic() < end:
-            time.sleep(0.05)
-
-
-def fetch_stats(base_url: str) -> dict | None:
-    try:
-        r = httpx.get(f"{base_url}/stats", timeout=10.0)
-        return r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
 # --------------------------------------------------------------------------- driver
 
 
@@ -425,13 +327,13 @@ def run_deployment(name: str, cmd: list[str], port: int, args: argparse.Namespac
                    workloads: dict[str, list[BenchRequest]], slos: dict | None,
                    log_path: Path) -> tuple[dict, dict | None]:
     """Start, measure, replay, stop one deployment. Returns (its record, the SLOs in force)."""
-    base_url = f"http://127.0.0.1:{port}"
+    base_url = f"http://{HOST}:{port}"
     rec: dict = {"command": cmd, "log": str(log_path), "unloaded": None, "workloads": {},
                  "error": None}
     _progress(f"{name}: starting {shlex.join(cmd)}")
     sp = start_server(name, cmd, base_url, log_path)
     try:
-        rec["ready_s"] = wait_for_health(sp, args.health_timeout)
+        rec["ready_s"] = sp.wait_healthy(args.health_timeout)
         _progress(f"{name}: healthy after {rec['ready_s']:.1f} s; unloaded requests")
         ureqs = unloaded_requests(args.unloaded_requests + 1, args.unloaded_prompt_len,
                                   args.unloaded_output_len, vocab_size=args.vocab_size,
@@ -464,13 +366,13 @@ def run_deployment(name: str, cmd: list[str], port: int, args: argparse.Namespac
             _progress(f"{name}: {w}: {s['completed']} completed, {s['rejected']} rejected, "
                       f"{s['failed']} failed in {s['duration_s']:.1f} s; goodput "
                       f"{s['goodput']:.3f} req/s")
-        rec["stats"] = fetch_stats(base_url)
+        rec["stats"] = sp.stats()
     except Exception as e:  # one deployment failing must not lose the other's results
         rec["error"] = f"{type(e).__name__}: {e}"
         _progress(f"{name}: FAILED: {rec['error']}")
     finally:
         _progress(f"{name}: stopping the server")
-        stop_server(sp, args.stop_timeout)
+        sp.stop(args.stop_timeout)
         rec["returncode"] = sp.proc.returncode
     return rec, slos
 

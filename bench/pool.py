@@ -58,13 +58,13 @@ import httpx
 import numpy as np
 import torch
 
-from bench.disagg import ServerProcess, fetch_stats, free_port, start_server, stop_server, wait_for_health
+from bench.harness import DONE, ServerProcess, free_port, launch_server, sse_data, until
 from bench.trace import MIN_TOKEN_ID
 from bench.transfer import format_table
 from cluster.protocol import MESSENGER, derive_key
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry
 from cluster.pool.client import OBJECTS, NewObject
-from cluster.pool.metadata import HttpMetadata, MetadataServer
+from cluster.pool.metadata.embedded import HttpMetadata, MetadataServer
 from cluster.pool.objects import part_checksums
 from cluster.messenger import MessengerConfig, Messenger
 from engine.config import EngineConfig
@@ -542,24 +542,13 @@ def first_token_s(base_url: str, model: str, prompt: list[int], timeout_s: float
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.read().decode(errors='replace')[:300]}")
         for line in resp.iter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                chunk = json.loads(line[5:])
+            if (data := sse_data(line)) is not None and data != DONE:
+                chunk = json.loads(data)
                 if "error" in chunk:
                     raise RuntimeError(f"request failed: {chunk['error']}")
                 if chunk.get("choices"):
                     return time.perf_counter() - start
     raise RuntimeError("the stream ended without a token")
-
-
-def wait_for(what: str, check: Callable[[], object], timeout_s: float, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(interval_s)
 
 
 def _prefills(stats: dict | None) -> list[dict]:
@@ -576,38 +565,29 @@ class Cluster:
 
     def __init__(self, name: str, pool: bool, log_dir: Path, startup_s: float) -> None:
         self.name, self.pool = name, pool
-        port = free_port()
-        self.base_url = f"http://127.0.0.1:{port}"
         secret = secrets.token_hex(16)
         flags = ["--prefill-instances", "2", "--decode-instances", "1", "--instance-threads", "1"]
         flags += ["--pool-dram-gib", "0"] if pool else ["--no-pool"]
-        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *flags]
         # The server takes the secret from its environment (never a command line), and the pool
-        # node needs the same one: set it for the server's start only.
-        previous = os.environ.get("MOONCAKE_CLUSTER_SECRET")
-        os.environ["MOONCAKE_CLUSTER_SECRET"] = secret
-        try:
-            self.server: ServerProcess = start_server(name, cmd, self.base_url, log_dir / f"server-{name}.log")
-        finally:
-            if previous is None:
-                del os.environ["MOONCAKE_CLUSTER_SECRET"]
-            else:
-                os.environ["MOONCAKE_CLUSTER_SECRET"] = previous
+        # node needs the same one.
+        self.server: ServerProcess = launch_server(flags, log_dir / f"server-{name}.log", name=name,
+                                                   env={"MOONCAKE_CLUSTER_SECRET": secret})
+        self.base_url = self.server.base_url
         self.node: subprocess.Popen | None = None
         try:
             if pool:
-                url = wait_for("the Conductor's pool metadata URL", self._metadata_url, 120)
+                url = until(self._metadata_url, 120, "the Conductor's pool metadata URL")
                 with open(log_dir / f"pool-node-{name}.log", "wb") as log:
                     self.node = subprocess.Popen(
                         [sys.executable, "-m", "cluster.pool", "--metadata", url, "--dram-gib", "1"],
                         env={**os.environ, "MOONCAKE_CLUSTER_SECRET": secret}, stdin=subprocess.DEVNULL,
                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            wait_for_health(self.server, startup_s)
+            self.server.wait_healthy(startup_s)
             models = httpx.get(f"{self.base_url}/v1/models", timeout=10).json()["data"][0]
             self.model, self.max_model_len = models["id"], int(models.get("max_model_len", 2048))
             if pool:
-                wait_for("the pool node's segment", lambda: (fetch_stats(self.base_url) or {}).get("pool", {})
-                         .get("segments"), 60)
+                until(lambda: (self.server.stats() or {}).get("pool", {}).get("segments"), 60,
+                      "the pool node's segment")
         except BaseException:
             self.close()
             raise
@@ -618,50 +598,52 @@ class Cluster:
         found = re.search(r"KVCache pool metadata at (http://\S+)", self.server.log_tail(100_000))
         return found.group(1) if found else None
 
+    def _both_prefills_up(self) -> None:
+        until(lambda: [i["up"] for i in _prefills(self.server.stats())] == [True, True], 120,
+              "both prefill instances up")
+
     def round(self, prefix: list[int], suffixes: list[list[int]], block_tokens: int) -> TtftRound:
         """Request 1 (prefix + ``suffixes[0]``), its holder stopped, request 2 (prefix +
         ``suffixes[1]``) on the other instance; with the pool, then the reference: prefix +
         ``suffixes[2]`` once both are back, a hit in the local prefix cache of either."""
         suffix_a, suffix_b, suffix_c = suffixes
-        wait_for("both prefill instances up", lambda: [i["up"] for i in _prefills(fetch_stats(self.base_url))]
-                 == [True, True], 120)
-        stats = fetch_stats(self.base_url) or {}
+        self._both_prefills_up()
+        stats = self.server.stats() or {}
         before = {i["pid"]: i["cached_blocks"] for i in _prefills(stats)}
         prefix_blocks = len(prefix) // stats.get("block_size", 16)  # engine blocks, not pool objects
         first = first_token_s(self.base_url, self.model, prefix + suffix_a)
 
         def holder() -> dict | None:  # the instance whose prefix cache took request 1's blocks
-            grown = [i for i in _prefills(fetch_stats(self.base_url))
+            grown = [i for i in _prefills(self.server.stats())
                      if i["cached_blocks"] - before.get(i["pid"], 0) >= prefix_blocks]
             return grown[0] if len(grown) == 1 else None
 
-        held = wait_for("the prefill instance holding request 1", holder, 30)
+        held = until(holder, 30, "the prefill instance holding request 1")
         if self.pool:  # request 1's pool blocks are stored in the background after its prefill
             blocks = (len(prefix) + len(suffix_a)) // block_tokens
-            wait_for(f"{blocks} pool objects stored",
-                     lambda: (fetch_stats(self.base_url) or {}).get("pool", {}).get("objects", 0) >= blocks, 120)
+            until(lambda: (self.server.stats() or {}).get("pool", {}).get("objects", 0) >= blocks, 120,
+                  f"{blocks} pool objects stored")
         os.kill(held["pid"], signal.SIGSTOP)  # so the Conductor places request 2 on the other one
         try:
-            wait_for("the stopped instance marked down", lambda: not next(
-                i["up"] for i in _prefills(fetch_stats(self.base_url)) if i["pid"] == held["pid"]), 60)
-            hits = _pool_hits(fetch_stats(self.base_url))
+            until(lambda: not next(i["up"] for i in _prefills(self.server.stats()) if i["pid"] == held["pid"]), 60,
+                  "the stopped instance marked down")
+            hits = _pool_hits(self.server.stats())
             second = first_token_s(self.base_url, self.model, prefix + suffix_b)
             loaded = None
             if self.pool:  # the reader's counters reach the Conductor with its next poll
                 time.sleep(1.0)
-                loaded = _pool_hits(fetch_stats(self.base_url)) - hits
+                loaded = _pool_hits(self.server.stats()) - hits
         finally:
             os.kill(held["pid"], signal.SIGCONT)
         local = None
         if self.pool:  # what the suffix alone costs: the pool load's share of TTFT is the rest
-            wait_for("both prefill instances up", lambda: [i["up"] for i in _prefills(fetch_stats(self.base_url))]
-                     == [True, True], 120)
+            self._both_prefills_up()
             local = first_token_s(self.base_url, self.model, prefix + suffix_c)
         return TtftRound(first, second, loaded, local)
 
     def close(self) -> None:
         _stop_node(self.node)
-        stop_server(self.server)
+        self.server.stop()
 
 
 def run_ttft(prompt_tokens: int, prefix_fraction: float, rounds: int, log_dir: Path,

@@ -49,7 +49,7 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
-from bench.disagg import fetch_stats, free_port, start_server, stop_server, wait_for_health
+from bench.harness import launch_server
 from bench.serving import RequestResult, send_request
 from bench.sim.hitrate import pool_hit_rate, pool_hits
 from bench.trace import TRACE_BLOCK_SIZE, BenchRequest, TraceEntry, load_trace, scale_length, synthesize_prompt
@@ -191,22 +191,20 @@ def server_flags(args: argparse.Namespace, pool: bool) -> list[str]:
 
 
 def run_live(name: str, pool: bool, requests: Sequence[BenchRequest], args: argparse.Namespace) -> RunResult:
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *server_flags(args, pool)]
     log_path = Path(args.out) / f"server_{name}.log"
-    _progress(f"{name}: starting {' '.join(cmd[1:])}")
-    sp = start_server(name, cmd, base_url, log_path)
+    sp = launch_server(server_flags(args, pool), log_path, name=name)
+    base_url = sp.base_url
+    _progress(f"{name}: starting {' '.join(sp.cmd[1:])}")
     try:
-        ready = wait_for_health(sp, args.startup_timeout)
+        ready = sp.wait_healthy(args.startup_timeout)
         _progress(f"{name}: ready in {ready:.0f} s; replaying {len(requests)} requests")
         t0 = time.monotonic()
         outcomes = asyncio.run(replay(base_url, requests, args.concurrency))
         wall = time.monotonic() - t0
         time.sleep(1.5)  # the Conductor reads the pool's metadata every second, the instances every 0.2 s
-        stats = fetch_stats(base_url)
+        stats = sp.stats()
     finally:
-        stop_server(sp)
+        sp.stop()
     res = RunResult(name, outcomes, stats, wall, ready, (stats or {}).get("pool"))
     _progress(f"{name}: {len(res.ok)}/{len(outcomes)} ok in {wall:.0f} s (log: {log_path})")
     return res

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import numpy as np
 
+from bench.harness import DONE, sse_data
 from bench.trace import MIN_TOKEN_ID, BenchRequest, load_trace, synthesize_requests
 
 
@@ -185,11 +186,9 @@ async def send_request(
                 return res
             async for line in resp.aiter_lines():
                 now = time.perf_counter()
-                line = line.strip()
-                if not line.startswith("data:"):
+                if (data := sse_data(line)) is None:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                if data == DONE:
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import pool as bp
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -65,6 +67,7 @@ def test_ttft_report():
     assert "failed: TimeoutError: x" in failed and "not checked" in failed
 
 
+@pytest.mark.processes
 def test_quick_throughput_run(tmp_path):
     cmd = [sys.executable, "-m", "bench.pool", "--quick", "--only", "throughput", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

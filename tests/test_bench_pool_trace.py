@@ -68,6 +68,7 @@ def test_capacity_counts_whole_objects_below_the_high_water_mark():
 ROW = re.compile(r"^(pool|no-pool)\s+(\d+)/(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)")
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
 def test_quick_run_prints_sane_rows_and_a_prediction(tmp_path):
     out = tmp_path / "out"

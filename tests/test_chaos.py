@@ -125,6 +125,7 @@ def report(tmp_path_factory) -> dict:
     return rep
 
 
+@pytest.mark.processes
 def test_each_kill_is_followed_by_a_restart_by_the_conductor(report):
     kills = [f for f in report["faults"] if f["kind"] == "kill -9"]
     assert [k["role"] for k in kills] == ["decode", "prefill"], report["scenario_errors"]
@@ -138,6 +139,7 @@ def test_each_kill_is_followed_by_a_restart_by_the_conductor(report):
     assert sorted(s["role"] for s in supervised if s["restarts"] >= 1) == ["decode", "prefill"]
 
 
+@pytest.mark.processes
 def test_no_request_hangs_or_changes_its_answer(report):
     must = report["must_be_zero"]
     assert must["hung requests"] == 0
@@ -148,6 +150,7 @@ def test_no_request_hangs_or_changes_its_answer(report):
     assert sum(burst.values()) == report["config"]["burst"] and set(burst) <= {COMPLETED, "http 429", "http 503"}
 
 
+@pytest.mark.processes
 def test_malformed_input_gets_a_4xx_not_a_5xx(report):
     must = report["must_be_zero"]
     assert must["5xx answers to malformed input"] == 0, report["fuzz"]["failures"]
@@ -162,6 +165,7 @@ def test_malformed_input_gets_a_4xx_not_a_5xx(report):
     assert all(r["status"] == 400 for r in report["framing"] if r["label"] != "body shorter than Content-Length, then EOF")
 
 
+@pytest.mark.processes
 def test_slow_clients_are_served_and_do_not_block_others(report):
     slow = report["slow_clients"]
     assert [s["status"] for s in slow["byte_by_byte"]] == [200, 200]
@@ -170,16 +174,19 @@ def test_slow_clients_are_served_and_do_not_block_others(report):
     assert report["must_be_zero"]["slow-client checks failed"] == 0
 
 
+@pytest.mark.processes
 def test_nothing_is_held_once_the_cluster_is_quiet(report):
     assert report["must_be_zero"]["instances not up at the end"] == 0, report["down_at_end"]
     assert report["must_be_zero"]["resources held at the end"] == 0, report["held_at_end"]
     assert report["must_be_zero"]["scenarios that failed to run"] == 0, report["scenario_errors"]
 
 
+@pytest.mark.processes
 def test_every_must_be_zero_row_is_zero(report):
     assert report["ok"], chaos.format_table(report)
 
 
+@pytest.mark.processes
 def test_every_process_is_gone_after_the_run(report):
     assert len(report["instance_pids"]) >= 4  # two instances, each started twice
     for pid in report["instance_pids"]:
@@ -190,6 +197,7 @@ def test_every_process_is_gone_after_the_run(report):
         assert report["url"].encode() not in cmdline, f"instance {pid} outlived the run"
 
 
+@pytest.mark.processes
 def test_the_json_report_has_the_table_figures(report, tmp_path):
     path = tmp_path / "chaos.json"
     chaos.write_json(path, report)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,92 +18,25 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from bench.harness import sse_events, until
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.placement import PlacementConfig
-from cluster.protocol import CONTROL, ControlAuth, derive_key
-from cluster.conductor.supervisor import free_port
+from clusters import CONTROL_AUTH, SECRET, STARTUP_S, Cluster
 from engine import LLM, SamplingParams
 from server.app import build_app
 
-SECRET = "cluster test secret 0123456789"
-CONTROL_AUTH = ControlAuth(derive_key(SECRET.encode(), CONTROL))  # signs control calls as the Conductor does
-STARTUP_S = 300
+pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
 
-
-class Cluster:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "server", "--dtype", "float32", "--port", str(self.port), "--prefill-instances", "2",
-               "--decode-instances", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
-               "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--reservation-lease-s", "30",
-               # Prefixes move between instances by push / adopt here; the pool's path is
-               # tests/test_pool_cluster.py's.
-               "--no-pool",
-               # Steps of at most 128 tokens: a push from a busy holder waits for the step under
-               # way and must finish within the 3 s above (float32 on one thread, AVX2: 512-token
-               # steps took 3.5-4.7 s, 256-token ones 1.75 s on average and up to 2.5 s).
-               "--max-num-batched-tokens", "128",
-               "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET))
-        self.http = httpx.Client(base_url=self.url, timeout=120)
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert self.proc.poll() is None, "the cluster exited during start-up"
-            try:
-                stats = self.http.get("/stats").json()
-                if sum(i["up"] for i in stats.get("instances", [])) == 4:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the cluster did not come up"
-            time.sleep(1)
-
-    def instances(self, role: str | None = None) -> list[dict]:
-        return [i for i in self.http.get("/stats").json()["instances"] if role is None or i["role"] == role]
-
-    def instance_stats(self, url: str) -> dict:
-        return httpx.get(url + "/stats", timeout=10).json()
-
-    def assert_clean(self) -> None:
-        """Every instance that is up holds no blocks, reservations or staging (within a few seconds:
-        aborts travel asynchronously)."""
-        deadline = time.monotonic() + 15
-        while True:
-            dirty = {}
-            for inst in self.instances():
-                if not inst["up"]:
-                    continue
-                s = self.instance_stats(inst["url"])
-                held = {k: s[k] for k in ("num_used_blocks", "num_reservations", "num_running", "num_waiting",
-                                          "staging_send_ranges", "staging_recv_ranges") if s.get(k)}
-                if held:
-                    dirty[inst["url"]] = held
-            if not dirty:
-                return
-            assert time.monotonic() < deadline, f"instances still hold resources: {dirty}"
-            time.sleep(0.2)
-
-    def complete(self, prompt, **params) -> dict:
-        r = self.http.post("/v1/completions", json={"prompt": prompt, **params})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def close(self) -> None:
-        self.http.close()
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+# Prefixes move between instances by push / adopt here; the pool's path is
+# tests/test_pool_cluster.py's. Steps of at most 128 tokens: a push from a busy holder waits for
+# the step under way and must finish within the 3 s transfer timeout (float32 on one thread,
+# AVX2: 512-token steps took 3.5-4.7 s, 256-token ones 1.75 s on average and up to 2.5 s).
+FLAGS = ("--prefill-instances", "2", "--decode-instances", "2", "--no-pool", "--max-num-batched-tokens", "128")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(FLAGS, 4, tmp_path_factory.mktemp("cluster"))
     try:
         yield c
     finally:
@@ -162,8 +93,8 @@ def test_streaming_and_chat_through_the_cluster(cluster, colocated):
             "messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 12,
             "temperature": 0, "stream": True}) as r:
         assert r.status_code == 200
-        chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
-    assert chunks[-1] == "data: [DONE]" and len(chunks) >= 3
+        stream = sse_events(r.iter_lines())
+    assert stream.done and stream.error is None and len(stream.events) >= 2
     metrics = cluster.http.get("/metrics")
     assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
     # Done at its first token: the decode instance's reservation is released, nothing decodes.
@@ -196,11 +127,9 @@ def test_hot_prefix_is_replicated_to_the_idle_prefill_instance(cluster, colocate
     # The Conductor learns what an instance caches by polling it: until that poll, no instance
     # holds the prefix as far as placement knows, and the next request could go anywhere. (8 new
     # blocks, not 9: the first is SHARED's own, cached by earlier prompts where they ran.)
-    deadline = time.monotonic() + 30
-    while not (holders := [i["url"] for i in cluster.instances("prefill") if i["cached_blocks"] >= known[i["url"]] + 8]):
-        assert time.monotonic() < deadline, "the Conductor did not learn which instance holds the prefix"
-        time.sleep(0.1)
-    (holder,) = holders
+    (holder,) = until(lambda: [i["url"] for i in cluster.instances("prefill")
+                               if i["cached_blocks"] >= known[i["url"]] + 8], 30,
+                      "the Conductor to learn which instance holds the prefix", every_s=0.1)
     before = cluster.http.get("/stats").json()["migrations"]
     # A long prompt behind the same prefix keeps the instance holding it busy for seconds...
     long_prompt = prefix + " ".join(f"word{i}" for i in range(700))
@@ -240,10 +169,7 @@ def test_early_rejection_answers_429_and_costs_no_prefill(cluster, admission):
                                           poll_interval_s=0.1, epoch=cluster.http.get("/stats").json()["epoch"]))
     app = build_app(conductor, extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
     with TestClient(app) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        until(lambda: client.get("/health").status_code == 200, 60, "the second Conductor to see its instances")
         for body in ({"prompt": "The capital of France is", "max_tokens": 8},
                      {"prompt": "Hello", "max_tokens": 4, "stream": True}):
             r = client.post("/v1/completions", json=body)
@@ -303,15 +229,13 @@ def test_killing_a_decode_instance_mid_stream(cluster):
         (victim,) = [i for i in cluster.instances("decode") if i["running"]]
         os.kill(victim["pid"], signal.SIGKILL)
         rest = list(lines)
-    events = [line for line in received + rest if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
-    assert any('"error"' in e for e in events), "the stream must end with an error event"
-    assert len(events) < 400
+    stream = sse_events(received + rest)
+    assert stream.done
+    assert stream.error is not None and "error" in stream.events[-1], "the stream must end with an error event"
+    assert len(stream.events) < 400
     # The dead instance is out of scheduling; the survivors keep serving.
-    deadline = time.monotonic() + 10
-    while any(i["up"] for i in cluster.instances("decode") if i["url"] == victim["url"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    until(lambda: not any(i["up"] for i in cluster.instances("decode") if i["url"] == victim["url"]), 10,
+          "the killed instance to be marked down")
     for _ in range(3):
         out = cluster.complete("The capital of France is", temperature=0, max_tokens=6)
         assert out["choices"][0]["text"].startswith(" Paris")
@@ -319,13 +243,8 @@ def test_killing_a_decode_instance_mid_stream(cluster):
     cluster.assert_clean()
 
     # The Conductor's supervisor starts it again at the same address; it rejoins and is scheduled.
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        (back,) = [i for i in cluster.instances("decode") if i["url"] == victim["url"]]
-        if back["up"]:
-            break
-        assert time.monotonic() < deadline, "the killed decode instance was not brought back"
-        time.sleep(0.5)
+    (back,) = until(lambda: [i for i in cluster.instances("decode") if i["url"] == victim["url"] and i["up"]],
+                    STARTUP_S, "the Supervisor to bring the killed decode instance back", every_s=0.5)
     assert back["instance_id"] != victim["instance_id"] and back["pid"] != victim["pid"]
     (supervised,) = [m for m in cluster.http.get("/stats").json()["supervised"] if m["url"] == victim["url"]]
     assert supervised["restarts"] >= 1 and supervised["last_exit"] == "signal SIGKILL"
@@ -339,8 +258,13 @@ def test_killing_a_decode_instance_mid_stream(cluster):
                     assert r.status_code == 200, r.text
 
                 task = asyncio.gather(one(2 * i), one(2 * i + 1))
-                await asyncio.sleep(1.0)
-                served.update(d["url"] for d in cluster.instances("decode") if d["running"])
+                # Where both are decoding (each runs 24 tokens: seconds), not after a fixed pause.
+                while not task.done():
+                    running = await asyncio.to_thread(cluster.instances, "decode")
+                    if sum(d["running"] for d in running) == 2:
+                        served.update(d["url"] for d in running if d["running"])
+                        break
+                    await asyncio.sleep(0.05)
                 await task
 
         asyncio.run(two())

@@ -1,7 +1,7 @@
 """Regression tests for the cluster races fixed in issue 11 §3, against real processes.
 
-One cluster (`python -m server`: a Conductor over 2 prefill + 2 decode instances, as
-``tests.test_cluster.Cluster`` with 2048-token engine steps, so that a ~1100-token prompt is one
+One cluster (`python -m server`: a Conductor over 2 prefill + 2 decode instances, a
+``tests/clusters.py`` cluster with 2048-token engine steps, so that a ~1100-token prompt is one
 engine step of seconds) serves the module. Instances are frozen with SIGSTOP to
 make calls hang; every test thaws what it froze (and the fixture thaws everything on the way
 out). After each scenario every instance must hold no blocks, reservations or staging.
@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,11 +23,13 @@ import pytest
 import uvicorn
 from starlette.routing import Route
 
+from bench.harness import free_port, sse_events, until
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.placement import PlacementConfig
-from cluster.conductor.supervisor import free_port
+from clusters import CONTROL_AUTH, SECRET, Cluster, words as _words
 from server.app import build_app
-from tests.test_cluster import CONTROL_AUTH, SECRET, STARTUP_S, Cluster
+
+pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
 
 # A request to a frozen instance must end well before the Conductor's 600 s request timeout: it
 # ends when the registry's polls (control timeout 10 s) mark the instance down.
@@ -51,52 +51,20 @@ def _thaw(pid: int) -> None:
     _frozen.discard(pid)
 
 
-class LongStepCluster(Cluster):
-    """``Cluster`` (its helpers: instances, instance_stats, assert_clean, complete, close) whose
-    instances take up to 2048 prompt tokens in one engine step."""
-
-    def __init__(self) -> None:  # noqa: the parent's start-up, with one more flag
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "server", "--port", str(self.port), "--prefill-instances", "2",
-               "--decode-instances", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
-               "--staging-gib", "0.1", "--transfer-timeout-s", "3", "--reservation-lease-s", "30",
-               # Prefixes move between instances by push / adopt here; the pool's path is
-               # tests/test_pool_cluster.py's.
-               "--no-pool",
-               "--max-num-batched-tokens", "2048", "--log-level", "warning"]
-        env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
-        self.http = httpx.Client(base_url=self.url, timeout=120)
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError("the cluster exited during start-up")
-            try:
-                if sum(i["up"] for i in self.http.get("/stats").json().get("instances", [])) == 4:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise AssertionError("the cluster did not come up")
-            time.sleep(1)
+# As tests/test_cluster.py's cluster, in the CPU's default precision, with instances that take up
+# to 2048 prompt tokens in one engine step: a ~1100-token prompt is one step of seconds.
+FLAGS = ("--prefill-instances", "2", "--decode-instances", "2", "--no-pool", "--max-num-batched-tokens", "2048")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = LongStepCluster()
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(FLAGS, 4, tmp_path_factory.mktemp("races"), dtype=None)
     try:
         yield c
     finally:
         for pid in list(_frozen):
             _thaw(pid)
         c.close()
-
-
-def _words(tag: str, n: int) -> str:
-    """A prompt of ``n`` distinct words starting with ``tag`` (no shared prefix blocks)."""
-    return tag + " " + " ".join(f"{tag}{i}" for i in range(n))
 
 
 def _conductor_stats(cluster: Cluster) -> dict:
@@ -113,10 +81,7 @@ def _signed(epoch: int) -> dict:
 
 
 def _wait_up(cluster: Cluster, url: str, within_s: float = 60) -> None:
-    deadline = time.monotonic() + within_s
-    while not _instance(cluster, url)["up"]:
-        assert time.monotonic() < deadline, f"{url} did not come back up"
-        time.sleep(0.2)
+    until(lambda: _instance(cluster, url)["up"], within_s, f"{url} to come back up")
 
 
 async def _until(predicate, within_s: float, what: str, every_s: float = 0.02):
@@ -228,7 +193,6 @@ def test_a_client_leaving_during_the_reserve_leaks_nothing(cluster):
                 # The Conductor notices the disconnect and rolls the booking back (aborts on the way).
                 await _until(lambda: not any(i["reserved"] or i["prefilling"] for i in cluster.instances()), 5,
                              "the Conductor to roll the request back")
-                await asyncio.sleep(0.3)
             finally:
                 for d in decodes:
                     _thaw(d["pid"])
@@ -246,7 +210,6 @@ def test_a_client_leaving_during_the_prefill_leaks_nothing(cluster):
             task = asyncio.create_task(http.post("/v1/completions", json={
                 "prompt": _words("prefillleak", 300), "max_tokens": 4}))
             await _until(lambda: _computing(cluster), 60, "the prefill instance to compute the prompt")
-            await asyncio.sleep(0.3)
             assert not task.done(), "the prefill finished before the client could leave"
             await _cancel(task)
 
@@ -261,11 +224,13 @@ def test_a_client_leaving_during_a_migration_leaks_nothing(cluster):
     prefix = _words("hotprefix", 60)  # ~200 tokens: a dozen full blocks
     prefills = [i["url"] for i in cluster.instances("prefill")]
     computed = {u: cluster.instance_stats(u)["num_prompt_tokens_computed"] for u in prefills}
+    known = {i["url"]: i["cached_blocks"] for i in cluster.instances("prefill")}
     cluster.complete(prefix + " Question one?", temperature=0, max_tokens=2)
-    # The prefix is cached where it was computed; the Conductor's polls (every 0.2 s) learn it.
     holder = [u for u in prefills if cluster.instance_stats(u)["num_prompt_tokens_computed"] > computed[u]]
     assert len(holder) == 1
-    time.sleep(1.0)
+    # The prefix is cached where it was computed; the Conductor learns it from its next poll.
+    until(lambda: _instance(cluster, holder[0])["cached_blocks"] >= known[holder[0]] + 8, 30,
+          "the Conductor to learn which instance holds the prefix", every_s=0.1)
     before = _conductor_stats(cluster)
 
     async def scenario():
@@ -284,7 +249,9 @@ def test_a_client_leaving_during_a_migration_leaks_nothing(cluster):
                 pulled = await _until(lambda: [i for i in cluster.instances("prefill")
                                                if i["reserved"] and i["url"] != a["url"]], 2.5,
                                       "the migration to the other prefill instance")
-                await asyncio.sleep(0.2)  # reserved there; the push waits on the frozen holder
+                # Reserved there: the Conductor's push to the frozen holder is under way.
+                await _until(lambda: cluster.instance_stats(pulled[0]["url"])["num_reservations"], 2,
+                             "the migration's reservation on the other prefill instance")
                 await _cancel(task)
                 await _until(lambda: not [i for i in cluster.instances("prefill") if i["reserved"]], 1.5,
                              "the Conductor to roll the migration back")
@@ -318,15 +285,13 @@ class _ServedConductor:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the second Conductor did not become ready"
-            time.sleep(0.2)
+        until(self._healthy, 120, "the second Conductor to be ready")
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -378,10 +343,10 @@ def test_a_decode_instance_frozen_mid_stream_ends_the_stream_within_a_bound(clus
                 took = time.monotonic() - frozen_at
             finally:
                 _thaw(victim["pid"])
-    events = [line for line in received + rest if line.startswith("data: ")]
+    stream = sse_events(received + rest)
     assert took < BOUND_S, f"the stream from a frozen decode instance hung for {took:.0f} s"
-    assert events[-1] == "data: [DONE]"
-    assert any('"error"' in e for e in events), "the stream must end with an error event"
+    assert stream.done
+    assert stream.error is not None and "error" in stream.events[-1], "the stream must end with an error event"
     _wait_up(cluster, victim["url"])
     assert _instance(cluster, victim["url"])["instance_id"] == victim["instance_id"]  # thawed, not restarted
     for _ in range(2):
@@ -395,7 +360,6 @@ def test_a_prefill_instance_frozen_mid_prefill_fails_the_request_within_a_bound(
             task = asyncio.create_task(http.post("/v1/completions", json={
                 "prompt": _words("frozenprefill", 300), "max_tokens": 4}))
             (victim,) = await _until(lambda: _computing(cluster), 60, "the prefill instance to compute the prompt")
-            await asyncio.sleep(0.3)
             assert not task.done()
             _freeze(victim["pid"])
             try:
@@ -429,13 +393,10 @@ def test_a_newer_conductor_epoch_releases_reservations_of_the_older_one(cluster)
     assert s["num_reservations"] == 1 and s["staging_recv_ranges"] == 1
     # Any signed call from a newer Conductor (here a poll) releases what the older one reserved.
     assert httpx.get(url + "/instance/state", timeout=30, **_signed(epoch + 1)).status_code == 200
-    deadline = time.monotonic() + 10  # the staging is held back twice the transfer timeout (3 s)
-    while True:
-        s = cluster.instance_stats(url)
-        if s["num_reservations"] == 0 and s["num_used_blocks"] == 0 and s["staging_recv_ranges"] == 0:
-            break
-        assert time.monotonic() < deadline, f"the older epoch's reservation is still held: {s}"
-        time.sleep(0.1)
+    # The staging is held back twice the transfer timeout (3 s).
+    until(lambda: not any(cluster.instance_stats(url)[k] for k in ("num_reservations", "num_used_blocks",
+                                                                   "staging_recv_ranges")),
+          10, "the older epoch's reservation to be released", every_s=0.1)
     # The older Conductor is refused from now on (409), and holds nothing there.
     r = httpx.post(url + "/instance/reserve", timeout=30, **_signed(epoch),
                    json={"request_id": "old-epoch-2", "prompt_token_ids": ids, "params": {"max_tokens": 1}})

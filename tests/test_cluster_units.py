@@ -35,7 +35,7 @@ from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
 from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.receiver import Receiver
-from cluster.protocol import WrongEpoch
+from cluster.protocol import CacheDelta, InstanceInfo, InstanceState, WrongEpoch
 from cluster.policies.snapshot import RequestInfo
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
@@ -181,8 +181,8 @@ class _Publisher:
 
 def _poll(mirror: CacheMirror, rec: InstanceRecord, since: int | None) -> dict:
     """One poll answered by the mirror and applied by the Registry's rule; returns the JSON."""
-    state = mirror.report(since)
-    Registry._apply_cache(rec, dict(state))
+    state = json.loads(json.dumps(mirror.report(since).to_dict()))
+    Registry._apply_cache(rec, CacheDelta.from_dict(state))
     return state
 
 
@@ -417,7 +417,8 @@ def test_an_abort_while_its_reserve_is_on_the_engine_thread_leaves_nothing(decod
         r = _receiver(d, lease_s=30.0)
         gate, busy = _hold_engine_thread(d)
         reserve = asyncio.create_task(r.reserve("racing", PROMPT, PARAMS, epoch=1))
-        await asyncio.sleep(0.1)  # the reserve waits behind the busy engine thread
+        # One turn of the loop runs the reserve up to its engine call, queued behind the busy thread.
+        await asyncio.sleep(0)
         assert not reserve.done()
         assert await r.release("racing", settled=False) is False  # overtakes it: a tombstone
         gate.set()
@@ -440,7 +441,7 @@ def test_a_reserve_in_flight_when_a_newer_epoch_arrives_is_not_granted_to_the_ol
         r = _receiver(d, lease_s=30.0)
         gate, busy = _hold_engine_thread(d)
         reserve = asyncio.create_task(r.reserve("in-flight", PROMPT, PARAMS, epoch=8))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0)  # one turn of the loop: the reserve is queued behind the busy thread
         await r.observe_epoch(9)
         gate.set()
         await busy
@@ -510,7 +511,7 @@ LAYOUT = KVLayout(2, 2, 16, 8, "float32")
 def _up_record(url: str, role: str) -> InstanceRecord:
     rec = InstanceRecord(url)
     rec.up, rec.role, rec.layout, rec.profile = True, role, LAYOUT, PROFILE
-    rec.info = {"max_model_len": 4096}
+    rec.info = InstanceInfo(url, role, 1, 4096, LAYOUT.to_dict(), PROFILE.to_dict())
     rec.lost = asyncio.Event()
     return rec
 
@@ -561,10 +562,10 @@ def test_conductor_burst_spreads_over_both_prefill_instances_and_leaves_the_ledg
             path = request.url.path
             body = {} if request.method == "GET" else json.loads(request.content)
             if path == "/instance/info":
-                return httpx.Response(200, json={"instance_id": url, "role": roles[url], "layout": LAYOUT.to_dict(),
-                                                 "profile": PROFILE.to_dict(), "max_model_len": 4096})
+                info = InstanceInfo(url, roles[url], 1, 4096, LAYOUT.to_dict(), PROFILE.to_dict())
+                return httpx.Response(200, json=info.to_dict())
             if path == "/instance/state":
-                return httpx.Response(200, json={"instance_id": url, "cache_version": 0, "cached_keys": []})
+                return httpx.Response(200, json=InstanceState(url, CacheDelta(0, [])).to_dict())
             if path == "/instance/reserve":
                 n = -(-len(body["prompt_token_ids"]) // 16)
                 return httpx.Response(200, json={"dest": {"skip_blocks": 0, "num_blocks": n}})
@@ -614,8 +615,12 @@ def test_conductor_burst_spreads_over_both_prefill_instances_and_leaves_the_ledg
         for rec in c.registry.records:
             load = c.ledger.load(rec)
             assert not (load.prefilling or load.running or load.incoming or load.reserved), rec.url
-        await asyncio.sleep(0.05)  # the aborts run as tasks of their own
-        assert sorted(rid for url, rid in aborts if url in decode_urls) == sorted(f"burst-{i}" for i in range(8))
+        decode_aborts = lambda: sorted(rid for url, rid in aborts if url in decode_urls)  # noqa: E731
+        for _ in range(200):  # the aborts run as tasks of their own
+            if len(decode_aborts()) >= 8:
+                break
+            await asyncio.sleep(0.01)
+        assert decode_aborts() == sorted(f"burst-{i}" for i in range(8))
         assert c.stats()["requests_accepted"] == 8
         await c.shutdown()
 

@@ -13,10 +13,11 @@ import sys
 import httpx
 import pytest
 
-from bench.disagg import free_port
+from bench.harness import HOST, free_port, start_server, until
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from waiting import until
+
+pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
 
 SECRET = "cpp-by-hand-test-secret-0123456789"
 LONG = "Continue the count: " + ", ".join(str(i) for i in range(1, 120)) + ","  # 491 tokens: two chunks of 256
@@ -26,36 +27,34 @@ COMMON = ["--threads", "1", "--kv-cache-gib", "0.25", "--staging-gib", "0.1", "-
 
 
 @pytest.fixture(scope="module")
-def group():
-    env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET)
+def group(tmp_path_factory: pytest.TempPathFactory):
+    env = {"MOONCAKE_CLUSTER_SECRET": SECRET}
+    logs = tmp_path_factory.mktemp("cpp-by-hand")
     port, first_port = free_port(), free_port()
-    first_url = f"http://127.0.0.1:{first_port}"
-    procs = {
-        "conductor": [sys.executable, "-m", "server", "--port", str(port), "--prefill-instances", "0",
-                      "--decode-instances", "1", "--instance-threads", "1", "--no-pool", *COMMON[2:]],
-        "first": [sys.executable, "-m", "server", "--role", "prefill", "--stage", "0/2", "--group", "g1",
-                  "--port", str(first_port), "--conductor", f"http://127.0.0.1:{port}", *COMMON],
-        "second": [sys.executable, "-m", "server", "--role", "prefill", "--stage", "1/2", "--group", "g1",
-                   "--first", first_url, *COMMON],
-    }
-    running = {name: subprocess.Popen(cmd, env=env, start_new_session=True) for name, cmd in procs.items()}
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
+    conductor_url, first_url = f"http://{HOST}:{port}", f"http://{HOST}:{first_port}"
+    started = [
+        start_server("conductor", [sys.executable, "-m", "server", "--port", str(port), "--prefill-instances", "0",
+                                   "--decode-instances", "1", "--instance-threads", "1", "--no-pool", *COMMON[2:]],
+                     conductor_url, logs / "conductor.log", env),
+        start_server("first", [sys.executable, "-m", "server", "--role", "prefill", "--stage", "0/2", "--group", "g1",
+                               "--port", str(first_port), "--conductor", conductor_url, *COMMON],
+                     first_url, logs / "first.log", env),
+        start_server("second", [sys.executable, "-m", "server", "--role", "prefill", "--stage", "1/2", "--group",
+                                "g1", "--first", first_url, *COMMON], "", logs / "second.log", env),
+    ]
+    running = {sp.name: sp.proc for sp in started}
+    conductor = started[0]
 
     def up() -> bool:
-        for name, proc in running.items():
-            assert proc.poll() is None, f"{name} exited with {proc.returncode} during start-up"
-        try:
-            return sum(i["up"] for i in http.get("/stats").json().get("instances", [])) == 2
-        except httpx.HTTPError:
-            return False
+        for sp in started:
+            assert sp.proc.poll() is None, f"{sp.name} exited with {sp.proc.returncode} during start-up:\n{sp.log_tail()}"
+        return sum(i["up"] for i in conductor.instances()) == 2
 
     until(up, 300, "the conductor to see the group and the decode instance")
-    yield http, running, first_url, env
-    for proc in running.values():
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in running.values():
-        proc.wait(60)
+    with httpx.Client(base_url=conductor_url, timeout=300) as http:
+        yield http, running, first_url, dict(os.environ, **env)
+    for sp in started:
+        sp.stop(60)
 
 
 def test_a_stage_of_another_group_is_refused(group):

@@ -21,59 +21,44 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.disagg import free_port
+from bench.harness import until
+from clusters import SECRET, Cluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from waiting import until
 
-SECRET = "cpp-cluster-test-secret-0123456789"
+pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
+
 LONG = "Continue the count: " + ", ".join(str(i) for i in range(1, 250)) + ","  # 1,141 tokens: 3 chunks
 PROMPTS = ["The capital of France is", "List three colors of the rainbow:", LONG]
 OBJECT_TOKENS = 64
 
 
-class _Group:
+class _Group(Cluster):
     def __init__(self, workdir: Path) -> None:
-        port = free_port()
-        self.env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET)
-        self.log_path = workdir / "cluster.log"
-        cmd = [sys.executable, "-m", "server", "--dtype", "float32", "--port", str(port), "--prefill-instances", "1",
-               "--decode-instances", "1", "--cpp-stages", "2", "--instance-threads", "1", "--kv-cache-gib", "0.25",
-               "--staging-gib", "0.1", "--transfer-timeout-s", "5", "--pool-dram-gib", "0",
-               "--pool-block-tokens", str(OBJECT_TOKENS), "--log-level", "info"]
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(cmd, start_new_session=True, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
         self.node: subprocess.Popen | None = None
-        until(self._up, 300, "the cluster to come up")
-        found = re.search(r"KVCache pool metadata at (\S+)", self.log_path.read_text(errors="replace"))
+        super().__init__(["--prefill-instances", "1", "--decode-instances", "1", "--cpp-stages", "2",
+                          "--transfer-timeout-s", "5", "--pool-dram-gib", "0",
+                          "--pool-block-tokens", str(OBJECT_TOKENS)], 2, workdir)
+        found = re.search(r"KVCache pool metadata at (\S+)", self.log())
         assert found, "the Conductor did not log its metadata server's address"
         self.node = subprocess.Popen([sys.executable, "-m", "cluster.pool", "--metadata", found.group(1),
                                       "--dram-gib", "0.5", "--log-level", "warning"],
-                                     env=self.env, stdout=subprocess.PIPE, text=True)
+                                     env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET), stdout=subprocess.PIPE,
+                                     text=True)
         line = self.node.stdout.readline()
         assert line.startswith("pool node ready: "), f"the pool node did not start: {line!r}"
         segment = line.split()[3]
-        until(lambda: segment in self.http.get("/stats").json()["pool"]["segments"], 30, "the pool node")
-
-    def _up(self) -> bool:
-        assert self.proc.poll() is None, "the cluster exited during start-up:\n" + self.log_path.read_text()
-        try:
-            return self.http.get("/health").status_code == 200
-        except httpx.HTTPError:
-            return False
+        until(lambda: segment in self.stats()["pool"]["segments"], 30, "the pool node")
 
     def group_stats(self) -> dict:
-        (group,) = [i for i in self.http.get("/stats").json()["instances"] if i["role"] == "prefill"]
-        return httpx.get(group["url"] + "/stats", timeout=10).json()
+        (group,) = self.instances("prefill")
+        return self.instance_stats(group["url"])
 
     def close(self) -> None:
         if self.node is not None:
             self.node.terminate()
             self.node.wait(20)
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(60)
+        super().close()
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +155,7 @@ def test_kill_9_of_the_later_stage_and_the_group_comes_back(group, cluster, colo
     # The request in flight fails; the client gets an error id, which the server log ties to the cause.
     assert r.status_code == 500, r.text
     error_id = re.search(r"error id (\w+)", r.json()["error"]["message"]).group(1)
-    logged = lambda: [line for line in group.log_path.read_text(errors="replace").splitlines()  # noqa: E731
+    logged = lambda: [line for line in group.log().splitlines()  # noqa: E731
                       if error_id in line]
     until(logged, 10, "the error id in the log")
     assert "pipeline stage 1" in logged()[0], logged()

@@ -23,6 +23,7 @@ import openai
 import pytest
 import uvicorn
 
+from bench import harness
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from server.__main__ import parse_args, read_cluster_secret
@@ -156,10 +157,11 @@ def error_id(message: str) -> str:
     return found.group(1)
 
 
-def sse_events(text: str) -> list:
-    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+def sse_events(text: str) -> list[dict]:
+    """The events of a whole streamed answer, which must end with ``data: [DONE]``."""
+    stream = harness.sse_events(text.splitlines())
+    assert stream.done
+    return stream.events
 
 
 # -- basics ------------------------------------------------------------------------------------------
@@ -345,9 +347,9 @@ def test_echo_streams_the_prompt_first_and_equals_the_whole_answer(url):
     texts, tokens, values = ["", ""], [[], []], [[], []]
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (data := harness.sse_data(line)) is None or data == harness.DONE:
                 continue
-            for c in json.loads(line[6:])["choices"]:
+            for c in json.loads(data)["choices"]:
                 texts[c["index"]] += c["text"]
                 tokens[c["index"]] += c["logprobs"]["tokens"]
                 values[c["index"]] += c["logprobs"]["token_logprobs"]
@@ -578,7 +580,7 @@ def test_client_disconnect_frees_kv(url):
         lines = r.iter_lines()
         got = 0
         for line in lines:
-            if line.startswith("data: "):
+            if harness.sse_data(line) is not None:
                 got += 1
                 if got == 3:
                     break

@@ -15,6 +15,8 @@ import pytest
 
 from cluster.conductor.supervisor import RestartPolicy, Supervisor, describe_exit
 
+pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
+
 # A fake instance: optionally ignores SIGTERM, then listens on its port (so a connection tells the
 # test it is up and has set its signal handling) until killed.
 LISTENER = """

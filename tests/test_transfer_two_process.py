@@ -37,6 +37,8 @@ from cluster.messenger import (
 from cluster.messenger.__main__ import SECRET_ENV
 from cluster.messenger.wire import Status
 
+pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
+
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 SIZE = 256 * MiB

@@ -1,0 +1,245 @@
+"""Start, watch and stop `python -m server` processes: the one harness of benchmarks and tests.
+
+A server (colocated, or a Conductor with the instance processes its Supervisor starts) runs as the
+leader of a process group of its own, with its output in a log file. ``stop`` sends SIGTERM to the
+group (the Conductor stops its instances), waits, and sends SIGKILL to whatever is left, so no run
+leaves processes behind. Every wait here is bounded and fails naming what it waited for and the
+end of the server's log.
+
+Also here, because every client of the server needs them: parsing a streamed (SSE) answer, and
+the list of what an instance must no longer hold once the requests it served are gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from cluster.conductor.supervisor import free_port
+
+__all__ = ["HOST", "INSTANCE_HELD", "DONE", "ServerProcess", "SSEStream", "free_port", "launch_server",
+           "sse_data", "sse_events", "start_server", "until"]
+
+HOST = "127.0.0.1"
+DONE = "[DONE]"
+# What an instance's /stats counts as held: all zero once no request is in flight on it (blocks
+# cached for prefix reuse are free, not used).
+INSTANCE_HELD = ("num_used_blocks", "num_reservations", "num_running", "num_waiting",
+                 "staging_send_ranges", "staging_recv_ranges", "staging_pool_ranges")
+
+T = TypeVar("T")
+
+
+def until(predicate: Callable[[], T], within_s: float, what: str, every_s: float = 0.2) -> T:
+    """Call ``predicate`` until it returns something true, which is returned; after ``within_s``
+    seconds raise ``TimeoutError`` naming ``what`` was awaited."""
+    deadline = time.monotonic() + within_s
+    while not (value := predicate()):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {within_s:g} s waiting for {what}")
+        time.sleep(every_s)
+    return value
+
+
+# --------------------------------------------------------------------------- streamed answers
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of an SSE ``data:`` line; None for any other line (blank separators, comments)."""
+    line = line.strip()
+    return line[len("data:"):].strip() if line.startswith("data:") else None
+
+
+@dataclass
+class SSEStream:
+    events: list[dict[str, Any]] = field(default_factory=list)  # the JSON events before [DONE]
+    done: bool = False  # ended by data: [DONE]; a stream cut short has not
+
+    @property
+    def error(self) -> Any:
+        """The error event's ``error`` object, if the stream carried one."""
+        return next((e["error"] for e in self.events if "error" in e), None)
+
+
+def sse_events(lines: Iterable[str]) -> SSEStream:
+    """Parse a streamed answer's lines. An event that is not JSON, or any event after ``[DONE]``,
+    raises ``ValueError``: the server broke the stream's framing."""
+    stream = SSEStream()
+    for line in lines:
+        if (data := sse_data(line)) is None:
+            continue
+        if stream.done:
+            raise ValueError(f"an event after data: [DONE]: {data[:200]}")
+        if data == DONE:
+            stream.done = True
+        else:
+            stream.events.append(json.loads(data))
+    return stream
+
+
+# --------------------------------------------------------------------------- server processes
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    cmd: list[str]
+    proc: subprocess.Popen
+    log_path: Path
+    base_url: str
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log()[-n:]
+
+    # -- views ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any] | None:
+        """The server's /stats, or None when it does not answer with them."""
+        try:
+            r = httpx.get(f"{self.base_url}/stats", timeout=10.0)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def instances(self, role: str | None = None) -> list[dict[str, Any]]:
+        """The Conductor's record of each instance (``/stats``), of ``role`` if given."""
+        return [i for i in (self.stats() or {}).get("instances", []) if role is None or i["role"] == role]
+
+    @staticmethod
+    def instance_stats(url: str) -> dict[str, Any]:
+        r = httpx.get(url + "/stats", timeout=10.0)
+        r.raise_for_status()
+        return r.json()
+
+    def held(self, also: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+        """What each instance that is up still holds (``INSTANCE_HELD``), by URL; ``also(stats)``
+        adds what the caller counts besides, under ``"conductor"``."""
+        stats = self.stats() or {}
+        dirty: dict[str, dict[str, Any]] = {}
+        for inst in stats.get("instances", []):
+            if inst["up"]:
+                own = self.instance_stats(inst["url"])
+                if held := {k: own[k] for k in INSTANCE_HELD if own.get(k)}:
+                    dirty[inst["url"]] = held
+        if also is not None and (extra := also(stats)):
+            dirty["conductor"] = extra
+        return dirty
+
+    def assert_clean(self, within_s: float = 15.0,
+                     also: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        """Every instance that is up holds nothing, within ``within_s`` (aborts and releases
+        travel asynchronously after a request ends); else ``AssertionError`` naming what is held."""
+        last: dict[str, dict[str, Any]] = {}
+
+        def clean() -> bool:
+            nonlocal last
+            last = self.held(also)
+            return not last
+
+        try:
+            until(clean, within_s, "the instances to release everything")
+        except TimeoutError:
+            raise AssertionError(f"still held after {within_s:g} s: {last}") from None
+
+    # -- waits ---------------------------------------------------------------------------------------
+    def _check_running(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} server exited with {self.proc.returncode} before it was ready; "
+                               f"log tail:\n{self.log_tail()}")
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> float:
+        t0 = time.monotonic()
+
+        def check() -> bool:
+            self._check_running()
+            try:
+                return ready()
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+
+        try:
+            until(check, timeout_s, f"{self.name} server: {what}", every_s=0.5)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; log tail:\n{self.log_tail()}") from None
+        return time.monotonic() - t0
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Wait for ``/health`` to answer 200; returns the seconds it took."""
+        return self._wait(lambda: httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200,
+                          timeout_s, "/health to answer 200")
+
+    def wait_instances(self, n: int, timeout_s: float) -> float:
+        """Wait until the Conductor counts ``n`` instances up; returns the seconds it took."""
+        return self._wait(lambda: sum(i["up"] for i in self.instances()) == n, timeout_s, f"{n} instances up")
+
+    # -- the end -------------------------------------------------------------------------------------
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)  # start_new_session: the leader's pid is the group's id
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def stop(self, timeout_s: float = 30.0, sig: signal.Signals = signal.SIGTERM) -> None:
+        """Send ``sig`` to the server's process group; SIGKILL what is left after ``timeout_s``."""
+        pgid = self.proc.pid
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._group_alive() or self.proc.poll() is None:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            end = time.monotonic() + 5.0  # killed children are reaped by init, not by us
+            while self._group_alive() and time.monotonic() < end:
+                time.sleep(0.05)
+
+
+def start_server(name: str, cmd: Sequence[str], base_url: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """Run ``cmd`` (a server listening at ``base_url``) as a new process group, output to ``log_path``;
+    ``env`` is added to this process's environment."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=full_env)
+    return ServerProcess(name, list(cmd), proc, log_path, base_url)
+
+
+def launch_server(flags: Sequence[str], log_path: Path, *, name: str = "server", python: str = sys.executable,
+                  host: str = HOST, env: dict[str, str] | None = None) -> ServerProcess:
+    """``python -m server --host H --port P *flags`` on a free port (``start_server``)."""
+    port = free_port(host)
+    cmd = [python, "-m", "server", "--host", host, "--port", str(port), *flags]
+    return start_server(name, cmd, f"http://{host}:{port}", log_path, env)

@@ -1,0 +1,81 @@
+"""A `python -m server` cluster for the tests that drive real processes (``bench/harness.py``
+starts, watches and stops it, as it does for the benchmarks).
+
+Every test cluster runs the default model, in float32 unless a module asks otherwise (there a
+greedy answer does not depend on what it was batched with), one thread per instance, small KV and staging, a 3 s transfer timeout
+and a 30 s reservation lease, with a secret of its own; a module adds the flags its scenarios
+need. After each scenario ``assert_clean`` checks that no instance still holds anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.harness import ServerProcess, launch_server
+from cluster.protocol import CONTROL, ControlAuth, derive_key
+
+SECRET = "cluster test secret 0123456789"
+CONTROL_AUTH = ControlAuth(derive_key(SECRET.encode(), CONTROL))  # signs control calls as the Conductor does
+STARTUP_S = 300
+TEST_FLAGS = ("--instance-threads", "1", "--kv-cache-gib", "0.25", "--staging-gib", "0.1",
+              "--transfer-timeout-s", "3", "--reservation-lease-s", "30")
+
+
+def words(tag: str, n: int) -> str:
+    """A prompt of ``n`` distinct words starting with ``tag``: no prefix blocks shared with
+    another test's prompts."""
+    return tag + " " + " ".join(f"{tag}{i}" for i in range(n))
+
+
+class Cluster:
+    """``python -m server`` with ``TEST_FLAGS`` + ``flags``, up once the Conductor counts
+    ``instances`` instances up; ``http`` is a client of its public port."""
+
+    def __init__(self, flags: Sequence[str], instances: int, workdir: Path, *, dtype: str | None = "float32",
+                 log_level: str = "info", env: dict[str, str] | None = None) -> None:
+        """``dtype`` None: the CPU's default precision."""
+        precision = [] if dtype is None else ["--dtype", dtype]
+        self.server: ServerProcess = launch_server(
+            [*TEST_FLAGS, *precision, *flags, "--log-level", log_level], workdir / "cluster.log", name="test cluster",
+            # One OpenMP thread per process: on 2 shared cores a second one that gets descheduled
+            # stalls every parallel region.
+            env={"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.url = self.server.base_url
+        self.http = httpx.Client(base_url=self.url, timeout=300)
+        try:
+            self.server.wait_instances(instances, STARTUP_S)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- views ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self.http.get("/stats").json()
+
+    def instances(self, role: str | None = None) -> list[dict[str, Any]]:
+        return [i for i in self.stats()["instances"] if role is None or i["role"] == role]
+
+    def instance_stats(self, url: str) -> dict[str, Any]:
+        return self.server.instance_stats(url)
+
+    def log(self) -> str:
+        return self.server.log()
+
+    # -- requests and checks -------------------------------------------------------------------------
+    def complete(self, prompt: str | list, **params: Any) -> dict[str, Any]:
+        r = self.http.post("/v1/completions", json={"prompt": prompt, **params})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def assert_clean(self, also: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        """Every instance that is up holds no blocks, requests, reservations or staging, within a
+        few seconds (aborts travel asynchronously); ``also(conductor stats)`` adds the caller's own."""
+        self.server.assert_clean(15.0, also)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop(30.0)
