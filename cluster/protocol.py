@@ -5,10 +5,11 @@ Both sides use the same definitions, so a field cannot be named or typed differe
 * the **messages**: one dataclass per request body and per answer, each with one
   ``to_dict`` / ``from_dict`` pair (``from_dict`` validates and raises ``BadRequest``, never a
   ``KeyError``). Prompts travel as token ids plus sampling parameters (the Conductor tokenizes
-  once); outputs as ``RequestOutput`` deltas, one JSON object per line on a streaming answer. A
-  KV destination (``KVDestination.to_dict()``) and a stage's peer travel as the plain dicts their
-  owners define: the Conductor relays them untouched and never imports the torch-side code that
-  reads them;
+  once); outputs as ``RequestOutput`` deltas, one JSON object per line on a streaming answer.
+  What other code owns travels as the plain dict its owner defines, so this module imports none
+  of it (the Conductor relays such dicts untouched and never loads the torch-side code that
+  reads them): a KV destination (``KVDestination.to_dict()``), a KV layout, a cost profile, a
+  stage's peer, a pipeline step (``StageStep``), pool leases and reservations;
 * the **errors** an answer can carry, in two kinds (below);
 * the **signed envelope** every control request travels in (further below).
 
@@ -73,7 +74,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
@@ -224,8 +225,10 @@ def _field(data: Any, name: str) -> Any:
     return data.get(name)
 
 
-def _str(data: Any, name: str) -> str:
+def _str(data: Any, name: str, optional: bool = False) -> str | None:
     value = _field(data, name)
+    if value is None and optional:
+        return None
     if not isinstance(value, str) or not value:
         raise BadRequest(f"{name} must be a non-empty string")
     return value
@@ -238,6 +241,13 @@ def _int(data: Any, name: str, default: int | None = None) -> int:
     if type(value) is not int:
         raise BadRequest(f"{name} must be an integer")
     return value
+
+
+def _number(data: Any, name: str) -> float:
+    value = _field(data, name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise BadRequest(f"{name} must be a number")
+    return float(value)
 
 
 def _dict(data: Any, name: str, optional: bool = False) -> dict[str, Any] | None:
@@ -256,6 +266,25 @@ def _strings(data: Any, name: str) -> list[str]:
     return value
 
 
+def _keys(data: Any, name: str) -> list[bytes]:
+    """Prefix keys, which travel as hex strings."""
+    try:
+        return [bytes.fromhex(k) for k in _strings(data, name)]
+    except ValueError:
+        raise BadRequest(f"{name} must be a list of hex strings") from None
+
+
+def _naturals(value: Any) -> bool:
+    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
+
+
+def _ints(data: Any, name: str) -> list[int]:
+    value = _field(data, name)
+    if not _naturals(value):
+        raise BadRequest(f"{name} must be a list of non-negative integers")
+    return value
+
+
 def _flag(data: Any, name: str) -> bool:
     value = _field(data, name)
     if value is None:
@@ -266,7 +295,7 @@ def _flag(data: Any, name: str) -> bool:
 
 
 def token_ids(value: Any, name: str = "prompt_token_ids") -> list[int]:
-    if not isinstance(value, list) or not value or not all(type(t) is int and t >= 0 for t in value):
+    if not value or not _naturals(value):
         raise BadRequest(f"{name} must be a non-empty list of non-negative integers")
     return value
 
@@ -578,10 +607,138 @@ class AdoptReply:
         return cls(_int(data, "adopted"))
 
 
+# -- polls and registration -------------------------------------------------------------------------
+
+_ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class PoolNaming:
+    """How an instance names a prompt's KVCache pool objects, for the Conductor to look them up."""
+
+    namespace: str
+    blocks_per_object: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"namespace": self.namespace, "blocks_per_object": self.blocks_per_object}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PoolNaming:
+        return cls(_str(data, "namespace"), _int(data, "blocks_per_object"))
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """``GET /instance/info`` (polled once per incarnation): who the instance is and what does
+    not change while it runs. ``layout``: its ``KVLayout.to_dict()``; ``profile``: its calibrated
+    ``InstanceProfile.to_dict()``; ``pool``: None outside a KVCache pool."""
+
+    instance_id: str
+    role: str
+    pid: int
+    max_model_len: int
+    layout: dict[str, Any]
+    profile: dict[str, Any]
+    pool: PoolNaming | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, "role": self.role, "pid": self.pid,
+                "max_model_len": self.max_model_len, "layout": self.layout, "profile": self.profile,
+                "pool": None if self.pool is None else self.pool.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> InstanceInfo:
+        role = _str(data, "role")
+        if role not in _ROLES:
+            raise BadRequest(f"role must be one of {', '.join(_ROLES)}")
+        pool = _dict(data, "pool", optional=True)
+        return cls(_str(data, "instance_id"), role, _int(data, "pid"), _int(data, "max_model_len"),
+                   _dict(data, "layout"), _dict(data, "profile"), None if pool is None else PoolNaming.from_dict(pool))
+
+
+@dataclass(frozen=True)
+class CacheDelta:
+    """An instance's cached prefix keys at ``version``: all of them (``full``) for a poller that
+    is new or too far behind, else the changes since the poller's version (``added``, then
+    ``removed``). Keys travel as hex."""
+
+    version: int
+    full: list[bytes] | None = None
+    added: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.full is not None:
+            return {"cache_version": self.version, "cached_keys": [k.hex() for k in self.full]}
+        return {"cache_version": self.version, "cached_added": [k.hex() for k in self.added],
+                "cached_removed": [k.hex() for k in self.removed]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CacheDelta:
+        version = _int(data, "cache_version")
+        if _field(data, "cached_keys") is not None:
+            return cls(version, _keys(data, "cached_keys"))
+        return cls(version, None, _keys(data, "cached_added"), _keys(data, "cached_removed"))
+
+
+_STATE_FIELDS = frozenset({"instance_id", "cache_version", "cached_keys", "cached_added", "cached_removed"})
+
+
+@dataclass(frozen=True)
+class InstanceState:
+    """``GET /instance/state?since=VERSION`` (polled every ``poll_interval_s``): the cached prefix
+    keys as changes since ``VERSION``, and ``stats``, the instance's own ``/stats`` (engine load,
+    blocks, reservations, staging, pool counters). The Conductor shows and totals ``stats`` in its
+    ``/stats`` but places by its ledger, never by them, so their keys stay the engine's to name.
+    On the wire one flat object, ``stats`` beside the other fields, as an instance's ``/stats``."""
+
+    instance_id: str
+    cache: CacheDelta
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, **self.stats, **self.cache.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> InstanceState:
+        instance_id, cache = _str(data, "instance_id"), CacheDelta.from_dict(data)
+        return cls(instance_id, cache, {k: v for k, v in data.items() if k not in _STATE_FIELDS})
+
+
+@dataclass(frozen=True)
+class RegisterRequest:
+    """``POST /cluster/register`` (on the Conductor), from an instance started with
+    ``--conductor`` whenever the Conductor has not polled it for a while: poll me at ``url``.
+    An ``instance_id`` the Conductor does not know there is a new incarnation."""
+
+    url: str
+    instance_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "instance_id": self.instance_id}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RegisterRequest:
+        url = _str(data, "url")
+        if not url.startswith(("http://", "https://")):
+            raise BadRequest("url must be http(s)://host:port")
+        return cls(url, _str(data, "instance_id"))
+
+
+@dataclass(frozen=True)
+class RegisterReply:
+    registered: str  # the url
+    up: bool  # the Conductor's poll right after found it up
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"registered": self.registered, "up": self.up}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RegisterReply:
+        return cls(_str(data, "registered"), _flag(data, "up"))
+
+
 # -- a later pipeline stage <-> its first stage (cluster.cpp.group) ------------------------------------
-
-STAGE_PING = "stage_ping"  # the Messenger call each end of a pipeline group checks the other with
-
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -612,14 +769,12 @@ class StageSpec:
     @classmethod
     def from_dict(cls, data: Any) -> StageSpec:
         engine = _dict(data, "engine")
-        timeout = _field(data, "timeout_s")
+        timeout = _number(data, "timeout_s")
         pool = _field(data, "pool")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-            raise BadRequest("timeout_s must be a number")
         if pool is not None and (not isinstance(pool, list) or len(pool) != 2 or
                                  not all(type(n) is int for n in pool)):
             raise BadRequest("pool must be [blocks per object, pool staging bytes]")
-        return cls(dict(engine), _int(data, "buffer_bytes"), _int(data, "staging_bytes"), float(timeout), pool)
+        return cls(dict(engine), _int(data, "buffer_bytes"), _int(data, "staging_bytes"), timeout, pool)
 
 
 @dataclass(frozen=True)
@@ -668,6 +823,241 @@ class StageLinks:
     @classmethod
     def from_dict(cls, data: Any) -> StageLinks:
         return cls(_dict(data, "first"), _dict(data, "next", optional=True))
+
+
+# -- pipeline stages <-> each other, over the Messenger (cluster.cpp.stage) ------------------------------
+# Each is a Messenger ``call`` (``notify`` for ``StagePoolUnload``) whose ``op`` is its class's
+# ``OP``; a call answered with nothing else answers ``{}``. A refusal is the Messenger's: a status
+# other than OK, with a ``reason``.
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor of a ``StageStepCall`` or ``StageLogits`` lies in the receiver's inbox
+    (written there before the call): ``dtype`` is torch's name without ``torch.``."""
+
+    shape: list[int]
+    dtype: str
+    offset: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": self.shape, "dtype": self.dtype, "offset": self.offset}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TensorSlot:
+        return cls(_ints(data, "shape"), _str(data, "dtype"), _int(data, "offset"))
+
+
+def _tensors(data: Any) -> list[TensorSlot]:
+    value = _field(data, "tensors")
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise BadRequest("tensors must be a list of JSON objects")
+    return [TensorSlot.from_dict(t) for t in value]
+
+
+@dataclass(frozen=True)
+class StageStepCall:
+    """One step on to the next stage: the ``StageStep.to_dict()`` and its hidden states and
+    residual, in the inbox."""
+
+    OP: ClassVar[str] = "stage_step"
+    step: dict[str, Any]
+    tensors: list[TensorSlot] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP, "step": self.step, "tensors": [t.to_dict() for t in self.tensors]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageStepCall:
+        return cls(_dict(data, "step"), _tensors(data))
+
+
+@dataclass(frozen=True)
+class StageLogits:
+    """From the last stage to the first: step ``step_id``'s sampled rows' logits, in the inbox;
+    or, with ``error`` (and no tensors), why a stage failed the step."""
+
+    OP: ClassVar[str] = "stage_logits"
+    step_id: int
+    tensors: list[TensorSlot] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP, "step_id": self.step_id, "tensors": [t.to_dict() for t in self.tensors],
+                "error": self.error}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageLogits:
+        return cls(_int(data, "step_id"), _tensors(data), _str(data, "error", optional=True))
+
+
+@dataclass(frozen=True)
+class StageExpect:
+    """Stream this stage's layers of the request's KV to ``dest`` (a ``KVDestination.to_dict()``)."""
+
+    OP: ClassVar[str] = "stage_expect"
+    request_id: str
+    dest: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP, "request_id": self.request_id, "dest": self.dest}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageExpect:
+        return cls(_str(data, "request_id"), _dest(data))
+
+
+@dataclass(frozen=True)
+class StageFinish:
+    """Answer (``StageFinishReply``) once this stage's KV writes of the request have landed."""
+
+    OP: ClassVar[str] = "stage_finish"
+    request_id: str
+    timeout_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP, "request_id": self.request_id, "timeout_s": self.timeout_s}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageFinish:
+        return cls(_str(data, "request_id"), _number(data, "timeout_s"))
+
+
+@dataclass(frozen=True)
+class StageFinishReply:
+    error: str | None = None  # why a write failed; None: all landed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": self.error}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StageFinishReply:
+        return cls(_str(data, "error", optional=True))
+
+
+@dataclass(frozen=True)
+class StagePoolLoad:
+    """Read and verify this stage's layers of the pool objects ``leases`` (``PoolRead.leases()``)
+    names, for the request's coming step."""
+
+    OP: ClassVar[str] = "stage_pool_load"
+    request_id: str
+    leases: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP, "request_id": self.request_id, "leases": self.leases}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StagePoolLoad:
+        return cls(_str(data, "request_id"), _dict(data, "leases"))
+
+
+@dataclass(frozen=True)
+class StagePoolLoadReply:
+    good: int  # objects, from the first, that arrived intact
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"good": self.good}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StagePoolLoadReply:
+        return cls(_int(data, "good"))
+
+
+@dataclass(frozen=True)
+class StagePoolUnload:
+    """Let go of the request's load once the steps sent before this have run (a ``notify``,
+    routed down the pipeline behind them)."""
+
+    OP: ClassVar[str] = "stage_pool_unload"
+    request_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP, "request_id": self.request_id}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StagePoolUnload:
+        return cls(_str(data, "request_id"))
+
+
+@dataclass(frozen=True)
+class StagePoolStore:
+    """Write this stage's layers of the objects ``reservation`` (``PoolWrite.reservation()``)
+    names as the prompt's last step computes them; ``first_blocks``: each object's first block."""
+
+    OP: ClassVar[str] = "stage_pool_store"
+    request_id: str
+    reservation: dict[str, Any]
+    first_blocks: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP, "request_id": self.request_id, "reservation": self.reservation,
+                "first_blocks": self.first_blocks}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StagePoolStore:
+        return cls(_str(data, "request_id"), _dict(data, "reservation"), _ints(data, "first_blocks"))
+
+
+@dataclass(frozen=True)
+class StagePoolStoreReply:
+    ok: bool  # False: this stage has no pool staging free now
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StagePoolStoreReply:
+        return cls(_flag(data, "ok"))
+
+
+@dataclass(frozen=True)
+class StagePoolStoreEnd:
+    """Answer (``StagePoolStoreEndReply``) once this stage's writes of the request have settled."""
+
+    OP: ClassVar[str] = "stage_pool_store_end"
+    request_id: str
+    commit: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP, "request_id": self.request_id, "commit": self.commit}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StagePoolStoreEnd:
+        return cls(_str(data, "request_id"), _flag(data, "commit"))
+
+
+@dataclass(frozen=True)
+class StagePoolStoreEndReply:
+    """With ``commit``, each object's checksums of this stage's parts; None: not every part was
+    written (or a write failed), or no commit."""
+
+    checksums: list[list[int]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checksums": self.checksums}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StagePoolStoreEndReply:
+        sums = _field(data, "checksums")
+        if sums is not None and (not isinstance(sums, list) or not all(_naturals(s) for s in sums)):
+            raise BadRequest("checksums must be a list of lists of non-negative integers")
+        return cls(sums)
+
+
+@dataclass(frozen=True)
+class StagePing:
+    """Each end of a pipeline group checks the other is alive with this call, every ``PING_S``."""
+
+    OP: ClassVar[str] = "stage_ping"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.OP}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StagePing:
+        if not isinstance(data, dict):
+            raise BadRequest("the body must be a JSON object")
+        return cls()
 
 
 # Every control call carries the Conductor's epoch: its start time in nanoseconds, so a Conductor

@@ -243,7 +243,7 @@ def _start_instance(model: Path) -> InstanceProfile:
                 assert service.error is None, service.error
                 assert time.monotonic() < deadline, "the instance did not come up"
                 await asyncio.sleep(0.05)
-            assert service._facts["profile"] == service.profile.to_dict()
+            assert service.info().profile == service.profile.to_dict()
             return service.profile
         finally:
             await service.shutdown()

@@ -15,7 +15,7 @@ from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
 from cluster.instance.kv_stream import KVDestination
 from cluster.messenger import RegionHandle
-from cluster.protocol import ReserveRequest, output_from_dict, output_to_dict
+from cluster.protocol import CacheDelta, InstanceInfo, InstanceState, ReserveRequest, output_from_dict, output_to_dict
 from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
 from engine.outputs import Logprobs
@@ -117,20 +117,19 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
 
     profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
     layout = KVLayout(2, 2, 16, 8, "float32")
-    answers = {"id": "one", "fatal": False, "keys": [b"k1".hex()], "version": 3}
+    answers = {"id": "one", "fatal": False, "keys": [b"k1"], "version": 3}
     seen_since = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/instance/info":
             if answers["fatal"]:
                 return httpx.Response(503, json={"error": "model failed to load: boom", "fatal": True})
-            return httpx.Response(200, json={"instance_id": answers["id"], "role": "prefill", "layout": layout.to_dict(),
-                                             "profile": profile.to_dict(), "max_model_len": 64})
+            info = InstanceInfo(answers["id"], "prefill", 1, 64, layout.to_dict(), profile.to_dict())
+            return httpx.Response(200, json=info.to_dict())
         seen_since.append(request.url.params.get("since"))
         unchanged = request.url.params.get("since") == str(answers["version"])
-        keys = {"cached_added": [], "cached_removed": []} if unchanged else {"cached_keys": answers["keys"]}
-        return httpx.Response(200, json={"instance_id": answers["id"], "cache_version": answers["version"],
-                                         **keys, "num_running": 1})
+        cache = CacheDelta(answers["version"], None if unchanged else answers["keys"])
+        return httpx.Response(200, json=InstanceState(answers["id"], cache, {"num_running": 1}).to_dict())
 
     async def scenario():
         ledger = Ledger()
@@ -143,7 +142,7 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
         assert not rec.up and rec.failed_to_start and "boom" in rec.last_error
         answers["fatal"] = False
         await reg.poll(rec)
-        assert rec.up and not rec.failed_to_start and rec.cached == {b"k1"} and rec.state["num_running"] == 1
+        assert rec.up and not rec.failed_to_start and rec.cached == {b"k1"} and rec.state.stats["num_running"] == 1
         assert reg.up("prefill") == [rec] and reg.up("decode") == []
         await reg.poll(rec)  # unchanged key set: not sent again, the old one kept
         assert seen_since == [None, "3"] and rec.cached == {b"k1"}

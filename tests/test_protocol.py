@@ -10,16 +10,25 @@ import json
 import httpx
 import pytest
 
+from starlette.applications import Starlette
+from starlette.routing import Route
+
 from cluster.conductor.client import InstanceClient
+from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.instance.routes import _as_protocol_error
 from cluster.messenger import TransferError
+from cluster.policies.cost_model import InstanceProfile, PrefillCostModel
 from cluster.protocol import (
-    ERRORS, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy,
-    InstanceFailed, InstanceNotReady, InstanceUnavailable, KVWriteFailed, NoKVRoom, Prefilled, PrefillReply,
-    PrefillRequest, PrefixNotCached, PushReply, PushRequest, RenewReply, RenewRequest, RequestError, ReserveReply,
-    ReserveRequest, StageJoin, StageLinks, StageSpec, StageSpecReply, TimedOut, Unauthorized, UnknownReservation,
-    Unreachable, WrongEpoch, error_from, read_stream_line, stream_line)
+    CONTROL, ERRORS, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, CacheDelta, ControlAuth,
+    GenerateRequest, InstanceBusy, InstanceFailed, InstanceInfo, InstanceNotReady, InstanceState, InstanceUnavailable,
+    KVWriteFailed, NoKVRoom, PoolNaming, Prefilled, PrefillReply, PrefillRequest, PrefixNotCached, PushReply,
+    PushRequest, RegisterReply, RegisterRequest, RenewReply, RenewRequest, RequestError, ReserveReply, ReserveRequest,
+    StageExpect, StageFinish, StageFinishReply, StageJoin, StageLinks, StageLogits, StagePing, StagePoolLoad,
+    StagePoolLoadReply, StagePoolStore, StagePoolStoreEnd, StagePoolStoreEndReply, StagePoolStoreReply,
+    StagePoolUnload, StageSpec, StageSpecReply, StageStepCall, TensorSlot, TimedOut, Unauthorized,
+    UnknownReservation, Unreachable, WrongEpoch, derive_key, error_from, read_stream_line, stream_line)
 from engine.disaggregation import KVCapacityError
+from engine.kv_layout import KVLayout
 from engine.engine_client import EngineError, EngineOverloaded
 from engine.outputs import Logprobs, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -30,6 +39,10 @@ PEER = {"address": "127.0.0.1:2", "region": {"engine_id": "s"}}
 OUT = RequestOutput("r", [5], "hi", False, None, 3, 1, 0, [Logprobs(5, -0.1, [(5, -0.1), (7, -2.5)])],
                     sampler_state=b"\x00\x01\xff")
 SPEC = StageSpec({"model": "m", "stage": [0, 2]}, 1024, 2048, 3.0, [4, 8192])
+INFO = InstanceInfo("i1", "prefill", 7, 4096, {"block_size": 16}, {"prefill": {"c_0": 0.1}}, PoolNaming("ns", 4))
+STATE = InstanceState("i1", CacheDelta(3, [b"\x01\x02", b"k"]), {"num_running": 1, "role": "prefill",
+                                                                  "pool_client": {"reads": 2}})
+SLOT = TensorSlot([2, 3], "bfloat16", 64)
 
 MESSAGES = [
     ReserveRequest("r", [1, 2, 3], PARAMS), ReserveReply(DEST),
@@ -40,6 +53,15 @@ MESSAGES = [
     Prefilled(9), PushRequest("m", [1, 2], DEST), PushReply(2), AdoptRequest("m", True), AdoptReply(2),
     SPEC, StageJoin("g", 1, 2), StageJoin("g", 1, 2, PEER), StageSpecReply(SPEC),
     StageLinks(PEER), StageLinks(PEER, PEER),
+    INFO, InstanceInfo("i1", "decode", 7, 4096, {}, {}), PoolNaming("ns", 4),
+    CacheDelta(3, [b"k"]), CacheDelta(4, None, [b"a"], [b"b", b"c"]), CacheDelta(4), STATE,
+    RegisterRequest("http://h:1", "i1"), RegisterReply("http://h:1", True),
+    SLOT, StageStepCall({"step_id": 1, "rows": [0]}, [SLOT, SLOT]), StageLogits(1, [SLOT]),
+    StageLogits(2, error="boom"),
+    StageExpect("r", DEST), StageFinish("r", 3.0), StageFinishReply(), StageFinishReply("lost"),
+    StagePoolLoad("r", {"grants": []}), StagePoolLoadReply(2), StagePoolUnload("r"),
+    StagePoolStore("r", {"objects": []}, [0, 4]), StagePoolStoreReply(True), StagePoolStoreEnd("r", True),
+    StagePoolStoreEndReply([[1, 2], [3]]), StagePoolStoreEndReply(), StagePing(),
 ]
 
 
@@ -68,6 +90,35 @@ def test_every_message_round_trips_through_json(message):
     (StageJoin, {"group": "g", "stage": "1", "stages": 2}, "stage"),
     (StageSpec, {"engine": {}, "buffer_bytes": 1, "staging_bytes": 1, "timeout_s": 1, "pool": [1]}, "pool"),
     (StageLinks, {"next": None}, "first"),
+    (InstanceInfo, {**INFO.to_dict(), "role": "leader"}, "role"),
+    (InstanceInfo, {**INFO.to_dict(), "pid": "7"}, "pid"),
+    (InstanceInfo, {**INFO.to_dict(), "layout": None}, "layout"),
+    (InstanceInfo, {**INFO.to_dict(), "pool": {"namespace": "ns"}}, "blocks_per_object"),
+    (CacheDelta, {"cache_version": 1, "cached_keys": ["zz"]}, "cached_keys"),
+    (CacheDelta, {"cache_version": 1, "cached_removed": []}, "cached_added"),
+    (CacheDelta, {"cache_version": None, "cached_keys": []}, "cache_version"),
+    (InstanceState, {"cache_version": 1, "cached_keys": []}, "instance_id"),
+    (InstanceState, {"instance_id": "i", "cached_keys": []}, "cache_version"),
+    (RegisterRequest, {"url": "h:1", "instance_id": "i"}, "url"),
+    (RegisterRequest, {"url": "http://h:1"}, "instance_id"),
+    (RegisterReply, {"registered": "http://h:1", "up": "yes"}, "up"),
+    (TensorSlot, {"shape": [2, -1], "dtype": "float32", "offset": 0}, "shape"),
+    (TensorSlot, {"shape": [2], "dtype": "", "offset": 0}, "dtype"),
+    (StageStepCall, {"tensors": []}, "step"),
+    (StageStepCall, {"step": {}, "tensors": [1]}, "tensors"),
+    (StageStepCall, {"step": {}, "tensors": [{"shape": [1], "dtype": "float32"}]}, "offset"),
+    (StageLogits, {"step_id": 1, "tensors": [], "error": 3}, "error"),
+    (StageExpect, {"request_id": "r", "dest": {}}, "dest"),
+    (StageFinish, {"request_id": "r", "timeout_s": "3"}, "timeout_s"),
+    (StageFinishReply, {"error": ""}, "error"),
+    (StagePoolLoad, {"request_id": "r", "leases": []}, "leases"),
+    (StagePoolLoadReply, {}, "good"),
+    (StagePoolUnload, {"op": "stage_pool_unload"}, "request_id"),
+    (StagePoolStore, {"request_id": "r", "reservation": {}, "first_blocks": [0.5]}, "first_blocks"),
+    (StagePoolStoreReply, {"ok": 1}, "ok"),
+    (StagePoolStoreEnd, {"request_id": "r", "commit": "no"}, "commit"),
+    (StagePoolStoreEndReply, {"checksums": [[1], "x"]}, "checksums"),
+    (StagePing, [], "JSON object"),
 ])
 def test_a_malformed_body_is_a_bad_request_naming_what_is_wrong(cls, body, field):
     with pytest.raises(BadRequest, match=field):
@@ -172,3 +223,67 @@ def test_the_client_sends_the_messages_the_instance_reads():
     assert dest == ReserveReply(DEST) and dest.num_blocks == 2 and out == OUT
     assert ReserveRequest.from_dict(seen["/instance/reserve"]) == ReserveRequest("r", [1, 2, 3], PARAMS)
     assert PrefillRequest.from_dict(seen["/instance/prefill"]) == PrefillRequest("r", [1, 2, 3], PARAMS, DEST)
+
+
+def test_a_state_travels_flat_as_an_instances_stats_and_each_stage_call_names_its_op():
+    assert STATE.to_dict() == {"instance_id": "i1", "num_running": 1, "role": "prefill", "pool_client": {"reads": 2},
+                               "cache_version": 3, "cached_keys": ["0102", "6b"]}
+    assert CacheDelta(4).to_dict() == {"cache_version": 4, "cached_added": [], "cached_removed": []}
+    calls = [m for m in MESSAGES if hasattr(m, "OP")]
+    assert len({m.OP for m in calls}) == 9 and all(m.to_dict()["op"] == m.OP for m in calls)
+
+
+def test_the_polls_answer_typed_and_a_malformed_answer_is_the_instances_fault():
+    answers = {"/instance/info": INFO.to_dict(), "/instance/state": STATE.to_dict()}
+    since = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        since.append(request.url.params.get("since"))
+        return httpx.Response(200, json=answers[request.url.path])
+
+    async def call():
+        client = _client(handler)
+        try:
+            assert await client.info("http://i", 1.0) == INFO
+            assert await client.state("http://i", 3, 1.0) == STATE
+            answers["/instance/state"] = {"instance_id": "i1", "num_running": 1}
+            with pytest.raises(InstanceFailed, match="cache_version"):
+                await client.state("http://i", None, 1.0)
+        finally:
+            await client.close()
+
+    asyncio.run(call())
+    assert since == [None, "3", None]
+
+
+def test_registration_answers_a_register_reply_and_a_malformed_body_400():
+    secret = b"s" * 16
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
+        info = InstanceInfo("i1", "decode", 7, 4096, KVLayout(2, 2, 16, 8, "float32").to_dict(), profile.to_dict())
+        return httpx.Response(200, json=(info if request.url.path == "/instance/info" else STATE).to_dict())
+
+    async def call():
+        conductor = Conductor(ConductorConfig(secret=secret, epoch=1))
+        conductor.registry.client = _client(instance)
+        app = Starlette(routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
+        auth = ControlAuth(derive_key(secret, CONTROL))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://c", auth=auth) as http:
+            ok = await http.post("/cluster/register", json=RegisterRequest("http://i:1", "i1").to_dict())
+            bad = await http.post("/cluster/register", json={"url": "i:1", "instance_id": "i1"})
+            not_json = await http.post("/cluster/register", content=b"{")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://c") as http:
+            unsigned = await http.post("/cluster/register", json=RegisterRequest("http://i:1", "i1").to_dict())
+        await conductor.registry.client.close()
+        await conductor.client.close()
+        return conductor, ok, bad, not_json, unsigned
+
+    conductor, ok, bad, not_json, unsigned = asyncio.run(call())
+    assert ok.status_code == 200 and RegisterReply.from_dict(ok.json()) == RegisterReply("http://i:1", True)
+    (rec,) = conductor.registry.records
+    assert rec.url == "http://i:1" and rec.up and rec.info.pid == 7 and rec.state == STATE
+    for r in (bad, not_json):
+        assert r.status_code == 400 and r.json()["code"] == BadRequest.code
+    assert "url" in bad.json()["error"] and "JSON object" in not_json.json()["error"]
+    assert unsigned.status_code == 401 and unsigned.json()["code"] == Unauthorized.code

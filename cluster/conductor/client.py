@@ -22,14 +22,15 @@ import httpx
 
 from cluster.protocol import CONTROL, EPOCH_HEADER, ControlAuth, derive_key
 from cluster.protocol import (
-    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceFailed,
-    InstanceUnavailable, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest, RenewReply,
-    RenewRequest, ReserveReply, ReserveRequest, TimedOut, Unreachable, error_from, read_stream_line)
+    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceFailed, InstanceInfo,
+    InstanceState, InstanceUnavailable, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
+    RenewReply, RenewRequest, ReserveReply, ReserveRequest, TimedOut, Unreachable, error_from, read_stream_line)
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
-R = TypeVar("R", ReserveReply, RenewReply, AbortReply, PushReply, AdoptReply, PrefillReply)
+R = TypeVar("R", ReserveReply, RenewReply, AbortReply, PushReply, AdoptReply, PrefillReply, InstanceInfo,
+            InstanceState)
 
 
 def _error(r: httpx.Response, what: str) -> ProtocolError:
@@ -83,7 +84,7 @@ class InstanceClient:
             raise _error(r, path)
         return r.json()
 
-    async def _get(self, url: str, path: str, timeout: float) -> dict[str, Any]:
+    async def _get(self, url: str, path: str, timeout: float) -> Any:
         try:
             r = await self._polls.get(url + path, timeout=timeout)
         except httpx.HTTPError as e:
@@ -93,11 +94,12 @@ class InstanceClient:
         return r.json()
 
     # -- polls ---------------------------------------------------------------------------------------
-    async def info(self, url: str, timeout: float) -> dict[str, Any]:
-        return await self._get(url, "/instance/info", timeout)
+    async def info(self, url: str, timeout: float) -> InstanceInfo:
+        return _reply(InstanceInfo, await self._get(url, "/instance/info", timeout), "/instance/info")
 
-    async def state(self, url: str, since: int | None, timeout: float) -> dict[str, Any]:
-        return await self._get(url, "/instance/state" + ("" if since is None else f"?since={since}"), timeout)
+    async def state(self, url: str, since: int | None, timeout: float) -> InstanceState:
+        data = await self._get(url, "/instance/state" + ("" if since is None else f"?since={since}"), timeout)
+        return _reply(InstanceState, data, "/instance/state")
 
     # -- reservations --------------------------------------------------------------------------------
     async def reserve(self, url: str, request_id: str, token_ids: list[int], params: SamplingParams) -> ReserveReply:

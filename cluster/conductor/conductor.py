@@ -42,6 +42,7 @@ from cluster.pool.client import CLIENT_COUNTERS, PoolClient
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.objects import object_keys
 from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
+from cluster.protocol import BadRequest, RegisterReply, RegisterRequest, Unauthorized
 from engine.default_model import default_model_name
 from engine.config import ModelConfig
 from engine.default_model import resolve_model
@@ -145,10 +146,10 @@ class Conductor(EngineClient):
     async def _pool_prefix(self, ids: list[int]) -> int:
         """Engine blocks of ``ids``'s prefix the pool holds; 0 without a pool, or when its
         metadata does not answer within a second (the instance still loads what it finds)."""
-        records = [r for r in self.registry.records if r.up and r.layout is not None and r.info.get("pool")]
+        records = [r for r in self.registry.records if r.up and r.layout is not None and r.info.pool is not None]
         if self._pool is None or not records:
             return 0
-        namespace, per_object = records[0].info["pool"]["namespace"], records[0].info["pool"]["blocks_per_object"]
+        namespace, per_object = records[0].info.pool.namespace, records[0].info.pool.blocks_per_object
         bs = records[0].layout.block_size
         keys = object_keys(namespace, chain_keys(ids[: (len(ids) - 1) // bs * bs], bs), per_object)
         if not keys:
@@ -232,7 +233,7 @@ class Conductor(EngineClient):
 
     @property
     def max_model_len(self) -> int:
-        lens = [r.info["max_model_len"] for r in self.registry.records if r.up]
+        lens = [r.info.max_model_len for r in self.registry.records if r.up]
         if not lens:
             raise self.not_ready()
         return min(lens)
@@ -240,16 +241,20 @@ class Conductor(EngineClient):
     # -- registration (route on the Conductor's app) -----------------------------------------------
     async def register_route(self, request: Request) -> Response:
         if (denied := await verify_request(self._verifier, request)) is not None:
-            return JSONResponse({"error": denied}, status_code=401)
-        body = await request.json()
-        url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            return JSONResponse({"error": "url must be http(s)://host:port"}, status_code=400)
-        rec = self.registry.add(url)
-        if rec.instance_id != body.get("instance_id"):
+            return JSONResponse(Unauthorized(denied).to_dict(), status_code=Unauthorized.status)
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None  # not JSON: refused below as not a JSON object
+        try:
+            r = RegisterRequest.from_dict(body)
+        except BadRequest as e:
+            return JSONResponse(e.to_dict(), status_code=e.status)
+        rec = self.registry.add(r.url)
+        if rec.instance_id != r.instance_id:
             self.registry.mark_down(rec, "re-registered")  # re-read its info on the next poll
         await self.registry.poll(rec)
-        return JSONResponse({"registered": url, "up": rec.up})
+        return JSONResponse(RegisterReply(r.url, rec.up).to_dict())
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(
@@ -313,17 +318,17 @@ class Conductor(EngineClient):
 
     # -- statistics --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        up = [r for r in self.registry.records if r.up and r.state]
+        up = [r.state.stats for r in self.registry.records if r.up and r.state is not None]
         totals: dict[str, Any] = {}
-        for rec in up:
-            for k, v in rec.state.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "cache_version":
+        for stats in up:
+            for k, v in stats.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
                     totals[k] = totals.get(k, 0) + v
         if up:
             # What one request can use is one instance's cache, not the sum.
-            totals["num_blocks"] = min(r.state.get("num_blocks", 0) for r in up)
-            totals["block_size"] = up[0].state.get("block_size", 0)
-            totals["kv_cache_usage"] = sum(r.state.get("kv_cache_usage", 0.0) for r in up) / len(up)
+            totals["num_blocks"] = min(s.get("num_blocks", 0) for s in up)
+            totals["block_size"] = up[0].get("block_size", 0)
+            totals["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in up) / len(up)
         c = self.counters
         totals.update({
             "ready": self.is_ready,
@@ -341,7 +346,7 @@ class Conductor(EngineClient):
         if self._pool_stats is not None:
             pool = dict(self._pool_stats)
             for name in CLIENT_COUNTERS:  # what the instances read and wrote
-                pool[name] = sum(r.state.get("pool_client", {}).get(name, 0) for r in up)
+                pool[name] = sum(s.get("pool_client", {}).get(name, 0) for s in up)
             totals["pool"] = pool
         return totals
 

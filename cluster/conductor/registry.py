@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from cluster.policies.cost_model import InstanceProfile
 from cluster.conductor.client import InstanceClient
-from cluster.protocol import InstanceNotReady
+from cluster.protocol import CacheDelta, InstanceInfo, InstanceNotReady, InstanceState
 from engine.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -35,12 +35,12 @@ class InstanceRecord:
     up: bool = False
     instance_id: str | None = None
     role: str | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    info: InstanceInfo | None = None
     layout: KVLayout | None = None
     profile: InstanceProfile | None = None
     last_error: str | None = None
     failed_to_start: bool = False  # its engine could not load: it will not come up by itself
-    state: dict[str, Any] = field(default_factory=dict)
+    state: InstanceState | None = None
     cached: set[bytes] = field(default_factory=set)
     cache_version: int | None = None
     # Set while the instance is down: calls in flight to it give up (``InstanceClient``).
@@ -59,11 +59,13 @@ class InstanceRecord:
         return n
 
     def describe(self) -> dict[str, Any]:
+        stats = self.state.stats if self.state is not None else {}
         return {
             "url": self.url, "up": self.up, "role": self.role, "instance_id": self.instance_id,
-            "pid": self.info.get("pid"), "last_error": self.last_error, "cached_blocks": len(self.cached),
-            **{k: self.state.get(k) for k in ("num_running", "num_waiting", "num_free_blocks", "num_used_blocks",
-                                              "num_blocks", "num_reservations")},
+            "pid": self.info.pid if self.info is not None else None, "last_error": self.last_error,
+            "cached_blocks": len(self.cached),
+            **{k: stats.get(k) for k in ("num_running", "num_waiting", "num_free_blocks", "num_used_blocks",
+                                         "num_blocks", "num_reservations")},
         }
 
 
@@ -131,18 +133,18 @@ class Registry:
                 except InstanceNotReady as e:
                     rec.last_error, rec.failed_to_start = str(e), e.fatal
                     return
-                if info["instance_id"] != rec.instance_id:
+                if info.instance_id != rec.instance_id:
                     # A new incarnation: whatever we thought it was doing or caching is gone.
                     self._on_new_incarnation(rec)
                     rec.cached, rec.cache_version = set(), None
-                rec.info, rec.instance_id, rec.role = info, info["instance_id"], info["role"]
-                rec.layout = KVLayout.from_dict(info["layout"])
-                rec.profile = InstanceProfile.from_dict(info["profile"])
+                rec.info, rec.instance_id, rec.role = info, info.instance_id, info.role
+                rec.layout = KVLayout.from_dict(info.layout)
+                rec.profile = InstanceProfile.from_dict(info.profile)
             state = await self.client.state(rec.url, rec.cache_version, self.poll_timeout_s)
-            if state["instance_id"] != rec.instance_id:
+            if state.instance_id != rec.instance_id:
                 self.mark_down(rec, "restarted")
                 return
-            self._apply_cache(rec, state)
+            self._apply_cache(rec, state.cache)
             rec.state = state
             if not rec.up:
                 rec.up, rec.last_error, rec.failed_to_start = True, None, False
@@ -152,11 +154,10 @@ class Registry:
             self.mark_down(rec, f"{type(e).__name__}: {e}")
 
     @staticmethod
-    def _apply_cache(rec: InstanceRecord, state: dict[str, Any]) -> None:
-        keys = state.pop("cached_keys", None)
-        if keys is not None:
-            rec.cached = {bytes.fromhex(k) for k in keys}
+    def _apply_cache(rec: InstanceRecord, cache: CacheDelta) -> None:
+        if cache.full is not None:
+            rec.cached = set(cache.full)
         else:
-            rec.cached.update(bytes.fromhex(k) for k in state.pop("cached_added"))
-            rec.cached.difference_update(bytes.fromhex(k) for k in state.pop("cached_removed"))
-        rec.cache_version = state["cache_version"]
+            rec.cached.update(cache.added)
+            rec.cached.difference_update(cache.removed)
+        rec.cache_version = cache.version

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import httpx
 
-from cluster.protocol import CONTROL, MESSENGER, STAGE_PING, ControlAuth, StageJoin, StageLinks, StageSpec
+from cluster.protocol import CONTROL, MESSENGER, ControlAuth, StageJoin, StageLinks, StagePing, StageSpec
 from cluster.protocol import StageSpecReply, derive_key
 from cluster.instance.kv_stream import KVSender
 from cluster.pool.config import model_identity
@@ -226,7 +226,7 @@ class StageGroup:
 
 def ping(transfer: Messenger, address: str) -> bool:
     try:
-        status, _ = transfer.call(address, {"op": STAGE_PING})
+        status, _ = transfer.call(address, StagePing().to_dict())
     except TransferError:
         return False
     return status == Status.OK

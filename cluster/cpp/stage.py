@@ -3,12 +3,12 @@
 The first stage (the prefill instance the Conductor talks to) runs the scheduler and its own
 layers, then hands each step on through its ``StageLink`` (its ``ModelRunner.downstream``): the
 hidden states and residual are written into the next stage's registered receive buffer, and a
-``stage_step`` call carries the ``StageStep``. The receiver copies them out before it answers,
+``StageStepCall`` carries the ``StageStep``. The receiver copies them out before it answers,
 so the buffer is free for the step after. A ``StageWorker`` runs its layers on each step in
 order on its own thread and hands the result on the same way; the last stage writes the sampled
-rows' logits into the first stage's buffer with a ``stage_logits`` call. The first stage waits
+rows' logits into the first stage's buffer with a ``StageLogits`` call. The first stage waits
 only for steps that sample, so chunk k+1 computes on the first stage while chunk k is on the
-second.
+second. Every call between stages is a message of ``cluster/protocol.py``.
 
 With the KVCache pool, each later stage reads and writes its own layers of the objects the
 first stage leases and reserves (``cluster.cpp.pool_share.StagePool``, driven through the link's
@@ -18,13 +18,14 @@ first stage leases and reserves (``cluster.cpp.pool_share.StagePool``, driven th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -32,12 +33,18 @@ from cluster.instance.kv_stream import KVDestination, KVSender
 from cluster.cpp.pool_share import StagePool
 from cluster.messenger import RegionHandle, Messenger, TransferError
 from cluster.messenger.wire import Status
-from cluster.protocol import STAGE_PING
+from cluster.protocol import (
+    BadRequest, StageExpect, StageFinish, StageFinishReply, StageLogits, StagePing, StagePoolLoad, StagePoolLoadReply,
+    StagePoolStore, StagePoolStoreEnd, StagePoolStoreEndReply, StagePoolStoreReply, StagePoolUnload, StageStepCall,
+    TensorSlot)
 from engine.config import parse_dtype
 from engine.hooks import PromptChunk, sinks_on_layer
 from engine.model_runner import ModelRunner, StageStep
 
 log = logging.getLogger(__name__)
+
+Call = StageExpect | StageFinish | StagePoolLoad | StagePoolStore | StagePoolStoreEnd  # the first stage's calls
+R = TypeVar("R", StageFinishReply, StagePoolLoadReply, StagePoolStoreReply, StagePoolStoreEndReply)
 
 
 @dataclass(frozen=True)
@@ -64,39 +71,38 @@ class _Mailbox:
     def peer(self) -> StagePeer:
         return StagePeer(self.transfer.address, self.inbox_handle)
 
-    def post(self, to: StagePeer, body: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-        """Write ``tensors`` into ``to``'s inbox, then make the call ``body`` (with their
-        layout): the peer has copied them out once it answers. Raises ``TransferError``."""
+    def post(self, to: StagePeer, message: StageStepCall | StageLogits, tensors: list[torch.Tensor]) -> None:
+        """Write ``tensors`` into ``to``'s inbox, then send ``message`` with their slots: the
+        peer has copied them out once it answers. Raises ``TransferError``."""
         with self._lock:
-            layout, offset = [], 0
+            slots, offset = [], 0
             for t in tensors:
                 raw = t.detach().contiguous().view(-1).view(torch.uint8)
                 if offset + raw.numel() > self.outbox.numel():
                     raise TransferError(f"a step of {offset + raw.numel()} bytes does not fit the stage buffers")
                 self.outbox[offset : offset + raw.numel()].copy_(raw.cpu())
-                layout.append({"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "offset": offset})
+                slots.append(TensorSlot(list(t.shape), str(t.dtype).removeprefix("torch."), offset))
                 offset += raw.numel()
             if offset:
                 self.transfer.write_sync(to.address, [(self.outbox_handle, 0, to.region, 0, offset)],
                                          timeout=self.timeout_s)
-            status, answer = self.transfer.call(to.address, {**body, "tensors": layout})
+            status, answer = self.transfer.call(to.address, dataclasses.replace(message, tensors=slots).to_dict())
             if status != Status.OK:
-                raise TransferError(f"stage {to.address} refused {body['op']}: {answer.get('reason', status)}")
+                raise TransferError(f"stage {to.address} refused {message.OP}: {answer.get('reason', status)}")
 
-    def take(self, layout: list[dict[str, Any]]) -> list[torch.Tensor]:
+    def take(self, slots: list[TensorSlot]) -> list[torch.Tensor]:
         """The tensors a ``post`` wrote into this inbox, copied out."""
         out = []
-        for d in layout:
-            dtype = parse_dtype(str(d["dtype"]))
-            shape = [int(n) for n in d["shape"]]
+        for slot in slots:
+            dtype = parse_dtype(slot.dtype)
             count = 1
-            for n in shape:
+            for n in slot.shape:
                 count *= n
             nbytes = count * torch.empty((), dtype=dtype).element_size()
-            start = int(d["offset"])
+            start = slot.offset
             if start < 0 or start + nbytes > self.inbox.numel():
                 raise ValueError("a tensor outside the stage buffer")
-            out.append(self.inbox[start : start + nbytes].view(dtype).view(shape).clone())
+            out.append(self.inbox[start : start + nbytes].view(dtype).view(slot.shape).clone())
         return out
 
 
@@ -113,8 +119,8 @@ class StageLink:
         self._waiting: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._failed: str | None = None
-        transfer.serve(self._on_logits, ("stage_logits",))
-        transfer.serve(_pong, (STAGE_PING,))  # the later stages' liveness checks
+        transfer.serve(self._on_logits, (StageLogits.OP,))
+        transfer.serve(_pong, (StagePing.OP,))  # the later stages' liveness checks
 
     @property
     def peer(self) -> StagePeer:
@@ -133,7 +139,7 @@ class StageLink:
         if self.next is None:
             raise RuntimeError("the stage link has no next stage")
         try:
-            self._box.post(self.next, {"op": "stage_step", "step": step.to_dict()}, list(hidden))
+            self._box.post(self.next, StageStepCall(step.to_dict()), list(hidden))
         except TransferError as exc:
             self.fail(f"the next stage did not take step {step.step_id}: {exc}")
             if not future.done():  # a step that does not sample fails too: its chunk is lost
@@ -146,21 +152,19 @@ class StageLink:
     def expect(self, request_id: str, dest: KVDestination) -> None:
         """Have every later stage stream its layers of the request's KV to ``dest`` (before the
         request's first step). Raises ``TransferError``."""
-        for peer in self.followers:
-            status, answer = self._transfer.call(peer.address, {"op": "stage_expect", "request_id": request_id,
-                                                                "dest": dest.to_dict()})
-            if status != Status.OK:
-                raise TransferError(f"stage {peer.address} cannot stream {request_id}: {answer.get('reason')}")
+        self._ask_followers(StageExpect(request_id, dest.to_dict()))
 
     def finish(self, request_id: str) -> None:
         """Wait until every later stage's KV writes of the request have landed. Raises
         ``TransferError`` with the first stage's failure."""
         errors = []
         for peer in self.followers:
-            status, answer = self._transfer.call(peer.address, {"op": "stage_finish", "request_id": request_id,
-                                                                "timeout_s": self._timeout_s})
-            if status != Status.OK or answer.get("error"):
-                errors.append(f"{peer.address}: {answer.get('error') or answer.get('reason') or status}")
+            try:
+                error = self._call(peer, StageFinish(request_id, self._timeout_s), StageFinishReply).error
+            except TransferError as exc:
+                error = str(exc)
+            if error:
+                errors.append(f"{peer.address}: {error}")
         if errors:
             raise TransferError("; ".join(errors))
 
@@ -168,8 +172,7 @@ class StageLink:
         """Have every later stage read and verify its layers of the objects ``leases`` (a
         ``PoolRead.leases`` of this stage's read) names; how many objects, from the first, each
         holds intact. Raises ``TransferError``."""
-        return [int(answer["good"]) for answer in self._ask_followers(
-            {"op": "stage_pool_load", "request_id": request_id, "leases": leases})]
+        return [r.good for r in self._ask_followers(StagePoolLoad(request_id, leases), StagePoolLoadReply)]
 
     def pool_unload(self, request_id: str) -> None:
         """The later stages let go of the request's load, each once it has run every step sent
@@ -180,9 +183,8 @@ class StageLink:
         """Have every later stage write its layers of the objects ``reservation`` (a
         ``PoolWrite.reservation``) as the prompt's last step computes them. Raises
         ``TransferError`` (then end it on every stage with ``pool_store_end``)."""
-        for answer in self._ask_followers({"op": "stage_pool_store", "request_id": request_id,
-                                           "reservation": reservation, "first_blocks": first_blocks}):
-            if not answer.get("ok"):
+        for r in self._ask_followers(StagePoolStore(request_id, reservation, first_blocks), StagePoolStoreReply):
+            if not r.ok:
                 raise TransferError("a later stage has no pool staging free")
 
     def pool_store_end(self, request_id: str, commit: bool) -> list[list[list[int]] | None]:
@@ -191,21 +193,24 @@ class StageLink:
         out = []
         for peer in self.followers:
             try:
-                status, answer = self._transfer.call(peer.address, {"op": "stage_pool_store_end",
-                                                                    "request_id": request_id, "commit": commit})
+                out.append(self._call(peer, StagePoolStoreEnd(request_id, commit), StagePoolStoreEndReply).checksums)
             except TransferError:
-                status, answer = Status.INTERNAL, {}
-            out.append(answer.get("checksums") if status == Status.OK else None)
+                out.append(None)
         return out
 
-    def _ask_followers(self, body: dict) -> list[dict]:
-        answers = []
-        for peer in self.followers:
-            status, answer = self._transfer.call(peer.address, body)
-            if status != Status.OK:
-                raise TransferError(f"stage {peer.address} refused {body['op']}: {answer.get('reason', status)}")
-            answers.append(answer)
-        return answers
+    def _call(self, peer: StagePeer, message: Call, reply: type[R] | None = None) -> R | None:
+        """``message`` to ``peer``, its answer as ``reply``. Raises ``TransferError`` when the
+        peer cannot be reached, refuses, or answers something else."""
+        status, answer = self._transfer.call(peer.address, message.to_dict())
+        if status != Status.OK:
+            raise TransferError(f"stage {peer.address} refused {message.OP}: {answer.get('reason', status)}")
+        try:
+            return None if reply is None else reply.from_dict(answer)
+        except BadRequest as exc:
+            raise TransferError(f"stage {peer.address} answered {message.OP} wrongly: {exc}") from None
+
+    def _ask_followers(self, message: Call, reply: type[R] | None = None) -> list[R | None]:
+        return [self._call(peer, message, reply) for peer in self.followers]
 
     def fail(self, reason: str) -> None:
         """Every step waiting fails, and so does every later one: a stage is gone."""
@@ -216,13 +221,13 @@ class StageLink:
             future.set_exception(TransferError(reason))
 
     def _on_logits(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
-        step_id = int(request["step_id"])
-        if request.get("error"):
-            self.fail(f"stage failed at step {step_id}: {request['error']}")
+        m = StageLogits.from_dict(request)
+        if m.error:
+            self.fail(f"stage failed at step {m.step_id}: {m.error}")
             return Status.OK, {}
-        (logits,) = self._box.take(request["tensors"])
+        (logits,) = self._box.take(m.tensors)
         with self._lock:
-            future = self._waiting.pop(step_id, None)
+            future = self._waiting.pop(m.step_id, None)
         if future is not None:
             future.set_result(logits)
         return Status.OK, {}
@@ -248,11 +253,10 @@ class StageWorker:
         self.next: StagePeer | None = None
         self.first: StagePeer | None = None
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
-        transfer.serve(self._on_step, ("stage_step",))
-        transfer.serve(self._on_kv, ("stage_expect", "stage_finish"))
-        transfer.serve(self._on_pool, ("stage_pool_load", "stage_pool_unload", "stage_pool_store",
-                                       "stage_pool_store_end"))
-        transfer.serve(_pong, (STAGE_PING,))  # the first stage's liveness checks
+        transfer.serve(self._on_step, (StageStepCall.OP,))
+        transfer.serve(self._on_kv, (StageExpect.OP, StageFinish.OP))
+        transfer.serve(self._on_pool, (StagePoolLoad.OP, StagePoolUnload.OP, StagePoolStore.OP, StagePoolStoreEnd.OP))
+        transfer.serve(_pong, (StagePing.OP,))  # the first stage's liveness checks
         self._thread = threading.Thread(target=self._loop, name="stage worker", daemon=True)
         self._thread.start()
 
@@ -265,38 +269,44 @@ class StageWorker:
         self._thread.join(timeout=10)
 
     def _on_step(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
-        step = StageStep.from_dict(request["step"])
-        x, residual = self._box.take(request["tensors"])
-        self._steps.put((step, (x, residual)))
+        m = StageStepCall.from_dict(request)
+        x, residual = self._box.take(m.tensors)
+        self._steps.put((StageStep.from_dict(m.step), (x, residual)))
         return Status.OK, {}
 
     def _on_pool(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
         pool = self.pool
         if pool is None:
             return Status.UNSUPPORTED, {"reason": "this stage is not in a KVCache pool"}
-        op, request_id = request["op"], str(request["request_id"])
-        if op == "stage_pool_unload":
-            self._steps.put(("unload", request_id))  # behind every step sent before it
+        op = request["op"]
+        if op == StagePoolUnload.OP:
+            # Behind every step sent before it.
+            self._steps.put(("unload", StagePoolUnload.from_dict(request).request_id))
             return Status.OK, {}
-        if op == "stage_pool_load":
-            return Status.OK, {"good": pool.load(request_id, request["leases"])}
-        if op == "stage_pool_store":
-            return Status.OK, {"ok": pool.plan(request_id, request["reservation"], request["first_blocks"])}
-        return Status.OK, {"checksums": pool.end(request_id, bool(request["commit"]))}
+        if op == StagePoolLoad.OP:
+            load = StagePoolLoad.from_dict(request)
+            return Status.OK, StagePoolLoadReply(pool.load(load.request_id, load.leases)).to_dict()
+        if op == StagePoolStore.OP:
+            store = StagePoolStore.from_dict(request)
+            ok = pool.plan(store.request_id, store.reservation, store.first_blocks)
+            return Status.OK, StagePoolStoreReply(ok).to_dict()
+        end = StagePoolStoreEnd.from_dict(request)
+        return Status.OK, StagePoolStoreEndReply(pool.end(end.request_id, end.commit)).to_dict()
 
     def _on_kv(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
         if self.sender is None:
             return Status.UNSUPPORTED, {"reason": "this stage streams no KV"}
-        request_id = str(request["request_id"])
-        if request["op"] == "stage_expect":
-            self.sender.expect(request_id, KVDestination.from_dict(request["dest"]))
+        if request["op"] == StageExpect.OP:
+            expect = StageExpect.from_dict(request)
+            self.sender.expect(expect.request_id, KVDestination.from_dict(expect.dest))
             return Status.OK, {}
+        finish = StageFinish.from_dict(request)
         try:
             # The Messenger's connection thread: the sender's wait needs a loop of its own.
-            asyncio.run(self.sender.finish(request_id, float(request["timeout_s"])))
+            asyncio.run(self.sender.finish(finish.request_id, finish.timeout_s))
         except TransferError as exc:
-            return Status.OK, {"error": str(exc)}
-        return Status.OK, {}
+            return Status.OK, StageFinishReply(str(exc) or type(exc).__name__).to_dict()
+        return Status.OK, StageFinishReply().to_dict()
 
     def _on_layer(self, step: StageStep) -> Callable[[int], None] | None:
         chunks = [PromptChunk.from_dict(c) for c in step.chunks] if self._sinks else []
@@ -325,14 +335,13 @@ class StageWorker:
                 out = self.runner.run_stage(step, hidden, self._on_layer(step), before_layer)
                 if self.runner.model.last:
                     if step.rows:
-                        self._box.post(self.first, {"op": "stage_logits", "step_id": step.step_id}, [out])
+                        self._box.post(self.first, StageLogits(step.step_id), [out])
                 else:
-                    self._box.post(self.next, {"op": "stage_step", "step": step.to_dict()}, list(out))
+                    self._box.post(self.next, StageStepCall(step.to_dict()), list(out))
             except Exception as exc:  # noqa: BLE001 -- told to the first stage, which fails the requests
                 log.exception("stage: step %d failed", step.step_id)
                 try:
-                    self._box.post(self.first, {"op": "stage_logits", "step_id": step.step_id,
-                                                "error": f"{type(exc).__name__}: {exc}"}, [])
+                    self._box.post(self.first, StageLogits(step.step_id, error=f"{type(exc).__name__}: {exc}"), [])
                 except TransferError:
                     pass  # the first stage is gone too
 
@@ -340,10 +349,11 @@ class StageWorker:
 def _unload_at(transfer: Messenger, stage: StagePeer, request_id: str) -> None:
     """Tell ``stage`` to let go of the request's pool load once its earlier steps have run."""
     try:
-        transfer.notify(stage.address, {"op": "stage_pool_unload", "request_id": request_id})
+        transfer.notify(stage.address, StagePoolUnload(request_id).to_dict())
     except TransferError:
         pass  # the stage is gone, and its staging with it
 
 
 def _pong(request: dict, peer_hello: dict) -> tuple[Status, dict]:
+    StagePing.from_dict(request)
     return Status.OK, {}

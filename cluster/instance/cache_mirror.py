@@ -9,8 +9,8 @@ poller is new or too far behind.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
+from cluster.protocol import CacheDelta
 from engine.disaggregation import CacheReport
 
 _HISTORY = 4096  # published reports kept to answer "changes since version v"
@@ -33,12 +33,10 @@ class CacheMirror:
             self._history.append((self.version, report.version, report.added, report.removed))
         self.version = report.version
 
-    def report(self, since: int | None) -> dict[str, Any]:
-        """JSON for a poller that has ``since``: ``cached_keys`` (everything, hex) or
-        ``cached_added`` / ``cached_removed`` (changes since ``since``, applied in that order)."""
-        out: dict[str, Any] = {"cache_version": self.version}
+    def report(self, since: int | None) -> CacheDelta:
+        """What a poller that has ``since`` needs: every key, or the changes since ``since``."""
         if since is not None and since == self.version:
-            return {**out, "cached_added": [], "cached_removed": []}
+            return CacheDelta(self.version)
         # A poller only ever holds versions we published, so one at or after the oldest kept
         # report's starting version can be answered with the changes after it.
         if since is not None and self._history and self._history[0][0] <= since < self.version:
@@ -47,6 +45,6 @@ class CacheMirror:
                 if after > since:
                     net.update((k, True) for k in added)
                     net.update((k, False) for k in removed)
-            return {**out, "cached_added": [k.hex() for k, a in net.items() if a],
-                    "cached_removed": [k.hex() for k, a in net.items() if not a]}
-        return {**out, "cached_keys": [k.hex() for k in self.keys]}
+            return CacheDelta(self.version, None, [k for k, a in net.items() if a],
+                              [k for k, a in net.items() if not a])
+        return CacheDelta(self.version, list(self.keys))

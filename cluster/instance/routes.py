@@ -1,8 +1,9 @@
 """An instance's HTTP routes for the Conductor (all under ``/instance``, all authenticated with
 signed requests, ``cluster/protocol.py``), and ``/health`` / ``/stats``:
 
-* ``GET  /instance/info``     role, model facts, KV page layout, Messenger address, measured profile
-* ``GET  /instance/state``    load, free blocks, and the cached prefix keys (changes since ``since``)
+* ``GET  /instance/info``     role, model facts, KV page layout, measured profile (``InstanceInfo``)
+* ``GET  /instance/state``    load, free blocks, and the cached prefix keys, as changes since
+  ``since`` (``InstanceState``)
 * ``POST /instance/reserve``  hold blocks + a receive-staging range for a prompt's KV (a lease);
   507 when there is no room now
 * ``POST /instance/renew``    extend the leases of the Conductor's reservations here
@@ -125,11 +126,11 @@ class InstanceRoutes:
         return JSONResponse(self.s.stats())
 
     async def info(self, request: Request) -> Response:
-        return JSONResponse(self.s.info())
+        return JSONResponse(self.s.info().to_dict())
 
     async def state(self, request: Request) -> Response:
         since = request.query_params.get("since")
-        return JSONResponse(self.s.state(int(since) if since else None))
+        return JSONResponse(self.s.state(int(since) if since else None).to_dict())
 
     # -- requests ----------------------------------------------------------------------------------
     async def reserve(self, request: Request) -> Response:

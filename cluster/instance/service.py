@@ -37,6 +37,7 @@ from cluster.pool.metadata import connect_metadata
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
 from cluster.protocol import CONTROL, MESSENGER, ControlAuth, StageSpec, derive_key
+from cluster.protocol import InstanceInfo, InstanceState, PoolNaming, RegisterReply, RegisterRequest
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
@@ -107,7 +108,7 @@ class InstanceService:
         self.rendezvous = (StageRendezvous(config.stage_group, config.engine.stage[1])
                            if config.stage_group is not None else None)
         self.mirror = CacheMirror()
-        self._facts: dict[str, Any] = {}
+        self._info: InstanceInfo | None = None  # once ready
         self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -183,17 +184,17 @@ class InstanceService:
                 if sender is not None:  # a prefill instance stores its prompts layer by layer
                     pool_io = self.pool
                     await self.client.call(lambda _: handoff.add_sink(pool_io))
-                # What the Conductor needs to name a prompt's pool objects itself.
-                facts["pool"] = {"namespace": self.pool.geometry.namespace,
-                                 "blocks_per_object": self.pool.geometry.blocks_per_object}
             if sender is not None:
                 self.prefiller = Prefiller(self.client, sender, cfg.transfer_timeout_s, self.pool,
                                            self.stages.link if self.stages is not None else None)
             self.decoder = Decoder(self.client, self.receiver, self.pool)
             self.profile = await self.client.call(
                 lambda e: cached_profile(e, cfg.calibration_seed, cfg.recalibrate_after))
-            self._facts = {**facts, "layout": layout.to_dict(), "profile": self.profile.to_dict(),
-                           "transfer_address": transfer.address}
+            # With a pool, what the Conductor needs to name a prompt's pool objects itself.
+            naming = (None if self.pool is None else
+                      PoolNaming(self.pool.geometry.namespace, self.pool.geometry.blocks_per_object))
+            self._info = InstanceInfo(self.instance_id, cfg.role, os.getpid(), facts["max_model_len"],
+                                      layout.to_dict(), self.profile.to_dict(), naming)
             self._publish_cache(loop, handoff)
             self.ready = True
             self._tasks.append(asyncio.create_task(self.receiver.expire_forever()))
@@ -252,8 +253,7 @@ class InstanceService:
     @staticmethod
     def _engine_facts(e: LLMEngine) -> dict[str, Any]:
         return {"max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
-                "hidden_size": e.model_config.hidden_size,
-                "num_blocks": e.block_manager.num_blocks, "model_path": str(e.model_path)}
+                "hidden_size": e.model_config.hidden_size, "model_path": str(e.model_path)}
 
     def _publish_cache(self, loop: asyncio.AbstractEventLoop, handoff: KVHandoff) -> None:
         """After every engine step, hand what changed in the prefix cache to the event loop."""
@@ -274,7 +274,7 @@ class InstanceService:
 
     async def _register_forever(self) -> None:
         url = self.config.conductor.rstrip("/") + "/cluster/register"
-        body = {"url": self.config.url, "instance_id": self.instance_id}
+        body = RegisterRequest(self.config.url, self.instance_id).to_dict()
         async with httpx.AsyncClient(timeout=5.0, auth=ControlAuth(derive_key(self.config.secret, CONTROL))) as http:
             while True:
                 if time.monotonic() - self.last_polled > 5.0:
@@ -282,19 +282,24 @@ class InstanceService:
                         r = await http.post(url, json=body)
                         if r.status_code != 200:
                             log.warning("conductor refused registration: %s %s", r.status_code, r.text)
+                        else:
+                            reply = RegisterReply.from_dict(r.json())
+                            log.info("registered with the conductor %s (%s)", self.config.conductor,
+                                     "up" if reply.up else "not up yet")
                     except httpx.HTTPError as e:
                         log.info("conductor %s not reachable yet (%s)", self.config.conductor, e)
+                    except ValueError as e:  # not JSON, or not a RegisterReply: try again all the same
+                        log.warning("conductor answered registration wrongly: %s", e)
                 await asyncio.sleep(1.0)
 
     # -- what the Conductor polls ------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    def info(self) -> InstanceInfo:
         self.last_polled = time.monotonic()
-        return {"instance_id": self.instance_id, "pid": os.getpid(), "role": self.config.role,
-                "url": self.config.url, **self._facts}
+        return self._info
 
-    def state(self, since: int | None) -> dict[str, Any]:
+    def state(self, since: int | None) -> InstanceState:
         self.last_polled = time.monotonic()
-        return {"instance_id": self.instance_id, **self.stats(), **self.mirror.report(since)}
+        return InstanceState(self.instance_id, self.mirror.report(since), self.stats())
 
     def stats(self) -> dict[str, Any]:
         s = self.client.stats()
