@@ -311,7 +311,9 @@ def _start_pool(args: argparse.Namespace, secret: str, host: str):
     """The Conductor's view of the pool (a ``PoolClient`` on its metadata), the metadata server
     it runs when there is no etcd (or None), and the flags its instances get to join."""
     from cluster.pool import PoolClient
-    from cluster.pool.metadata import EtcdMetadata, LocalMetadata, MetadataServer
+    from cluster.pool.metadata.embedded import MetadataServer
+    from cluster.pool.metadata.etcd import EtcdMetadata
+    from cluster.pool.metadata.local import LocalMetadata
 
     if args.etcd:
         return PoolClient(None, EtcdMetadata(args.etcd)), None, []

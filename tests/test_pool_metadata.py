@@ -22,17 +22,10 @@ import pytest
 
 from cluster.conductor.supervisor import free_port
 from cluster.protocol import CONTROL, ControlAuth, derive_key
-from cluster.pool.metadata import (
-    METADATA_PURPOSE,
-    EtcdMetadata,
-    HttpMetadata,
-    LeaseGone,
-    LocalMetadata,
-    MetadataServer,
-    MetadataStore,
-    MetadataUnavailable,
-    connect_metadata,
-)
+from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable, connect_metadata
+from cluster.pool.metadata.embedded import METADATA_PURPOSE, HttpMetadata, MetadataServer
+from cluster.pool.metadata.etcd import EtcdMetadata
+from cluster.pool.metadata.local import LocalMetadata
 
 SECRET = b"pool-metadata-test-secret-0123456789"
 

@@ -13,7 +13,7 @@ import torch
 
 from cluster.pool import PoolClient, PoolFull, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.client import SEGMENTS, NewObject
-from cluster.pool.metadata import LocalMetadata
+from cluster.pool.metadata.local import LocalMetadata
 from cluster.pool.objects import part_checksums
 from cluster.messenger import MessengerConfig, Messenger
 
