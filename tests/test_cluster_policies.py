@@ -4,14 +4,8 @@ import math
 
 import pytest
 
-from cluster.policies.early_rejection import (
-    SLO,
-    AcceptAll,
-    EarlyRejection,
-    LateBindingRejection,
-    PerStageRejection,
-    PredictiveEarlyRejection,
-)
+from bench.sim.baselines import LateBindingRejection, PerStageRejection
+from cluster.policies.early_rejection import SLO, AcceptAll, EarlyRejection, PredictiveEarlyRejection
 from cluster.policies.cost_model import (
     A800_X8,
     LLAMA3_70B,

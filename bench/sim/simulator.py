@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from bench.sim.baselines import LateBindingRejection, PerStageRejection
 from bench.sim.config import SimConfig
 from bench.sim.decode import DecodeInstance
 from bench.sim.prefill import PrefillInstance
@@ -38,8 +39,6 @@ from cluster.policies.early_rejection import (
     AcceptAll,
     AdmissionPolicy,
     EarlyRejection,
-    LateBindingRejection,
-    PerStageRejection,
     PredictiveEarlyRejection,
     current_decode_load,
 )

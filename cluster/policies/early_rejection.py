@@ -6,15 +6,14 @@ TBT limit (the SLO times ``tbt_target``); a stage is overloaded at load >= 1. Ev
 node's own double check, since its load may have changed during prefill).
 
 * ``AcceptAll`` — no control (the scheduling experiments).
-* ``PerStageRejection`` — the baseline: each stage judges only its own load when the request
-  reaches it, so a request refused by decode has already spent its prefill.
 * ``EarlyRejection`` — also refuse on arrival when the decode pool is loaded *now*. It reacts
   one prefill time late, which makes prefill and decode loads swing in anti-phase.
 * ``PredictiveEarlyRejection`` — judge the decode pool as it will be when the request gets
   there: requests finishing prefill by then have joined, and every running request is assumed to
   decode for a uniform ``t_d`` seconds (the paper's system-level prediction).
-* ``LateBindingRejection`` — ours: the decode instance is chosen when the KV is ready, so a
-  request is refused after prefill only when no decode instance has room.
+
+These three are what the live Conductor offers. The simulator's other baselines (per-stage
+rejection, late decode binding) are in ``bench/sim/baselines.py``, on the same ``AdmissionPolicy``.
 """
 
 from __future__ import annotations
@@ -115,19 +114,6 @@ class AcceptAll(AdmissionPolicy):
         return planned
 
 
-class PerStageRejection(AdmissionPolicy):
-    def on_arrival(
-        self,
-        now: float,
-        request: RequestInfo,
-        prefill: PrefillPlan,
-        decode: DecodePlan,
-        decode_pool: Sequence[DecodeInstanceState],
-    ) -> Decision:
-        load = self.prefill_load(prefill)
-        return Decision(load < 1.0, load, current_decode_load(self.step, self.slo, decode_pool))
-
-
 class EarlyRejection(AdmissionPolicy):
     """The decode node's check, moved before prefill: the chosen instance's TBT now, with the request."""
 
@@ -199,25 +185,3 @@ class PredictiveEarlyRejection(AdmissionPolicy):
             total += self.step.step_s(batch, max(context, 0))
         d_load = total / (len(decode_pool) * self.tbt_limit)
         return Decision(max(p_load, d_load) < 1.0, p_load, d_load)
-
-
-class LateBindingRejection(PerStageRejection):
-    """Ours: bind the decode instance when the KV is ready; refuse after prefill only if none fits.
-
-    The paper fixes the decode instance at arrival, so a request is refused after its prefill
-    whenever that one instance is full, even if another has room. Here the decode side takes,
-    when the KV arrives, the planned instance if it fits, else the least loaded one that fits
-    (the KV, already in the planned node's DRAM, is copied over at the transfer bandwidth).
-    On arrival only the TTFT is judged: a decode check then, on the pool as it is *now*,
-    refused many requests for which an instance had room by the time their KV was ready.
-    """
-
-    def on_decode(
-        self, request: RequestInfo, decode_pool: Sequence[DecodeInstanceState], planned: int
-    ) -> int | None:
-        fitting = [s for s in decode_pool if self.fits(request, s)]
-        if not fitting:
-            return None
-        if any(s.index == planned for s in fitting):
-            return planned
-        return min(fitting, key=lambda s: self.step.step_s(s.batch_size, s.context_tokens)).index
