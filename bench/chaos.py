@@ -116,7 +116,10 @@ class ChaosConfig:
     stall_s: float = 5.0
     restart_timeout_s: float = 240.0
     probe_timeout_s: float = 90.0
-    drain_s: float = 20.0
+    # How long the quiet cluster may take to release everything. A receive staging range whose
+    # reservation ended unsettled (its writer may still be late) is reused only after twice the
+    # transfer timeout: 60 s at the shipped 30 s. The wait ends as soon as nothing is held.
+    drain_s: float = 75.0
     health_timeout_s: float = 300.0
     seed: int = 0
     log_path: Path = Path("out") / "chaos" / "server.log"

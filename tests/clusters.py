@@ -1,8 +1,8 @@
 """A `python -m server` cluster for the tests that drive real processes (``bench/harness.py``
 starts, watches and stops it, as it does for the benchmarks).
 
-Every test cluster runs the default model, in float32 unless a module asks otherwise (there a
-greedy answer does not depend on what it was batched with), one thread per instance, small KV and staging, a 3 s transfer timeout
+Every test cluster runs the default model in float32 (where a greedy answer does not depend on
+what it was batched with), one thread per instance, small KV and staging, a 3 s transfer timeout
 and a 30 s reservation lease, with a secret of its own; a module adds the flags its scenarios
 need. After each scenario ``assert_clean`` checks that no instance still holds anything.
 """
@@ -15,13 +15,13 @@ from typing import Any
 
 import httpx
 
-from bench.harness import ServerProcess, launch_server
+from bench.harness import ServerProcess, launch_server, until
 from cluster.protocol import CONTROL, ControlAuth, derive_key
 
 SECRET = "cluster test secret 0123456789"
 CONTROL_AUTH = ControlAuth(derive_key(SECRET.encode(), CONTROL))  # signs control calls as the Conductor does
 STARTUP_S = 300
-TEST_FLAGS = ("--instance-threads", "1", "--kv-cache-gib", "0.25", "--staging-gib", "0.1",
+TEST_FLAGS = ("--dtype", "float32", "--instance-threads", "1", "--kv-cache-gib", "0.25", "--staging-gib", "0.1",
               "--transfer-timeout-s", "3", "--reservation-lease-s", "30")
 
 
@@ -35,12 +35,10 @@ class Cluster:
     """``python -m server`` with ``TEST_FLAGS`` + ``flags``, up once the Conductor counts
     ``instances`` instances up; ``http`` is a client of its public port."""
 
-    def __init__(self, flags: Sequence[str], instances: int, workdir: Path, *, dtype: str | None = "float32",
-                 log_level: str = "info", env: dict[str, str] | None = None) -> None:
-        """``dtype`` None: the CPU's default precision."""
-        precision = [] if dtype is None else ["--dtype", dtype]
+    def __init__(self, flags: Sequence[str], instances: int, workdir: Path, *, log_level: str = "info",
+                 env: dict[str, str] | None = None) -> None:
         self.server: ServerProcess = launch_server(
-            [*TEST_FLAGS, *precision, *flags, "--log-level", log_level], workdir / "cluster.log", name="test cluster",
+            [*TEST_FLAGS, *flags, "--log-level", log_level], workdir / "cluster.log", name="test cluster",
             # One OpenMP thread per process: on 2 shared cores a second one that gets descheduled
             # stalls every parallel region.
             env={"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1", **(env or {})})
@@ -64,6 +62,20 @@ class Cluster:
 
     def log(self) -> str:
         return self.server.log()
+
+    def cache_version(self, url: str) -> int:
+        """The version of the cached prefix keys instance ``url`` publishes now."""
+        return self.instance_stats(url)["cache_version"]
+
+    def wait_until_conductor_sees_cache(self, url: str, since: int, within_s: float = 30.0) -> None:
+        """Wait until the Conductor's view of ``url``'s cached prefixes includes what the instance
+        cached after its cache was at version ``since`` (placement decides by that view)."""
+        def seen() -> bool:
+            now = self.cache_version(url)
+            (rec,) = [i for i in self.instances() if i["url"] == url]
+            return now > since and (rec["cache_version"] or -1) >= now
+
+        until(seen, within_s, f"the Conductor to see what {url} cached", every_s=0.1)
 
     # -- requests and checks -------------------------------------------------------------------------
     def complete(self, prompt: str | list, **params: Any) -> dict[str, Any]:

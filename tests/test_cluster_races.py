@@ -51,14 +51,16 @@ def _thaw(pid: int) -> None:
     _frozen.discard(pid)
 
 
-# As tests/test_cluster.py's cluster, in the CPU's default precision, with instances that take up
-# to 2048 prompt tokens in one engine step: a ~1100-token prompt is one step of seconds.
+# As tests/test_cluster.py's cluster, with instances that take up to 2048 prompt tokens in one
+# engine step: a ~1100-token prompt is one step of seconds. (The engine settings equal
+# tests/test_pool_cluster.py's, so the instances load the profile its instances calibrated, or
+# the other way round.)
 FLAGS = ("--prefill-instances", "2", "--decode-instances", "2", "--no-pool", "--max-num-batched-tokens", "2048")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    c = Cluster(FLAGS, 4, tmp_path_factory.mktemp("races"), dtype=None)
+    c = Cluster(FLAGS, 4, tmp_path_factory.mktemp("races"))
     try:
         yield c
     finally:
@@ -224,13 +226,12 @@ def test_a_client_leaving_during_a_migration_leaks_nothing(cluster):
     prefix = _words("hotprefix", 60)  # ~200 tokens: a dozen full blocks
     prefills = [i["url"] for i in cluster.instances("prefill")]
     computed = {u: cluster.instance_stats(u)["num_prompt_tokens_computed"] for u in prefills}
-    known = {i["url"]: i["cached_blocks"] for i in cluster.instances("prefill")}
+    versions = {u: cluster.cache_version(u) for u in prefills}
     cluster.complete(prefix + " Question one?", temperature=0, max_tokens=2)
     holder = [u for u in prefills if cluster.instance_stats(u)["num_prompt_tokens_computed"] > computed[u]]
     assert len(holder) == 1
     # The prefix is cached where it was computed; the Conductor learns it from its next poll.
-    until(lambda: _instance(cluster, holder[0])["cached_blocks"] >= known[holder[0]] + 8, 30,
-          "the Conductor to learn which instance holds the prefix", every_s=0.1)
+    cluster.wait_until_conductor_sees_cache(holder[0], versions[holder[0]])
     before = _conductor_stats(cluster)
 
     async def scenario():

@@ -2,8 +2,9 @@
 
 A cluster (`python -m server`: a Conductor over 2 prefill + 1 decode instances of the default
 model, contributing no DRAM of their own, 64-token pool objects) and a standalone pool node
-(`python -m cluster.pool`) that holds every object, so the node is the only replica. The module
-runs twice: on the Conductor's embedded metadata server and on a real etcd.
+(`python -m cluster.pool`) that holds every object, so the node is the only replica. Each
+scenario that reads or writes the pool's index runs twice: on the Conductor's embedded metadata
+server and on a real etcd.
 
 To make a request run on the prefill instance that does *not* hold its prefix (so the prefix can
 only come from the pool), the holder is kept busy first with a long prompt that shares the prefix
@@ -149,7 +150,13 @@ class PoolCluster(Cluster):
         super().close()
 
 
-@pytest.fixture(scope="module", params=["embedded", "etcd"])
+# What reads or writes the pool's index runs on both metadata backends; what happens inside a
+# pool node's segment (its checksums, its SSD tier) only on the embedded one.
+ON_BOTH_BACKENDS = pytest.mark.parametrize("cluster", ["embedded", "etcd"], indirect=True)
+ON_EMBEDDED = pytest.mark.parametrize("cluster", ["embedded"], indirect=True)
+
+
+@pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     etcd = request.getfixturevalue("etcd_url") if request.param == "etcd" else None
     c = PoolCluster(etcd, tmp_path_factory.mktemp(f"pool-{request.param}"))
@@ -196,6 +203,7 @@ def _asked_on_the_other_instance(cluster: PoolCluster, colocated: LLM, prefix: s
     return got
 
 
+@ON_BOTH_BACKENDS
 def test_a_prefix_computed_on_one_instance_is_loaded_by_the_other(cluster, colocated):
     cluster.start_node()
     prefix, holder = _stored_from_one_instance(cluster, "shared")
@@ -214,6 +222,7 @@ def test_a_prefix_computed_on_one_instance_is_loaded_by_the_other(cluster, coloc
     cluster.assert_clean()
 
 
+@ON_BOTH_BACKENDS
 def test_kill_9_of_the_only_replica_mid_load_recomputes_and_its_objects_leave(cluster, colocated):
     segment_id = cluster.start_node()
     prefix, holder = _stored_from_one_instance(cluster, "doomed")
@@ -270,6 +279,7 @@ def _flip_a_byte_of_every_object(cluster: PoolCluster, segment_id: str) -> int:
     return len(grants)
 
 
+@ON_EMBEDDED
 def test_a_corrupted_object_is_detected_and_recomputed(cluster, colocated):
     segment_id = cluster.start_node()
     prefix, holder = _stored_from_one_instance(cluster, "flipped")
@@ -282,6 +292,7 @@ def test_a_corrupted_object_is_detected_and_recomputed(cluster, colocated):
     cluster.assert_clean()
 
 
+@ON_EMBEDDED
 def test_past_the_high_water_mark_objects_go_to_ssd_and_come_back(cluster, colocated):
     # A node with room for about a dozen objects: filling it demotes the least recently used.
     cluster.start_node(dram_gib=0.04, ssd_gib=0.5)
@@ -299,6 +310,7 @@ def test_past_the_high_water_mark_objects_go_to_ssd_and_come_back(cluster, coloc
     cluster.stop_node()
 
 
+@ON_BOTH_BACKENDS
 def test_a_second_turn_hits_the_first_turns_output(cluster, colocated):
     cluster.start_node()
     first = _words("turn", 40) + " Tell me a long story about the sea."

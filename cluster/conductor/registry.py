@@ -63,7 +63,9 @@ class InstanceRecord:
         return {
             "url": self.url, "up": self.up, "role": self.role, "instance_id": self.instance_id,
             "pid": self.info.pid if self.info is not None else None, "last_error": self.last_error,
-            "cached_blocks": len(self.cached),
+            # The instance's cache_version this view is at: compare with the instance's own /stats
+            # to tell whether the Conductor has seen its latest cached prefixes.
+            "cached_blocks": len(self.cached), "cache_version": self.cache_version,
             **{k: stats.get(k) for k in ("num_running", "num_waiting", "num_free_blocks", "num_used_blocks",
                                          "num_blocks", "num_reservations")},
         }

@@ -305,6 +305,7 @@ class InstanceService:
         s = self.client.stats()
         s["role"] = self.config.role
         s["num_reservations"] = len(self.receiver) if self.receiver is not None else 0
+        s["cache_version"] = self.mirror.version  # of the cached prefix keys the Conductor polls
         for name, area in (("send", self.send), ("recv", self.recv)):
             if area is not None:
                 s[f"staging_{name}_free_bytes"] = area.num_free_bytes
