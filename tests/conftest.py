@@ -18,14 +18,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
 
-from cluster.conductor.supervisor import free_port
+from bench.harness import free_port, until
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -66,10 +65,10 @@ def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             except (httpx.HTTPError, ValueError):
                 return False
 
-        deadline = time.monotonic() + 15.0
-        while not healthy():
-            assert time.monotonic() < deadline, f"etcd did not become healthy:\n{log_path.read_text()}"
-            time.sleep(0.05)
+        try:
+            until(healthy, 15.0, "etcd to become healthy", every_s=0.05)
+        except TimeoutError as e:
+            pytest.fail(f"{e}:\n{log_path.read_text()}")
         yield client
     finally:
         process.terminate()

@@ -72,15 +72,14 @@ class Servers:
 
     def start(self):
         self.thread.start()
-        deadline = time.time() + 300
-        while time.time() < deadline:
+
+        def healthy() -> bool:
             try:
-                if httpx.get(self.urls["main"] + "/health", timeout=5).status_code == 200:
-                    return
+                return httpx.get(self.urls["main"] + "/health", timeout=5).status_code == 200
             except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become healthy")
+                return False
+
+        harness.until(healthy, 300, "the in-process server to become healthy")
 
     def stop(self):
         for s in self.servers.values():
