@@ -224,6 +224,32 @@ def test_stages_linked_by_the_messenger_answer_as_the_whole_model(tmp_path, tran
             t.close()
 
 
+def test_a_step_the_next_stage_cannot_take_fails_naming_that_stage(tmp_path):
+    """The request's error names the stage as the group's watcher does ("pipeline stage 1"),
+    whichever of the two sees a dead stage first."""
+    from cluster.cpp.stage import StageLink, StageWorker
+    from cluster.messenger import MessengerConfig, Messenger
+    from cluster.messenger.errors import TransferError
+    from engine.model_runner import StageStep
+
+    model = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", tie=True, seed=11)
+    ends = [Messenger(MessengerConfig(secret=b"stage link test secret 0123456789", transport="tcp"))
+            for _ in range(2)]
+    link = StageLink(ends[0], 1 << 20, timeout_s=2.0)
+    worker = StageWorker(_runner(model, (1, 2)), ends[1], 1 << 20)
+    link.next, link.followers = worker.peer, [worker.peer]
+    worker.close()
+    ends[1].close()  # the later stage is gone
+    try:
+        step = StageStep(step_id=7, positions=[0], slot_mapping=[0], num_decodes=0, decode_block_tables=[],
+                         decode_seq_lens=[], prefill_block_tables=[[0]], prefill_seq_lens=[1],
+                         prefill_query_start_loc=[0, 1], rows=[0])
+        with pytest.raises(TransferError, match=r"pipeline stage 1 \(.+\) did not take step 7"):
+            link.send(step, (torch.zeros(1, 8), torch.zeros(1, 8))).result(10)
+    finally:
+        ends[0].close()
+
+
 class _LastChunkBlocks:
     """A KV sink that notes the blocks of a prompt's last chunk."""
 

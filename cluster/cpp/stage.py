@@ -141,7 +141,7 @@ class StageLink:
         try:
             self._box.post(self.next, StageStepCall(step.to_dict()), list(hidden))
         except TransferError as exc:
-            self.fail(f"the next stage did not take step {step.step_id}: {exc}")
+            self.fail(f"{self._name(self.next)} did not take step {step.step_id}: {exc}")
             if not future.done():  # a step that does not sample fails too: its chunk is lost
                 future.set_exception(TransferError(self._failed))
             return future
@@ -164,7 +164,7 @@ class StageLink:
             except TransferError as exc:
                 error = str(exc)
             if error:
-                errors.append(f"{peer.address}: {error}")
+                errors.append(f"{self._name(peer)}: {error}")
         if errors:
             raise TransferError("; ".join(errors))
 
@@ -198,16 +198,22 @@ class StageLink:
                 out.append(None)
         return out
 
+    def _name(self, peer: StagePeer) -> str:
+        """A later stage as the group's watcher names it (``pipeline stage N``), so a request's
+        error names the stage that failed whichever of the two saw it first."""
+        n = next((i + 1 for i, f in enumerate(self.followers) if f == peer), None)
+        return f"pipeline stage {n if n is not None else '?'} ({peer.address})"
+
     def _call(self, peer: StagePeer, message: Call, reply: type[R] | None = None) -> R | None:
         """``message`` to ``peer``, its answer as ``reply``. Raises ``TransferError`` when the
         peer cannot be reached, refuses, or answers something else."""
         status, answer = self._transfer.call(peer.address, message.to_dict())
         if status != Status.OK:
-            raise TransferError(f"stage {peer.address} refused {message.OP}: {answer.get('reason', status)}")
+            raise TransferError(f"{self._name(peer)} refused {message.OP}: {answer.get('reason', status)}")
         try:
             return None if reply is None else reply.from_dict(answer)
         except BadRequest as exc:
-            raise TransferError(f"stage {peer.address} answered {message.OP} wrongly: {exc}") from None
+            raise TransferError(f"{self._name(peer)} answered {message.OP} wrongly: {exc}") from None
 
     def _ask_followers(self, message: Call, reply: type[R] | None = None) -> list[R | None]:
         return [self._call(peer, message, reply) for peer in self.followers]
