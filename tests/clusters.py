@@ -9,6 +9,11 @@ need. After each scenario ``assert_clean`` checks that no instance still holds a
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,7 @@ class Cluster:
             env={"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1", **(env or {})})
         self.url = self.server.base_url
         self.http = httpx.Client(base_url=self.url, timeout=300)
+        self.node: subprocess.Popen | None = None  # a pool node (start_pool_node)
         try:
             self.server.wait_instances(instances, STARTUP_S)
         except BaseException:
@@ -77,6 +83,33 @@ class Cluster:
 
         until(seen, within_s, f"the Conductor to see what {url} cached", every_s=0.1)
 
+    # -- a KVCache pool node ---------------------------------------------------------------------------
+    def embedded_metadata_url(self) -> str:
+        """Where the Conductor serves the pool's metadata (it logs the address at start)."""
+        found = re.search(r"KVCache pool metadata at (\S+)", self.log())
+        assert found, "the Conductor did not log its metadata server's address"
+        return found.group(1)
+
+    def start_pool_node(self, args: Sequence[str], within_s: float) -> str:
+        """``python -m cluster.pool *args`` with the cluster's secret, in place of any node this
+        started before; its segment id, once the Conductor lists it (within ``within_s``)."""
+        self.stop_pool_node()
+        self.node = subprocess.Popen([sys.executable, "-m", "cluster.pool", *args],
+                                     env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET), stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.node.stdout.readline()
+        assert line.startswith("pool node ready: "), f"the pool node did not start: {line!r}"
+        segment_id = line.split()[3]
+        until(lambda: segment_id in self.stats()["pool"]["segments"], within_s, "the Conductor to see the pool node")
+        return segment_id
+
+    def stop_pool_node(self) -> None:
+        if self.node is not None and self.node.poll() is None:
+            self.node.send_signal(signal.SIGCONT)  # a test may have stopped it
+            self.node.terminate()
+            self.node.wait(20)
+        self.node = None
+
     # -- requests and checks -------------------------------------------------------------------------
     def complete(self, prompt: str | list, **params: Any) -> dict[str, Any]:
         r = self.http.post("/v1/completions", json={"prompt": prompt, **params})
@@ -89,5 +122,6 @@ class Cluster:
         self.server.assert_clean(15.0, also)
 
     def close(self) -> None:
+        self.stop_pool_node()
         self.http.close()
         self.server.stop(30.0)

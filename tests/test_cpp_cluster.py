@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ import httpx
 import pytest
 
 from bench.harness import until
-from clusters import SECRET, Cluster
+from clusters import Cluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -35,30 +34,15 @@ OBJECT_TOKENS = 64
 
 class _Group(Cluster):
     def __init__(self, workdir: Path) -> None:
-        self.node: subprocess.Popen | None = None
         super().__init__(["--prefill-instances", "1", "--decode-instances", "1", "--cpp-stages", "2",
                           "--transfer-timeout-s", "5", "--pool-dram-gib", "0",
                           "--pool-block-tokens", str(OBJECT_TOKENS)], 2, workdir)
-        found = re.search(r"KVCache pool metadata at (\S+)", self.log())
-        assert found, "the Conductor did not log its metadata server's address"
-        self.node = subprocess.Popen([sys.executable, "-m", "cluster.pool", "--metadata", found.group(1),
-                                      "--dram-gib", "0.5", "--log-level", "warning"],
-                                     env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET), stdout=subprocess.PIPE,
-                                     text=True)
-        line = self.node.stdout.readline()
-        assert line.startswith("pool node ready: "), f"the pool node did not start: {line!r}"
-        segment = line.split()[3]
-        until(lambda: segment in self.stats()["pool"]["segments"], 30, "the pool node")
+        self.start_pool_node(["--metadata", self.embedded_metadata_url(), "--dram-gib", "0.5",
+                              "--log-level", "warning"], 30)
 
     def group_stats(self) -> dict:
         (group,) = self.instances("prefill")
         return self.instance_stats(group["url"])
-
-    def close(self) -> None:
-        if self.node is not None:
-            self.node.terminate()
-            self.node.wait(20)
-        super().close()
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,7 @@ leased or half-written.
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,17 +47,11 @@ class PoolCluster(Cluster):
     def __init__(self, etcd: str | None, workdir: Path) -> None:
         self.etcd = etcd
         self.workdir = workdir
-        self.node: subprocess.Popen | None = None
         # A ~1,000-token prompt is one engine step of seconds: it keeps its instance busy.
         flags = ["--prefill-instances", "2", "--decode-instances", "1", "--max-num-batched-tokens", "2048",
                  "--pool-dram-gib", "0", "--pool-block-tokens", "64", *(["--etcd", etcd] if etcd else [])]
         super().__init__(flags, 3, workdir)
-        if etcd:
-            self.metadata_url = etcd
-        else:
-            found = re.search(r"KVCache pool metadata at (\S+)", self.log())
-            assert found, "the Conductor did not log its metadata server's address"
-            self.metadata_url = found.group(1)
+        self.metadata_url = etcd or self.embedded_metadata_url()
         self.metadata = connect_metadata(self.metadata_url, SECRET.encode(), etcd=etcd is not None)
 
     # -- views ---------------------------------------------------------------------------------------
@@ -80,26 +70,11 @@ class PoolCluster(Cluster):
 
     # -- the pool node -------------------------------------------------------------------------------
     def start_node(self, dram_gib: float = 0.25, ssd_gib: float = 0.0) -> str:
-        self.stop_node()
         where = ["--etcd", self.etcd] if self.etcd else ["--metadata", self.metadata_url]
-        cmd = [sys.executable, "-m", "cluster.pool", *where, "--dram-gib", str(dram_gib),
-               "--transfer-timeout-s", "3", "--log-level", "warning"]
+        args = [*where, "--dram-gib", str(dram_gib), "--transfer-timeout-s", "3", "--log-level", "warning"]
         if ssd_gib:
-            cmd += ["--ssd-dir", tempfile.mkdtemp(dir=self.workdir, prefix="ssd-"), "--ssd-gib", str(ssd_gib)]
-        self.node = subprocess.Popen(cmd, env=dict(os.environ, MOONCAKE_CLUSTER_SECRET=SECRET), stdout=subprocess.PIPE,
-                                     text=True)
-        line = self.node.stdout.readline()
-        assert line.startswith("pool node ready: "), f"the pool node did not start: {line!r}"
-        segment_id = line.split()[3]
-        until(lambda: segment_id in self.pool()["segments"], 10, "the Conductor to see the pool node")
-        return segment_id
-
-    def stop_node(self) -> None:
-        if self.node is not None and self.node.poll() is None:
-            self.node.send_signal(signal.SIGCONT)  # a test may have stopped it
-            self.node.terminate()
-            self.node.wait(20)
-        self.node = None
+            args += ["--ssd-dir", tempfile.mkdtemp(dir=self.workdir, prefix="ssd-"), "--ssd-gib", str(ssd_gib)]
+        return self.start_pool_node(args, 10)
 
     def node_address(self, segment_id: str) -> str:
         return self.pool()["segments"][segment_id]["address"]
@@ -145,7 +120,7 @@ class PoolCluster(Cluster):
         super().assert_clean(also=pool_held)
 
     def close(self) -> None:
-        self.stop_node()
+        self.stop_pool_node()
         self.metadata.close()
         super().close()
 
@@ -307,7 +282,7 @@ def test_past_the_high_water_mark_objects_go_to_ssd_and_come_back(cluster, coloc
     assert after["failed_reads_recomputed"] == before["failed_reads_recomputed"]
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
     cluster.assert_clean()
-    cluster.stop_node()
+    cluster.stop_pool_node()
 
 
 @ON_BOTH_BACKENDS
@@ -326,4 +301,4 @@ def test_a_second_turn_hits_the_first_turns_output(cluster, colocated):
     assert cached >= (n_first // 64 + 1) * 64, f"cached {cached} of a first prompt of {n_first} tokens"
     assert got["choices"][0]["text"] == _want(colocated, second)
     cluster.assert_clean()
-    cluster.stop_node()
+    cluster.stop_pool_node()
