@@ -64,6 +64,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -507,12 +508,15 @@ def framing_cases() -> list[tuple[str, bytes, bool, bool]]:
 @dataclass
 class Cluster:
     server: ServerProcess
-    port: int
     seen_pids: set[int] = field(default_factory=set)  # every instance pid /stats ever named
 
     @property
     def url(self) -> str:
         return self.server.base_url
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.server.base_url).port
 
     def owns(self, pid: int) -> bool:
         """Whether ``pid`` is an instance this cluster started (checked before every signal: a
@@ -533,7 +537,7 @@ def start_cluster(cfg: ChaosConfig) -> Cluster:
            SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(16)}
     server = launch_server(["--dtype", "float32", *cfg.server_args], cfg.log_path, name="chaos",
                            python=cfg.python, host=HOST, env=env)
-    return Cluster(server, int(server.base_url.rsplit(":", 1)[1]))
+    return Cluster(server)
 
 
 def stop_cluster(cluster: Cluster, timeout_s: float = 30.0) -> None:

@@ -69,19 +69,27 @@ class Cluster:
     def log(self) -> str:
         return self.server.log()
 
-    def cache_version(self, url: str) -> int:
-        """The version of the cached prefix keys instance ``url`` publishes now."""
-        return self.instance_stats(url)["cache_version"]
+    def computed(self) -> dict[str, int]:
+        """Prompt tokens each prefill instance has computed so far, by URL."""
+        return {i["url"]: self.instance_stats(i["url"])["num_prompt_tokens_computed"] for i in self.instances("prefill")}
 
-    def wait_until_conductor_sees_cache(self, url: str, since: int, within_s: float = 30.0) -> None:
-        """Wait until the Conductor's view of ``url``'s cached prefixes includes what the instance
-        cached after its cache was at version ``since`` (placement decides by that view)."""
+    def complete_on_one_prefill(self, prompt: str, **params: Any) -> str:
+        """Complete ``prompt``; the one prefill instance that computed it, once the Conductor's
+        view of that instance's cached prefixes includes it (placement decides by that view, and a
+        count of cached blocks cannot tell: a full prefix cache evicts as much as it adds)."""
+        before = {i["url"]: self.instance_stats(i["url"]) for i in self.instances("prefill")}
+        self.complete(prompt, **params)
+        after = self.computed()
+        (holder,) = [u for u in after if after[u] > before[u]["num_prompt_tokens_computed"]]
+        since = before[holder]["cache_version"]
+
         def seen() -> bool:
-            now = self.cache_version(url)
-            (rec,) = [i for i in self.instances() if i["url"] == url]
+            now = self.instance_stats(holder)["cache_version"]
+            (rec,) = [i for i in self.instances() if i["url"] == holder]
             return now > since and (rec["cache_version"] or -1) >= now
 
-        until(seen, within_s, f"the Conductor to see what {url} cached", every_s=0.1)
+        until(seen, 30, f"the Conductor to see what {holder} cached", every_s=0.1)
+        return holder
 
     # -- a KVCache pool node ---------------------------------------------------------------------------
     def embedded_metadata_url(self) -> str:

@@ -90,7 +90,7 @@ def test_the_report_counts_what_must_be_zero(tmp_path):
 
 def test_owns_only_processes_started_for_its_conductor(tmp_path):
     server = chaos.ServerProcess("x", [], None, tmp_path / "log", "http://127.0.0.1:1")  # type: ignore[arg-type]
-    cluster = chaos.Cluster(server, port=1)
+    cluster = chaos.Cluster(server)
     assert not cluster.owns(os.getpid()) and not cluster.owns(2**22 + 12345)
 
 

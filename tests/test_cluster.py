@@ -122,14 +122,9 @@ def test_prompt_logprobs_through_the_cluster_equal_the_colocated_engine(cluster,
 
 def test_hot_prefix_is_replicated_to_the_idle_prefill_instance(cluster, colocated):
     prefix = SHARED * 6  # ~160 tokens: 9 full blocks the request can reuse
-    known = {i["url"]: i["cached_blocks"] for i in cluster.instances("prefill")}
-    cluster.complete(prefix + "Question one?", temperature=0, max_tokens=2)
     # The Conductor learns what an instance caches by polling it: until that poll, no instance
-    # holds the prefix as far as placement knows, and the next request could go anywhere. (8 new
-    # blocks, not 9: the first is SHARED's own, cached by earlier prompts where they ran.)
-    (holder,) = until(lambda: [i["url"] for i in cluster.instances("prefill")
-                               if i["cached_blocks"] >= known[i["url"]] + 8], 30,
-                      "the Conductor to learn which instance holds the prefix", every_s=0.1)
+    # holds the prefix as far as placement knows, and the next request could go anywhere.
+    holder = cluster.complete_on_one_prefill(prefix + "Question one?", temperature=0, max_tokens=2)
     before = cluster.http.get("/stats").json()["migrations"]
     # A long prompt behind the same prefix keeps the instance holding it busy for seconds...
     long_prompt = prefix + " ".join(f"word{i}" for i in range(700))

@@ -58,9 +58,6 @@ class PoolCluster(Cluster):
     def pool(self) -> dict:
         return self.stats()["pool"]
 
-    def computed(self) -> dict[str, int]:
-        return {i["url"]: self.instance_stats(i["url"])["num_prompt_tokens_computed"] for i in self.instances("prefill")}
-
     def pool_counters(self) -> dict[str, int]:
         return {k: v for k, v in self.pool().items() if isinstance(v, int)}
 
@@ -150,20 +147,11 @@ def _want(colocated: LLM, prompt: str) -> str:
     return colocated.generate([prompt], SamplingParams(**GREEDY))[0].text
 
 
-def _first_on_one_instance(cluster: PoolCluster, prompt: str) -> str:
-    """Complete ``prompt`` and return the prefill instance that computed it."""
-    before = cluster.computed()
-    cluster.complete(prompt, **GREEDY)
-    after = cluster.computed()
-    (holder,) = [u for u in after if after[u] > before[u]]
-    return holder
-
-
 def _stored_from_one_instance(cluster: PoolCluster, tag: str) -> tuple[str, str]:
     """A new prefix (~290 tokens: four 64-token pool objects) computed by one prefill instance and
     stored in the pool; returns the prefix and that instance."""
     prefix = _words(tag, 100)
-    holder = _first_on_one_instance(cluster, prefix + " First question?")
+    holder = cluster.complete_on_one_prefill(prefix + " First question?", **GREEDY)
     cluster.stored(4)
     return prefix, holder
 
