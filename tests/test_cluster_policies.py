@@ -109,6 +109,21 @@ def test_polynomial_fit_recovers_coefficients():
         assert fit.seconds(n, p) == pytest.approx(true.seconds(n, p), rel=1e-6)
 
 
+def test_a_fit_never_makes_a_longer_cached_prefix_slower():
+    """Calibration samples of a 2-thread CPU, with the noise of a busy machine: fitted with a free
+    prefix coefficient they gave c_up = 3 c_uu, and a prompt of 2,846 tokens looked faster with
+    16 cached tokens than with 144 (test_cluster's hot-prefix scenario then went astray)."""
+    true = PrefillCostModel(c_uu=2.4e-6, c_up=4.8e-6, c_u=3.3e-3, c_0=0.19)
+    ns = [64, 128, 256, 512, 1024] * 2
+    ps = [0] * 5 + [n // 2 for n in ns[:5]]
+    noise = [1.0, 1.1, 0.93, 1.05, 0.97, 1.12, 0.9, 1.08, 1.15, 0.95]
+    fit = PrefillCostModel.fit(ns, ps, [true.seconds(n, p) * e for n, p, e in zip(ns, ps, noise)])
+    assert fit.c_up == pytest.approx(2 * fit.c_uu)
+    for n in (300, 1000, 2846, 8000):
+        times = [fit.seconds(n, p) for p in range(0, n, max(1, n // 50))]
+        assert times == sorted(times, reverse=True), n
+
+
 def test_configs_reject_nonsense():
     with pytest.raises(ValueError):
         ModelSpec(layers=0, hidden=1, a=1, b=1, gqa=1, elem_bytes=2, params=1)

@@ -40,8 +40,9 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# Bump whenever the procedure below changes what it measures: older cached profiles then miss.
-CALIBRATION_VERSION = 1
+# Bump whenever the procedure below changes what it measures or how it fits: older cached
+# profiles then miss.
+CALIBRATION_VERSION = 2
 CACHE_ENV = "MOONCAKE_CALIBRATION_CACHE"
 
 # /proc/cpuinfo fields naming the core and its instruction sets (x86, then Arm); not the clock

@@ -120,6 +120,14 @@ class PrefillCostModel:
 
         Times span four orders of magnitude (1k to 128k tokens); plain least squares would fit
         the longest prompts and leave the short ones, which are most requests, badly predicted.
+
+        ``c_up`` is tied to ``2 * c_uu``: a new token attends to a cached one at the cost of
+        attending to an uncached one (a chunked prefill reads its own earlier chunks from the
+        same paged cache), so attention is one coefficient times the pairs, ``u^2 + 2up`` (the
+        causal ``u^2 / 2`` plus ``u * p``, doubled). Fitted apart, noise in a few samples gave
+        ``c_up`` three times ``c_uu``: a model in which a longer cached prefix makes the same
+        prompt slower, and Algorithm 1 then sent prompts away from the instance that held
+        their prefix.
         """
         n = np.asarray(input_lengths, dtype=np.float64)
         p = np.asarray(prefix_lengths, dtype=np.float64)
@@ -129,13 +137,13 @@ class PrefillCostModel:
         if np.any(t <= 0):
             raise ValueError("profiled times must be positive")
         u = n - p
-        features = np.stack([u * u, u * p, u, np.ones_like(u)], axis=1) / t[:, None]
+        features = np.stack([u * u + 2 * u * p, u, np.ones_like(u)], axis=1) / t[:, None]
         # Scale columns so u^2 (~1e10) and 1 are solved with comparable precision.
         scale = np.abs(features).max(axis=0)
         scale[scale == 0] = 1.0
         coef, *_ = np.linalg.lstsq(features / scale, np.ones_like(t), rcond=None)
-        coef = np.clip(coef / scale, 0.0, None)
-        return cls(*(float(c) for c in coef))
+        attn, c_u, c_0 = (float(c) for c in np.clip(coef / scale, 0.0, None))
+        return cls(attn, 2 * attn, c_u, c_0)
 
 
 class PrefillTime(Protocol):
