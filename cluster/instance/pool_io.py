@@ -29,6 +29,16 @@ agree on the prefix and none can fail mid-step; it costs the read of the group's
 layer by layer: the store from the prefix cache would have to pack every stage's blocks in step
 with their engines, so a prompt the pool cannot take whole at planning is not stored
 (``stores_skipped``).
+
+The pool is a cache: whatever goes wrong with it costs a prompt its hit or its store, never its
+answer. Every look at the pool's index (``_index``) runs on this instance's own pool threads
+(not the event loop's default executor, which is small on few cores and which other work
+shares) and is waited for at most ``metadata_timeout_s``; a metadata store that is down or slow
+(``MetadataUnavailable``, or no answer in time) makes the load or store give up, counted in the
+client's ``metadata_unavailable``, and for ``metadata_backoff_s`` after that the pool is not
+asked at all. A segment that does not answer costs its objects (the transfer timeout bounds
+every call to one). On the engine thread the pool only starts writes (``layer_done``) and waits
+for a layer being read (``PoolLoad.layer``, bounded by the transfer timeout).
 """
 
 from __future__ import annotations
@@ -36,20 +46,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from cluster.cpp.stage import StageLink
+from cluster.messenger import TransferError
+from cluster.messenger.staging import StagingArea, StagingFull, StagingRange, when_free
 from cluster.pool.client import NewObject, PoolClient, PoolRead, PoolWrite
 from cluster.pool.layerwise import LayerwiseStore, LayerwiseStores
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.objects import PoolGeometry, part_checksums
-from cluster.cpp.stage import StageLink
-from cluster.messenger.staging import StagingArea, StagingFull, StagingRange, when_free
-from cluster.messenger import TransferError
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff
 from engine.hooks import PromptChunk
@@ -62,9 +73,12 @@ log = logging.getLogger(__name__)
 class PoolIO:
     def __init__(self, client: AsyncLLMEngine, handoff: KVHandoff, pool: PoolClient, geometry: PoolGeometry,
                  area: StagingArea, timeout_s: float, max_background_stores: int = 4, layers: range | None = None,
-                 stages: StageLink | None = None) -> None:
+                 stages: StageLink | None = None, *, metadata_timeout_s: float = 1.0,
+                 metadata_backoff_s: float = 1.0, io_threads: int = 4) -> None:
         """``layers``: the model layers this instance's KV cache holds (a first pipeline stage's;
-        None: all); ``stages``: that stage's link to the later ones."""
+        None: all); ``stages``: that stage's link to the later ones. ``metadata_timeout_s``: the
+        longest a prompt waits for the pool's index; ``metadata_backoff_s``: how long the pool
+        is left alone after its metadata failed; ``io_threads``: the pool's own threads."""
         self._client = client
         self._handoff = handoff
         self.pool = pool
@@ -84,6 +98,34 @@ class PoolIO:
         self._object_bytes = self._writing.object_bytes  # the staging an object takes: this stage's parts
         # Closing a read waits for its transfers to let go of the staging: never on the engine thread.
         self._closer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pool-close")
+        # The pool's blocking calls (metadata, segments, later stages): threads of its own, so a
+        # slow pool never takes the default executor's few threads from unrelated requests.
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="pool-io")
+        self._metadata_timeout_s = metadata_timeout_s
+        self._metadata_backoff_s = metadata_backoff_s
+        self._metadata_down_until = float("-inf")
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the pool's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def _index(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a read of the pool's index, on the pool's threads and waited for at most
+        ``metadata_timeout_s``. ``MetadataUnavailable`` (counted) when the metadata fails or is
+        late, or failed less than ``metadata_backoff_s`` ago; a late call finishes unwatched."""
+        if time.monotonic() < self._metadata_down_until:
+            self.pool.count("metadata_unavailable")
+            raise MetadataUnavailable("the pool's metadata failed moments ago; not asking it yet")
+        call = asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.shield(call), self._metadata_timeout_s)
+        except (TimeoutError, MetadataUnavailable) as exc:
+            call.add_done_callback(lambda f: f.cancelled() or f.exception())  # its late error is no news
+            self._metadata_down_until = time.monotonic() + self._metadata_backoff_s
+            self.pool.count("metadata_unavailable")
+            if isinstance(exc, MetadataUnavailable):
+                raise
+            raise MetadataUnavailable(f"the pool's metadata did not answer within {self._metadata_timeout_s:g} s") from None
 
     @property
     def staging_ranges(self) -> int:
@@ -106,11 +148,15 @@ class PoolIO:
         wanted = keys[first : first + self._area.nbytes // size]
         if not wanted:
             return None
-        r = await when_free(lambda: self._area.allocate(len(wanted) * size), self._timeout_s)
-        offsets = [r.offset + i * size for i in range(len(wanted))]
+        run = await self._index(self.pool.lookup, wanted)  # MetadataUnavailable: nothing to load
+        if not run:
+            self.pool.count("misses", len(wanted))
+            return None
+        r = await when_free(lambda: self._area.allocate(len(run) * size), self._timeout_s)
+        offsets = [r.offset + i * size for i in range(len(run))]
         loop = asyncio.get_running_loop()
-        opening = loop.run_in_executor(None, self.pool.open_read, wanted, self._area.handle, offsets, self._memory,
-                                       self._stages is None, self._layers)
+        opening = loop.run_in_executor(self._io, lambda: self.pool.open_read(
+            wanted, self._area.handle, offsets, self._memory, self._stages is None, self._layers, run=run))
         try:
             read = await asyncio.shield(opening)
         except BaseException:
@@ -118,7 +164,7 @@ class PoolIO:
             raise
         count = read.num_objects
         if count and self._stages is not None:
-            loading = loop.run_in_executor(None, self._load_on_every_stage, request_id, read)
+            loading = loop.run_in_executor(self._io, self._load_on_every_stage, request_id, read)
             try:
                 count = await asyncio.shield(loading)
             except BaseException:
@@ -174,8 +220,13 @@ class PoolIO:
         keys = g.object_keys(token_ids, len(token_ids))
         if not keys:
             return False
-        loop = asyncio.get_running_loop()
-        holders = await loop.run_in_executor(None, self.pool.holders, keys)
+        try:
+            # The segments too: ``reserve`` below then finds them cached, not behind the metadata.
+            holders, _ = await self._index(lambda: (self.pool.holders(keys), self.pool.segments()))
+        except MetadataUnavailable as exc:
+            log.warning("pool: not storing %s: %s", request_id, exc)  # the prompt runs all the same
+            self._skipped_on_group()
+            return False
         size = self._object_bytes
         missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // size]
         if not missing:
@@ -189,7 +240,7 @@ class PoolIO:
             # Tail first, as ``store`` puts them.
             objects = [NewObject(keys[i], r.offset + j * size, g.nbytes, g.part_bytes)
                        for j, i in reversed(list(enumerate(missing)))]
-            write = await loop.run_in_executor(None, self.pool.reserve, self._area.handle, objects, (), self._layers)
+            write = await self._run(self.pool.reserve, self._area.handle, objects, (), self._layers)
         except BaseException:
             self._area.release(r)
             raise
@@ -197,10 +248,10 @@ class PoolIO:
         taken = write.num_placed == len(objects)
         if taken and self._stages is not None:
             try:
-                await loop.run_in_executor(None, self._stages.pool_store, request_id, write.reservation(), first_blocks)
+                await self._run(self._stages.pool_store, request_id, write.reservation(), first_blocks)
             except TransferError as exc:
                 log.warning("pool: a pipeline stage cannot store %s layer by layer: %s", request_id, exc)
-                await loop.run_in_executor(None, self._stages.pool_store_end, request_id, False)
+                await self._run(self._stages.pool_store_end, request_id, False)
                 taken = False
         if not taken:
             # Some went nowhere (the pool is busy or full): rather than leave them out, store
@@ -284,26 +335,26 @@ class PoolIO:
     async def _store_quietly(self, token_ids: list[int], computed_tokens: int) -> None:
         try:
             await self.store(token_ids, computed_tokens)
-        except Exception:  # a failed store only costs a later request its hit
+        except (MetadataUnavailable, TransferError, TimeoutError) as exc:
+            log.warning("pool: store failed: %s", exc)  # a failed store only costs a later request its hit
+        except Exception:
             log.exception("pool: store failed")
 
     async def store(self, token_ids: list[int], computed_tokens: int) -> int:
         """Put the pool blocks of ``token_ids[:computed_tokens]`` the pool lacks and touch those it
         holds; returns how many were put."""
         keys = self.geometry.object_keys(token_ids, computed_tokens)
-        loop = asyncio.get_running_loop()
-        holders = await loop.run_in_executor(None, self.pool.holders, keys)
+        holders, _ = await self._index(lambda: (self.pool.holders(keys), self.pool.segments()))
         stored = await self._put_missing(token_ids, keys, holders)
         # What the pool held was used again (from this instance's own cache, or just loaded): as
         # recent as a put, or its LRU would evict a prefix in use before a stale one. After the
         # puts, so that a chain's head is its most recent object.
-        await loop.run_in_executor(None, self.pool.touch, keys, holders)
+        await self._run(self.pool.touch, keys, holders)
         return stored
 
     async def _put_missing(self, token_ids: list[int], keys: list[str], holders: list[list[str]]) -> int:
         g = self.geometry
         bpo = g.blocks_per_object
-        loop = asyncio.get_running_loop()
         missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // g.nbytes]
         if not missing:
             return 0
@@ -331,7 +382,7 @@ class PoolIO:
                 sums = [part_checksums(self._memory[o.offset : o.offset + g.nbytes], g.part_bytes) for o in objects]
                 return sum(s is not None for s in self.pool.put_many(self._area.handle, objects, sums))
 
-            return await loop.run_in_executor(None, put_all)
+            return await self._run(put_all)
         finally:
             self._area.release(r)
 

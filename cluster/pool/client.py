@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-from cluster.pool.metadata import MetadataStore
-from cluster.messenger import Batch, RegionHandle, Messenger, TransferError
+from cluster.messenger import Batch, Messenger, RegionHandle, TransferError
 from cluster.messenger.wire import Status
+from cluster.pool.metadata import MetadataStore
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ OBJECTS = "pool/objects/"
 SEGMENTS = "pool/segments/"
 
 # What a client counts (an instance reports them to the Conductor with its other statistics).
-CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed")
+# ``metadata_unavailable``: pool loads and stores its user gave up because the metadata did not
+# answer (in time); their prompts were computed, their blocks not stored.
+CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed", "metadata_unavailable")
 
 
 def object_entry(key: str, segment_id: str) -> str:
@@ -104,6 +106,11 @@ class PoolClient:
             self._placed.clear()
         return segments
 
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of ``CLIENT_COUNTERS`` (for this client's user)."""
+        with self._lock:
+            self.counters[counter] += n
+
     def _meta(self) -> MetadataStore:
         if self._metadata is None:
             raise RuntimeError("this pool client has no metadata: it only works under another's leases")
@@ -156,7 +163,8 @@ class PoolClient:
 
     # -- reading ------------------------------------------------------------------------------------
     def open_read(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int],
-                  dst_memory: memoryview, layerwise: bool = True, parts: range | None = None) -> PoolRead:
+                  dst_memory: memoryview, layerwise: bool = True, parts: range | None = None,
+                  run: list[list[str]] | None = None) -> PoolRead:
         """Start reading the longest available run of ``keys`` into ``dst`` at ``offsets``
         (``dst_memory``: the same region as bytes, for the checksums), layer by layer: every
         part (layer) of every object is requested at once, in layer order, and
@@ -164,11 +172,12 @@ class PoolClient:
         ``PoolRead.num_objects`` is the run that could be leased (0: nothing to read). Without
         ``layerwise``, every part travels in one transfer (fewer round trips; part 0 waits for all).
         ``parts``: only these parts of each object (a pipeline stage's layers), held contiguous
-        at each offset; None: all."""
+        at each offset; None: all. ``run``: what ``lookup(keys)`` answered, if the caller asked it
+        already (a few more keys than offsets is fine: the run is cut to the offsets)."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         wanted = len(keys)
-        run = self.lookup(keys)
+        run = (self.lookup(keys) if run is None else run)[: len(offsets)]
         keys = list(keys[: len(run)])
         segments = self.segments()
         with self._lock:

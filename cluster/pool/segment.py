@@ -15,7 +15,14 @@ requests). An object's life:
 * Eviction is LRU over sealed, unleased objects, when an allocation would take DRAM use past
   ``high_watermark``. With an SSD tier the victim moves down to it (a demotion) and stays
   published; a lease on it brings it back up (a promotion). Without one, or when the SSD tier
-  evicts it in turn, it is gone and unpublished.
+  evicts it in turn, or its write to the SSD fails (a full disk), it is gone and unpublished.
+
+The SSD's files are read and written outside the segment's lock, which every request and the
+owner's statistics (an instance's ``/poll``) take: a slow disk slows only the requests that
+need it. A demotion copies the victim's bytes out of DRAM under the lock (a memory copy) and
+writes them to the SSD after it; until then a lease takes them back from that copy. A promotion
+reads the file outside the lock, then, under it, makes room and copies the bytes into DRAM, and
+only then forgets the SSD copy: a promotion that finds no room leaves the object on the SSD.
 
 Invariant (``check``): every DRAM object owns one allocated range and every allocated range
 belongs to one object, sealed or pending.
@@ -34,10 +41,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.messenger import Messenger, RegionHandle
+from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from cluster.pool.objects import part_checksums
 from cluster.pool.ssd import SsdTier
-from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
-from cluster.messenger import RegionHandle, Messenger
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,7 @@ class _Object:
     nbytes: int
     part_bytes: int
     range: StagingRange | None  # None while it sits on the SSD tier
+    spill: bytes | None = None  # a demoted object's bytes while they are being written to the SSD
     checksums: list[int] = field(default_factory=list)
     sealed: bool = False
     deadline: float = 0.0  # an unsealed put is abandoned after this
@@ -113,7 +121,7 @@ class Segment:
         self._pending: dict[str, _Object] = {}
         self._lease_ids = itertools.count(1)
         self.counters = dict.fromkeys(("stores", "leases", "evictions", "demotions", "promotions",
-                                       "corrupt_puts", "aborted_puts"), 0)
+                                       "corrupt_puts", "aborted_puts", "ssd_errors"), 0)
         # Publications leave in the order the lock decided them, so an eviction's unpublish can
         # never overtake the publish of the same object.
         self._outbox: queue.SimpleQueue[tuple[str, bool] | None] = queue.SimpleQueue()
@@ -134,18 +142,22 @@ class Segment:
         (objects are immutable: equal keys mean equal prefixes). Raises ``PoolFull``."""
         if nbytes <= 0 or part_bytes <= 0 or nbytes % part_bytes:
             raise ValueError(f"object of {nbytes} bytes in parts of {part_bytes}")
-        with self._lock:
-            now = self._clock()
-            self._reclaim_abandoned(now)
-            if key in self._objects:
-                return None
-            pending = sum(o.nbytes for o in self._pending.values())
-            if pending and pending + nbytes > self.config.max_pending_fraction * self.config.dram_bytes:
-                raise PoolFull(f"segment busy: {pending} bytes of puts being written already")
-            r = self._make_room(nbytes, now)
-            obj = self._objects[key] = _Object(nbytes, part_bytes, r, deadline=now + self.config.put_timeout_s)
-            self._pending[key] = obj
-            return r.offset
+        spills: list[tuple[str, _Object, bytes]] = []
+        try:
+            with self._lock:
+                now = self._clock()
+                self._reclaim_abandoned(now)
+                if key in self._objects:
+                    return None
+                pending = sum(o.nbytes for o in self._pending.values())
+                if pending and pending + nbytes > self.config.max_pending_fraction * self.config.dram_bytes:
+                    raise PoolFull(f"segment busy: {pending} bytes of puts being written already")
+                r = self._make_room(nbytes, now, spills)
+                obj = self._objects[key] = _Object(nbytes, part_bytes, r, deadline=now + self.config.put_timeout_s)
+                self._pending[key] = obj
+                return r.offset
+        finally:
+            self._spill(spills)
 
     def seal(self, key: str, checksums: list[int]) -> bool:
         """Publish a written object once its bytes match ``checksums``; False (and the range
@@ -178,22 +190,38 @@ class Segment:
     def lease(self, keys: list[str], ttl_s: float | None = None) -> list[Grant | None]:
         """Leases on the objects present (promoted from SSD if needed), None for the others."""
         grants: list[Grant | None] = []
-        with self._lock:
-            now = self._clock()
-            for key in keys:
-                obj = self._objects.get(key)
-                if obj is None or not obj.sealed:
-                    grants.append(None)
-                    continue
-                if obj.range is None and not self._promote(key, obj, now):
-                    grants.append(None)
-                    continue
-                lease = next(self._lease_ids)
-                obj.leases[lease] = now + (ttl_s or self.config.lease_ttl_s)
-                obj.reads.append(now)
-                self.counters["leases"] += 1
-                grants.append(Grant(key, obj.range.offset, obj.nbytes, obj.part_bytes, obj.checksums, lease))
-            self._refresh([g.key for g in grants if g is not None])
+        with self._lock:  # what must come up from the SSD, read below without the lock
+            wanted = [(key, o.nbytes) for key in keys if (o := self._objects.get(key)) is not None
+                      and o.sealed and o.range is None and o.spill is None]
+        read: dict[str, bytearray | None] = {}
+        for key, nbytes in wanted:
+            data = bytearray(nbytes)
+            try:
+                self.ssd.read_into(key, memoryview(data))
+                read[key] = data
+            except OSError as exc:
+                log.warning("pool: SSD object %s unreadable (%s); dropped", key, exc)
+                read[key] = None
+        spills: list[tuple[str, _Object, bytes]] = []
+        try:
+            with self._lock:
+                now = self._clock()
+                for key in keys:
+                    obj = self._objects.get(key)
+                    if obj is None or not obj.sealed:
+                        grants.append(None)
+                        continue
+                    if obj.range is None and not self._promote(key, obj, read, now, spills):
+                        grants.append(None)
+                        continue
+                    lease = next(self._lease_ids)
+                    obj.leases[lease] = now + (ttl_s or self.config.lease_ttl_s)
+                    obj.reads.append(now)
+                    self.counters["leases"] += 1
+                    grants.append(Grant(key, obj.range.offset, obj.nbytes, obj.part_bytes, obj.checksums, lease))
+                self._refresh([g.key for g in grants if g is not None])
+        finally:
+            self._spill(spills)
         return grants
 
     def touch(self, keys: list[str]) -> None:
@@ -264,15 +292,17 @@ class Segment:
             if unsealed != set(self._pending):
                 raise AssertionError(f"segment: unsealed {sorted(unsealed)}, pending {sorted(self._pending)}")
             for key, o in self._objects.items():
-                if o.range is None and (self.ssd is None or key not in self.ssd):
+                if o.range is None and o.spill is None and (self.ssd is None or key not in self.ssd):
                     raise AssertionError(f"segment: {key} is neither in DRAM nor on SSD")
         self.area.check()
 
     def close(self) -> None:
         self._outbox.put(None)
+        if self.ssd is not None:
+            self.ssd.sweep()
 
     # -- internals (lock held) ----------------------------------------------------------------------
-    def _make_room(self, nbytes: int, now: float) -> StagingRange:
+    def _make_room(self, nbytes: int, now: float, spills: list) -> StagingRange:
         limit = self.config.high_watermark * self.config.dram_bytes
         while True:
             used = self.config.dram_bytes - self.area.num_free_bytes
@@ -283,14 +313,14 @@ class Segment:
                     pass  # fragmented: evict more
                 except ValueError as exc:
                     raise PoolFull(str(exc)) from None
-            if not self._evict_one(now):
+            if not self._evict_one(now, spills):
                 raise PoolFull(f"segment full: {nbytes} bytes wanted, {self.area.num_free_bytes} free, "
                                f"nothing evictable (leased or being written)")
 
-    def _evict_one(self, now: float) -> bool:
+    def _evict_one(self, now: float, spills: list) -> bool:
         for key, obj in self._objects.items():  # least recently used first
             if obj.sealed and obj.range is not None and not self._leased(obj, now):
-                self._demote_or_drop(key, obj)
+                self._demote_or_drop(key, obj, spills)
                 return True
         return False
 
@@ -300,41 +330,44 @@ class Segment:
                 del obj.leases[lease]
         return bool(obj.leases)
 
-    def _demote_or_drop(self, key: str, obj: _Object) -> None:
+    def _demote_or_drop(self, key: str, obj: _Object, spills: list) -> None:
         if self.ssd is not None and obj.nbytes <= self.ssd.capacity_bytes:
-            view = memoryview(self.area.buffer[obj.range.offset : obj.range.offset + obj.nbytes].numpy())
-            for gone in self.ssd.put(key, view):
-                self._objects.pop(gone, None)
-                self.counters["evictions"] += 1
-                self._outbox.put((gone, False))
+            # The bytes leave DRAM now (a memory copy); the SSD write comes after the lock (_spill).
+            obj.spill = self.area.buffer[obj.range.offset : obj.range.offset + obj.nbytes].numpy().tobytes()
             self.area.release(obj.range)
             obj.range = None
+            spills.append((key, obj, obj.spill))
             self.counters["demotions"] += 1
             return
         self._drop(key, obj, publish=True)
         self.counters["evictions"] += 1
 
-    def _promote(self, key: str, obj: _Object, now: float) -> bool:
+    def _promote(self, key: str, obj: _Object, read: dict[str, bytearray | None], now: float, spills: list) -> bool:
+        """Bring ``obj`` up from its SSD copy (or its bytes still on their way there) into DRAM;
+        the SSD copy is forgotten only once the DRAM copy is in place."""
         assert self.ssd is not None
-        # Read it out first: making room below may push other objects down and evict this one.
-        data = bytearray(obj.nbytes)
+        data = obj.spill
+        if data is None:
+            if key not in read:
+                return False  # demoted between the read and now: a miss this time
+            data = read[key]
+            if data is None:  # unreadable: gone
+                self._drop(key, obj, publish=True)
+                self.counters["evictions"] += 1
+                return False
+        del self._objects[key]  # not a candidate while room is made for it
         try:
-            self.ssd.read_into(key, memoryview(data))
-        except OSError as exc:
-            log.warning("pool: SSD object %s unreadable (%s); dropped", key, exc)
-            self._drop(key, obj, publish=True)
-            return False
-        self.ssd.delete(key)
-        self._objects.pop(key)  # not a candidate while room is made for it
-        try:
-            r = self._make_room(obj.nbytes, now)
+            r = self._make_room(obj.nbytes, now, spills)
         except PoolFull:
-            self._outbox.put((key, False))
-            self.counters["evictions"] += 1
+            self._objects[key] = obj  # stays on the SSD, still published: a miss this time
             return False
         self.area.buffer[r.offset : r.offset + obj.nbytes].copy_(torch.frombuffer(data, dtype=torch.uint8))
         obj.range = r
         self._objects[key] = obj
+        if obj.spill is not None:
+            obj.spill = None  # its SSD write, when done, finds the object in DRAM and forgets the copy
+        else:
+            self.ssd.delete(key)
         self.counters["promotions"] += 1
         return True
 
@@ -343,10 +376,38 @@ class Segment:
             self.area.release(obj.range)
         elif self.ssd is not None:
             self.ssd.delete(key)
+        obj.spill = None
         self._objects.pop(key, None)
         self._pending.pop(key, None)
         if publish and obj.sealed:
             self._outbox.put((key, False))
+
+    # -- the SSD writes of demotions (lock not held) -------------------------------------------------
+    def _spill(self, spills: list[tuple[str, _Object, bytes]]) -> None:
+        for key, obj, data in spills:
+            try:
+                evicted, stored = self.ssd.put(key, data), True
+            except OSError as exc:  # a full disk (ENOSPC) or a failing one: the object is gone
+                log.warning("pool: SSD write of %s failed (%s); object dropped", key, exc)
+                evicted, stored = [], False
+            with self._lock:
+                if not stored:
+                    self.counters["ssd_errors"] += 1
+                for gone in evicted:
+                    o = self._objects.get(gone)
+                    if o is not None and o.range is None and o.spill is None:
+                        self._drop(gone, o, publish=True)
+                        self.counters["evictions"] += 1
+                current = self._objects.get(key)
+                if current is obj and obj.spill is data:
+                    obj.spill = None
+                    if not stored:
+                        self._drop(key, obj, publish=True)
+                        self.counters["evictions"] += 1
+                elif stored and (current is None or current.range is not None):
+                    self.ssd.delete(key)  # promoted or dropped meanwhile: the copy is of no use
+        if self.ssd is not None:
+            self.ssd.sweep()
 
     def _reclaim_abandoned(self, now: float) -> None:
         for key, obj in list(self._pending.items()):

@@ -16,6 +16,10 @@ registers again and republishes what it holds.
 Hot-spot replication (the paper's hot-block replication; Mooncake Store's hot-replica fanout):
 each heartbeat, an object leased ``hot_reads`` times within the segment's window gets one more
 replica on another segment, up to ``max_replicas``; readers spread over replicas by load.
+
+The lease's keepalive and the replication run on threads of their own: a copy to a slow segment
+(up to the transfer timeout) or a slow metadata read for it never delays a keepalive, so a node
+never loses its lease, and with it every entry it published, for being busy.
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ import json
 import logging
 import threading
 
+from cluster.messenger import Messenger
+from cluster.messenger.wire import Status
 from cluster.pool.client import SEGMENTS, PoolClient, object_entry
 from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 from cluster.pool.segment import PoolFull, Segment
-from cluster.messenger import Messenger
-from cluster.messenger.wire import Status
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +60,10 @@ class SegmentService:
         self._register()
         segment.start_publishing(self.publish)
         transfer.serve(self._handle, OPS)
-        self._thread = threading.Thread(target=self._heartbeat_loop, name="pool heartbeat", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._heartbeat_loop, name="pool heartbeat", daemon=True),
+                         threading.Thread(target=self._replication_loop, name="pool replication", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     # -- metadata -----------------------------------------------------------------------------------
     def publish(self, key: str, present: bool) -> None:
@@ -77,6 +83,7 @@ class SegmentService:
         self._metadata.put(SEGMENTS + self.segment_id, self._entry(), lease=self._lease)
 
     def _heartbeat_loop(self) -> None:
+        """Keep the lease alive and the segment's entry fresh: nothing else runs on this thread."""
         while not self._stop.wait(self._heartbeat_s):
             try:
                 try:
@@ -88,11 +95,19 @@ class SegmentService:
                     self._register()
                     for key in self.segment.keys():
                         self.publish(key, True)
-                self._replicate_hot()
             except MetadataUnavailable as exc:
                 log.warning("pool: metadata unavailable: %s", exc)
             except Exception:
                 log.exception("pool: heartbeat failed")
+
+    def _replication_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                self._replicate_hot()
+            except MetadataUnavailable as exc:
+                log.info("pool: metadata unavailable for replication: %s", exc)
+            except Exception:
+                log.exception("pool: replication failed")
 
     def _replicate_hot(self) -> None:
         for key in self.segment.hot_keys(self._hot_reads):
@@ -146,7 +161,8 @@ class SegmentService:
     def close(self) -> None:
         """Leave the pool: the lease's revocation drops every entry of this segment at once."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
         self.segment.close()
         try:
             self._metadata.revoke(self._lease)
