@@ -23,6 +23,7 @@ Conductor's client turns it back into the same class (``error_from``):
 ``BadRequest``                 400     a malformed or impossible request (also a ``ValueError``)
 ``UnknownReservation``         404     no reservation by that id: never made, released, expired
 ``PrefixNotCached``            410     a push's prefix blocks are no longer (all) cached there
+``TooLarge``                   413     the body is over the route's cap (read no further)
 ``KVWriteFailed``              424     a KV write to *another* instance failed
 ``InstanceBusy``               429     too many waiting, or no staging free now (Retry-After)
 ``NoKVRoom``                   507     no room for the request's KV now; the next one may have it
@@ -50,11 +51,19 @@ leaves the process:
 * ``derive_key`` turns it into one key per purpose (HKDF-SHA256, RFC 5869): ``"control"`` signs
   HTTP control requests, ``"messenger"`` keys the transfer engine's handshake. A key seen or
   broken in one role tells nothing about the other, nor about the secret.
-* ``sign`` adds four headers to a request: a timestamp, a random nonce, the SHA-256 of the body,
-  and an HMAC-SHA256 over the method, the request target (path and query, as sent), the
-  timestamp, the nonce and the body digest.
-* ``ControlVerifier`` checks them on the receiving side and refuses a request that was altered,
-  is older or newer than ``max_skew_s``, or was already seen (a replay).
+* ``sign`` adds headers to a request: a timestamp, a random nonce, the SHA-256 of the body, the
+  audience (the ``host:port`` the request is sent to), and an HMAC-SHA256 over the method, the
+  request target (path and query, as sent), the timestamp, the nonce, the body digest, the
+  audience and the Conductor's epoch (``X-Conductor-Epoch``, empty when the call carries none).
+* ``ControlVerifier`` checks them on the receiving side and refuses a request that was altered
+  (its epoch included), is older or newer than ``max_skew_s``, was already seen (a replay), or was
+  signed for another audience than the addresses the verifier is reached by (a call captured on
+  its way to one instance and replayed to another).
+
+Everything but the body's bytes is in the headers, so ``verify_request`` checks the signature
+*before* reading any body: an unsigned request is refused (401) without a byte of its body read,
+and a signed one is read, streaming, only up to its route's cap (413 ``TooLarge`` for a
+Content-Length above it at once, or as soon as more arrives), then checked against its digest.
 
 ``ControlAuth`` signs every request an ``httpx`` client sends; ``verify_request`` checks a
 starlette request inside a route. Only requests are authenticated; responses are not, and nothing
@@ -73,7 +82,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -123,6 +132,12 @@ class PrefixNotCached(RequestError):
     """A push asked for prefix blocks the holder no longer (all) caches."""
 
     status, code = 410, "prefix_not_cached"
+
+
+class TooLarge(RequestError):
+    """The body is larger than the route takes (refused without reading it all)."""
+
+    status, code = 413, "too_large"
 
 
 class KVWriteFailed(RequestError):
@@ -194,7 +209,7 @@ class TimedOut(InstanceUnavailable):
 
 
 ERRORS: tuple[type[ProtocolError], ...] = (
-    BadRequest, UnknownReservation, PrefixNotCached, KVWriteFailed, InstanceBusy, NoKVRoom,
+    BadRequest, UnknownReservation, PrefixNotCached, TooLarge, KVWriteFailed, InstanceBusy, NoKVRoom,
     Unauthorized, WrongEpoch, InstanceFailed, Unreachable, InstanceNotReady, TimedOut)
 _BY_CODE = {cls.code: cls for cls in ERRORS}
 _BY_STATUS = {cls.status: cls for cls in ERRORS}
@@ -231,6 +246,16 @@ def _str(data: Any, name: str, optional: bool = False) -> str | None:
         return None
     if not isinstance(value, str) or not value:
         raise BadRequest(f"{name} must be a non-empty string")
+    return value
+
+
+def _text(data: Any, name: str) -> str:
+    """A string that may be empty or missing (then empty)."""
+    value = _field(data, name)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise BadRequest(f"{name} must be a string")
     return value
 
 
@@ -614,7 +639,9 @@ _ROLES = ("prefill", "decode", "both")
 
 @dataclass(frozen=True)
 class PoolNaming:
-    """How an instance names a prompt's KVCache pool objects, for the Conductor to look them up."""
+    """How an instance names a prompt's KVCache pool objects, for the Conductor to look them up.
+    ``namespace`` (``PoolGeometry.namespace``) hashes the weights' digest, their precision and
+    quantization, and the KV layout: instances that would compute different KV never share it."""
 
     namespace: str
     blocks_per_object: int
@@ -631,7 +658,10 @@ class PoolNaming:
 class InstanceInfo:
     """``GET /instance/info`` (polled once per incarnation): who the instance is and what does
     not change while it runs. ``layout``: its ``KVLayout.to_dict()``; ``profile``: its calibrated
-    ``InstanceProfile.to_dict()``; ``pool``: None outside a KVCache pool."""
+    ``InstanceProfile.to_dict()``; ``pool``: None outside a KVCache pool. ``weights``: the digest
+    of the model's weights (``cluster.pool.config.weights_digest``); ``dtype`` and
+    ``quantization``: the precision it computes in (``EngineConfig``'s, resolved). Instances that
+    differ in any of these, or in their KV layout, must not exchange KV (``misfit``)."""
 
     instance_id: str
     role: str
@@ -640,11 +670,15 @@ class InstanceInfo:
     layout: dict[str, Any]
     profile: dict[str, Any]
     pool: PoolNaming | None = None
+    weights: str = ""
+    dtype: str = ""
+    quantization: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"instance_id": self.instance_id, "role": self.role, "pid": self.pid,
                 "max_model_len": self.max_model_len, "layout": self.layout, "profile": self.profile,
-                "pool": None if self.pool is None else self.pool.to_dict()}
+                "pool": None if self.pool is None else self.pool.to_dict(), "weights": self.weights,
+                "dtype": self.dtype, "quantization": self.quantization}
 
     @classmethod
     def from_dict(cls, data: Any) -> InstanceInfo:
@@ -653,7 +687,21 @@ class InstanceInfo:
             raise BadRequest(f"role must be one of {', '.join(_ROLES)}")
         pool = _dict(data, "pool", optional=True)
         return cls(_str(data, "instance_id"), role, _int(data, "pid"), _int(data, "max_model_len"),
-                   _dict(data, "layout"), _dict(data, "profile"), None if pool is None else PoolNaming.from_dict(pool))
+                   _dict(data, "layout"), _dict(data, "profile"), None if pool is None else PoolNaming.from_dict(pool),
+                   *(_text(data, name) for name in ("weights", "dtype", "quantization")))
+
+    def misfit(self, other: InstanceInfo) -> str | None:
+        """Why this instance cannot serve in one cluster with ``other`` (its KV would be
+        meaningless there, or its pool objects another model's), or None when it fits."""
+        why = [f"{name} {mine!r} (the cluster's: {theirs!r})" for name, mine, theirs in
+               [("weights", self.weights, other.weights), ("dtype", self.dtype, other.dtype),
+                ("quantization", self.quantization, other.quantization)] if mine != theirs]
+        keys = sorted(set(self.layout) | set(other.layout))
+        why += [f"KV layout {k} {self.layout.get(k)!r} (the cluster's: {other.layout.get(k)!r})"
+                for k in keys if self.layout.get(k) != other.layout.get(k)]
+        if self.pool is not None and other.pool is not None and self.pool != other.pool:
+            why.append(f"pool naming {self.pool.to_dict()} (the cluster's: {other.pool.to_dict()})")
+        return "; ".join(why) or None
 
 
 @dataclass(frozen=True)
@@ -1071,17 +1119,27 @@ MESSENGER = "messenger"
 TIMESTAMP_HEADER = "X-Mooncake-Timestamp"
 NONCE_HEADER = "X-Mooncake-Nonce"
 DIGEST_HEADER = "X-Mooncake-Content-SHA256"
+AUDIENCE_HEADER = "X-Mooncake-Audience"
 SIGNATURE_HEADER = "X-Mooncake-Signature"
 
 # Fixed, public salt: HKDF's extract step only needs it to be independent of the secret.
 _SALT = b"mooncake-py/cluster-secret/v1"
-# Versioned so a future change of the signed fields cannot be confused with this one.
-_SIGNATURE_LABEL = b"mooncake-py/control-request/v1"
+# Versioned so a change of the signed fields cannot be confused with an earlier one (v2: the
+# audience and the epoch are signed too).
+_SIGNATURE_LABEL = b"mooncake-py/control-request/v2"
 _NONCE_BYTES = 16
+_MAX_AUDIENCE = 300
+
+# Body caps of control routes (``verify_request``'s ``max_body``): a call without a body (a
+# poll), a small one (ids, flags), one that carries a prompt (token ids, sampling parameters).
+NO_BODY = 4 << 10
+SMALL_BODY = 1 << 20
+PROMPT_BODY = 32 << 20
 
 
 class ControlAuthError(Exception):
-    """A control request is not signed with the cluster's control key (or is stale, or a replay)."""
+    """A control request is not signed with the cluster's control key (or is stale, or a replay,
+    or signed for another audience)."""
 
 
 def derive_key(secret: bytes, purpose: str) -> bytes:
@@ -1096,12 +1154,25 @@ def derive_key(secret: bytes, purpose: str) -> bytes:
     return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()  # expand: one 32-byte block
 
 
-def _canonical(method: str, target: str, timestamp: str, nonce: str, digest: str) -> bytes:
-    # Newline-joined: the timestamp, nonce and digest are validated to hold none, and neither can
-    # an HTTP method or request target, so every field list has exactly one encoding.
+def audience_of(url: str | httpx.URL) -> str:
+    """The audience a request to ``url`` is signed for: its ``host:port``, lower-case, with the
+    scheme's default port spelled out (``http://Box`` and ``http://box:80/x`` are one audience)."""
+    u = httpx.URL(url) if isinstance(url, str) else url
+    if not u.host:
+        raise ValueError(f"{str(u)!r} names no host")
+    port = u.port or (443 if u.scheme == "https" else 80)
+    host = u.host.lower()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _canonical(method: str, target: str, timestamp: str, nonce: str, digest: str, audience: str,
+               epoch: str) -> bytes:
+    # Newline-joined: the timestamp, nonce, digest, audience and epoch are validated to hold
+    # none, and neither can an HTTP method or request target, so every field list has exactly
+    # one encoding.
     return b"\n".join(
         [_SIGNATURE_LABEL, method.upper().encode(), target.encode(), timestamp.encode(),
-         nonce.encode(), digest.encode()]
+         nonce.encode(), digest.encode(), audience.encode(), epoch.encode()]
     )
 
 
@@ -1109,20 +1180,27 @@ def _mac(key: bytes, canonical: bytes) -> str:
     return hmac.new(key, canonical, hashlib.sha256).hexdigest()
 
 
-def sign(key: bytes, method: str, path_with_query: str, body: bytes, now: float | None = None) -> dict[str, str]:
+def _no_newline(*fields: str) -> bool:
+    return not any("\n" in f or "\r" in f for f in fields)
+
+
+def sign(key: bytes, method: str, path_with_query: str, body: bytes, now: float | None = None, *,
+         audience: str = "", epoch: str = "") -> dict[str, str]:
     """Headers that authenticate one request: ``path_with_query`` is the request target exactly
-    as it goes on the wire (percent-encoded path, then ``?query`` if any)."""
-    if "\n" in method or "\n" in path_with_query:
-        raise ValueError("a method or request target cannot contain a newline")
+    as it goes on the wire (percent-encoded path, then ``?query`` if any); ``audience`` the
+    ``audience_of`` the URL it is sent to (empty: none, which only a verifier that checks no
+    audience takes); ``epoch`` the value of its ``X-Conductor-Epoch`` header (empty: none)."""
+    if not _no_newline(method, path_with_query, audience, epoch):
+        raise ValueError("a method, request target, audience or epoch cannot contain a newline")
     timestamp = str(int(time.time() if now is None else now))
     nonce = secrets.token_hex(_NONCE_BYTES)
     digest = hashlib.sha256(body).hexdigest()
-    return {
-        TIMESTAMP_HEADER: timestamp,
-        NONCE_HEADER: nonce,
-        DIGEST_HEADER: digest,
-        SIGNATURE_HEADER: _mac(key, _canonical(method, path_with_query, timestamp, nonce, digest)),
-    }
+    headers = {TIMESTAMP_HEADER: timestamp, NONCE_HEADER: nonce, DIGEST_HEADER: digest}
+    if audience:
+        headers[AUDIENCE_HEADER] = audience
+    headers[SIGNATURE_HEADER] = _mac(key, _canonical(method, path_with_query, timestamp, nonce, digest,
+                                                     audience, epoch))
+    return headers
 
 
 def _is_hex(text: str, length: int) -> bool:
@@ -1132,13 +1210,19 @@ def _is_hex(text: str, length: int) -> bool:
 class ControlVerifier:
     """Checks signed control requests and remembers their nonces to refuse replays.
 
+    ``audiences``: the addresses this verifier's process is reached by (``audience_of`` its
+    advertised URLs, or the URLs themselves); a request signed for any other is refused, so one
+    captured on its way to another instance cannot be replayed here. None: no audience is
+    checked (only for a service that alone holds its key, like the pool's metadata server).
+
     A nonce is remembered until its timestamp leaves the ``±max_skew_s`` window (after which the
     timestamp check alone refuses it), so memory is bounded by the request rate times twice the
     window. Only requests whose signature verified are remembered: a sender without the key
     cannot fill the table. Safe to share between threads.
     """
 
-    def __init__(self, key: bytes, max_skew_s: float = 30.0, clock: Callable[[], float] = time.time):
+    def __init__(self, key: bytes, max_skew_s: float = 30.0, clock: Callable[[], float] = time.time,
+                 audiences: Iterable[str] | None = None):
         if not key:
             raise ValueError("the control key is empty")
         if max_skew_s <= 0:
@@ -1146,36 +1230,54 @@ class ControlVerifier:
         self._key = key
         self.max_skew_s = max_skew_s
         self._clock = clock
+        self.audiences = None if audiences is None else frozenset(
+            a if "://" not in a else audience_of(a) for a in audiences)
+        if self.audiences is not None and not self.audiences:
+            raise ValueError("a verifier bound to audiences needs at least one")
         self._lock = threading.Lock()
         self._seen: set[str] = set()
         self._expiry: list[tuple[float, str]] = []  # heap of (forget at, nonce)
 
-    def verify(self, method: str, path_with_query: str, headers: Mapping[str, str], body: bytes) -> None:
-        """Raise ``ControlAuthError`` unless the request is signed with the key, unaltered, fresh
-        and not seen before. ``headers``: a case-insensitive mapping (starlette or httpx
-        ``Headers``) or the dict ``sign`` returned."""
-        fields = {name: headers.get(name) for name in
-                  (TIMESTAMP_HEADER, NONCE_HEADER, DIGEST_HEADER, SIGNATURE_HEADER)}
+    def check_headers(self, method: str, path_with_query: str, headers: Mapping[str, str]) -> str:
+        """Everything but the body: raise ``ControlAuthError`` unless the headers are signed with
+        the key for this audience, fresh and not seen before (the nonce is remembered from here
+        on). Returns the body's signed SHA-256 (hex), for ``check_body``. ``headers``: a
+        case-insensitive mapping (starlette or httpx ``Headers``) or the dict ``sign`` returned."""
+        signed = (TIMESTAMP_HEADER, NONCE_HEADER, DIGEST_HEADER, SIGNATURE_HEADER, AUDIENCE_HEADER, EPOCH_HEADER)
+        every = (getattr(headers, "getlist", None) or getattr(headers, "get_list", None)
+                 or getattr(headers, "get_all", None))
+        if every is not None:
+            twice = [name for name in signed if len(every(name) or ()) > 1]
+            if twice:  # which one a reader takes is up to it: none is taken
+                raise ControlAuthError(f"malformed control request: {', '.join(twice)} more than once")
+        fields = {name: headers.get(name) for name in signed[:4]}
         missing = [name for name, value in fields.items() if not value]
         if missing:
             raise ControlAuthError(f"unsigned control request: missing {', '.join(missing)}")
         timestamp, nonce = fields[TIMESTAMP_HEADER], fields[NONCE_HEADER]
         digest, signature = fields[DIGEST_HEADER], fields[SIGNATURE_HEADER]
+        audience = headers.get(AUDIENCE_HEADER) or ""
+        epoch = headers.get(EPOCH_HEADER) or ""
         if not timestamp.isascii() or not timestamp.isdigit() or len(timestamp) > 12:
             raise ControlAuthError(f"malformed {TIMESTAMP_HEADER}: expected integer Unix seconds")
         if not _is_hex(nonce, 2 * _NONCE_BYTES):
             raise ControlAuthError(f"malformed {NONCE_HEADER}: expected {2 * _NONCE_BYTES} hex digits")
         if not _is_hex(digest, 64) or not _is_hex(signature, 64):
             raise ControlAuthError("malformed body digest or signature: expected 64 hex digits")
-        if "\n" in method or "\n" in path_with_query:
-            raise ControlAuthError("a method or request target cannot contain a newline")
+        if len(audience) > _MAX_AUDIENCE or len(epoch) > 40:
+            raise ControlAuthError(f"malformed {AUDIENCE_HEADER} or {EPOCH_HEADER}: too long")
+        if not _no_newline(method, path_with_query, audience, epoch):
+            raise ControlAuthError("a method, request target, audience or epoch cannot contain a newline")
 
-        expected = _mac(self._key, _canonical(method, path_with_query, timestamp, nonce, digest))
+        expected = _mac(self._key, _canonical(method, path_with_query, timestamp, nonce, digest, audience, epoch))
         if not hmac.compare_digest(signature, expected):
             raise ControlAuthError("bad signature: the request was not signed with the cluster's "
-                                   "control key, or was altered on the way")
-        if not hmac.compare_digest(digest, hashlib.sha256(body).hexdigest()):
-            raise ControlAuthError("the body does not match its signed SHA-256 digest")
+                                   "control key, or was altered on the way (its epoch included)")
+        if self.audiences is not None and audience not in self.audiences:
+            raise ControlAuthError(
+                f"signed for another audience: {audience or 'none'!r}, while this is "
+                f"{', '.join(sorted(self.audiences))} (a request meant for another process, or "
+                "this one is reached by an address it does not advertise)")
         now = self._clock()
         skew = int(timestamp) - now
         if abs(skew) > self.max_skew_s:
@@ -1188,6 +1290,18 @@ class ControlVerifier:
                 raise ControlAuthError("replayed request: this nonce was already used")
             self._seen.add(nonce)
             heapq.heappush(self._expiry, (int(timestamp) + self.max_skew_s, nonce))
+        return digest
+
+    @staticmethod
+    def check_body(signed_digest: str, body_digest: str) -> None:
+        """Raise ``ControlAuthError`` unless the body's SHA-256 (hex) is the signed one."""
+        if not hmac.compare_digest(signed_digest, body_digest):
+            raise ControlAuthError("the body does not match its signed SHA-256 digest")
+
+    def verify(self, method: str, path_with_query: str, headers: Mapping[str, str], body: bytes) -> None:
+        """``check_headers`` then ``check_body`` for a body already in hand."""
+        digest = self.check_headers(method, path_with_query, headers)
+        self.check_body(digest, hashlib.sha256(body).hexdigest())
 
     @property
     def remembered_nonces(self) -> int:
@@ -1197,7 +1311,9 @@ class ControlVerifier:
 
 class ControlAuth(httpx.Auth):
     """Signs every request of an ``httpx.Client`` / ``httpx.AsyncClient`` with the control key:
-    ``httpx.AsyncClient(auth=ControlAuth(derive_key(secret, CONTROL)))``."""
+    ``httpx.AsyncClient(auth=ControlAuth(derive_key(secret, CONTROL)))``. Each request is signed
+    for the ``host:port`` it is sent to and with its ``X-Conductor-Epoch`` header (the client's
+    default headers included), so neither can be changed on the way."""
 
     # httpx reads a streamed body into memory before calling auth_flow, so its digest can be signed.
     requires_request_body = True
@@ -1209,7 +1325,9 @@ class ControlAuth(httpx.Auth):
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         target = request.url.raw_path.decode("ascii")
-        request.headers.update(sign(self._key, request.method, target, request.content))
+        request.headers.update(sign(self._key, request.method, target, request.content,
+                                    audience=audience_of(request.url),
+                                    epoch=request.headers.get(EPOCH_HEADER, "")))
         yield request
 
 
@@ -1220,13 +1338,39 @@ def request_target(scope: Mapping) -> str:
     return (raw + b"?" + query if query else raw).decode("latin-1")
 
 
-async def verify_request(verifier: ControlVerifier, request: Request) -> str | None:
-    """Why ``request`` is refused, or None when it is properly signed. Call it inside the route
-    with the route's own ``Request``: the body read here is cached on it for the route to read
-    again (a middleware's ``Request`` is another object and would consume the body)."""
-    body = await request.body()
+async def verify_request(verifier: ControlVerifier, request: Request, max_body: int = SMALL_BODY) -> ProtocolError | None:
+    """Why ``request`` is refused (``Unauthorized``; ``TooLarge`` for a body over ``max_body``
+    bytes; ``BadRequest`` for a broken Content-Length or a client that left), or None when it is
+    properly signed. The signature is checked from the headers before a byte of the body is
+    read; then the body is read, streaming, up to ``max_body`` and checked against its signed
+    digest. Call it inside the route with the route's own ``Request``: the body read here is
+    cached on it for the route to read again (``request.json()``; a middleware's ``Request`` is
+    another object and would consume the body)."""
+    from starlette.requests import ClientDisconnect
+
     try:
-        verifier.verify(request.method, request_target(request.scope), request.headers, body)
+        digest = verifier.check_headers(request.method, request_target(request.scope), request.headers)
     except ControlAuthError as e:
-        return str(e)
+        return Unauthorized(str(e))
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isascii() or not declared.isdigit():
+            return BadRequest("invalid Content-Length header")
+        if int(declared) > max_body:
+            return TooLarge(f"a body of {declared} bytes is over this route's {max_body} bytes")
+    sha, chunks, size = hashlib.sha256(), [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                return TooLarge(f"the body is over this route's {max_body} bytes")
+            sha.update(chunk)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        return BadRequest("the client disconnected before sending the whole body")
+    try:
+        verifier.check_body(digest, sha.hexdigest())
+    except ControlAuthError as e:
+        return Unauthorized(str(e))
+    request._body = b"".join(chunks)  # what ``request.body()`` / ``request.json()`` read from now on
     return None

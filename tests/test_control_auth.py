@@ -161,7 +161,7 @@ def test_nonces_are_forgotten_once_their_timestamp_leaves_the_window():
 def _app(verifier: ControlVerifier) -> Starlette:
     async def echo(request: Request) -> JSONResponse:
         if (error := await verify_request(verifier, request)) is not None:
-            return JSONResponse({"error": error}, status_code=401)
+            return JSONResponse(error.to_dict(), status_code=error.status)
         body = await request.body()  # read again after verification: starlette cached it
         return JSONResponse({"json": json.loads(body) if body else None,
                              "query": dict(request.query_params)})

@@ -39,7 +39,8 @@ PEER = {"address": "127.0.0.1:2", "region": {"engine_id": "s"}}
 OUT = RequestOutput("r", [5], "hi", False, None, 3, 1, 0, [Logprobs(5, -0.1, [(5, -0.1), (7, -2.5)])],
                     sampler_state=b"\x00\x01\xff")
 SPEC = StageSpec({"model": "m", "stage": [0, 2]}, 1024, 2048, 3.0, [4, 8192])
-INFO = InstanceInfo("i1", "prefill", 7, 4096, {"block_size": 16}, {"prefill": {"c_0": 0.1}}, PoolNaming("ns", 4))
+INFO = InstanceInfo("i1", "prefill", 7, 4096, {"block_size": 16}, {"prefill": {"c_0": 0.1}}, PoolNaming("ns", 4),
+                    "0f" * 16, "float32", "int4")
 STATE = InstanceState("i1", CacheDelta(3, [b"\x01\x02", b"k"]), {"num_running": 1, "role": "prefill",
                                                                   "pool_client": {"reads": 2}})
 SLOT = TensorSlot([2, 3], "bfloat16", 64)
@@ -135,7 +136,7 @@ def test_each_error_has_one_status_and_code_and_maps_back_to_itself():
         back = error_from(e.status, json.loads(json.dumps(e.to_dict())))
         assert type(back) is cls and str(back) == "why"
         assert type(error_from(e.status, None)) is cls  # no body: by the status alone
-    assert {c.status for c in ERRORS if issubclass(c, RequestError)} == {400, 404, 410, 424, 429, 507}
+    assert {c.status for c in ERRORS if issubclass(c, RequestError)} == {400, 404, 410, 413, 424, 429, 507}
     assert {c.status for c in ERRORS if issubclass(c, InstanceUnavailable)} == {401, 409, 500, 502, 503, 504}
     assert type(error_from(418, {"error": "teapot"})) is InstanceFailed
     busy = error_from(429, {"error": "full"}, retry_after="3")

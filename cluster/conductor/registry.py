@@ -11,6 +11,12 @@ of scheduling; its
 ``lost`` event fires, which ends the calls in flight to it. Polling continues, and the first
 successful ``/instance/info`` brings it back; a restarted process is a new incarnation, and
 ``on_new_incarnation`` lets the ledger forget what the old one was doing.
+
+An instance comes up only if it fits the ones already up (``InstanceInfo.misfit``): the same
+weights (by digest), precision and quantization, and the same KV layout (dtype, block size,
+layers, heads) and pool naming, since KV moves between them as raw pages. One that does not is
+kept down with the reason in ``last_error`` (and ``misfit``) and a warning in the log; the first
+instance up, while none is, sets what fits.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class InstanceRecord:
     profile: InstanceProfile | None = None
     last_error: str | None = None
     failed_to_start: bool = False  # its engine could not load: it will not come up by itself
+    misfit: str | None = None  # why it does not fit the instances up (kept down), if it does not
     state: InstanceState | None = None
     cached: set[bytes] = field(default_factory=set)
     cache_version: int | None = None
@@ -63,6 +70,7 @@ class InstanceRecord:
         return {
             "url": self.url, "up": self.up, "role": self.role, "instance_id": self.instance_id,
             "pid": self.info.pid if self.info is not None else None, "last_error": self.last_error,
+            "misfit": self.misfit,
             # The instance's cache_version this view is at: compare with the instance's own /stats
             # to tell whether the Conductor has seen its latest cached prefixes.
             "cached_blocks": len(self.cached), "cache_version": self.cache_version,
@@ -149,11 +157,24 @@ class Registry:
             self._apply_cache(rec, state.cache)
             rec.state = state
             if not rec.up:
-                rec.up, rec.last_error, rec.failed_to_start = True, None, False
+                if (misfit := self._misfit(rec)) is not None:
+                    if misfit != rec.misfit:
+                        log.warning("instance %s (%s) refused: it does not fit the cluster: %s",
+                                    rec.url, rec.role, misfit)
+                    rec.misfit, rec.last_error = misfit, f"does not fit the cluster: {misfit}"
+                    return
+                rec.up, rec.last_error, rec.failed_to_start, rec.misfit = True, None, False, None
                 rec.lost = asyncio.Event()
                 log.info("instance %s is up (%s)", rec.url, rec.role)
         except Exception as e:  # noqa: BLE001 -- any failure to poll means down
             self.mark_down(rec, f"{type(e).__name__}: {e}")
+
+    def _misfit(self, rec: InstanceRecord) -> str | None:
+        """Why ``rec`` cannot join the instances up now, or None (also when none is up)."""
+        for other in self.records:
+            if other is not rec and other.up and other.info is not None and rec.info is not None:
+                return rec.info.misfit(other.info)
+        return None
 
     @staticmethod
     def _apply_cache(rec: InstanceRecord, cache: CacheDelta) -> None:

@@ -256,7 +256,8 @@ def start_worker(spec: StageSpec, host: str, secret: bytes) -> tuple[StageWorker
                       write_window_s=spec.timeout_s, layers=runner.model.layer_range)
     pool = None
     if spec.pool is not None:
-        geometry = PoolGeometry(runner.wire_layout, spec.pool[0], model_identity(str(path)))
+        geometry = PoolGeometry(runner.wire_layout, spec.pool[0],
+                                model_identity(str(path), config.dtype, config.quantization))
         pool = StagePool(transfer, StagingArea(transfer, spec.pool[1]), geometry, runner.model.layer_range,
                          spec.timeout_s)
     return StageWorker(runner, transfer, spec.buffer_bytes, spec.timeout_s, sender, pool), transfer

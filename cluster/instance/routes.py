@@ -17,9 +17,13 @@ signed requests, ``cluster/protocol.py``), and ``/health`` / ``/stats``:
 * ``POST /instance/stage/join`` (a first pipeline stage whose later stages are started by hand,
   ``cluster.cpp.group``) a later stage takes its ``StageSpec``, then its links
 
-Every call carries the Conductor's epoch (header ``X-Conductor-Epoch``): a newer one makes the
-instance release the older Conductor's reservations; an older one is refused (409,
-``WrongEpoch``). Bodies and answers are the messages of ``cluster/protocol.py``; a refusal is one
+Every call carries the Conductor's epoch (header ``X-Conductor-Epoch``, inside the signed
+material): a newer one makes the instance release the older Conductor's reservations; an older one
+is refused (409, ``WrongEpoch``). A call must be signed for this instance's advertised URL (its
+``--url``), so one captured on its way to another instance is refused here; its signature is
+checked from the headers before any body is read, and a body is read only up to its route's cap
+(413 ``TooLarge`` beyond: ``NO_BODY`` for polls, ``PROMPT_BODY`` for calls carrying a prompt,
+``SMALL_BODY`` for the rest). Bodies and answers are the messages of ``cluster/protocol.py``; a refusal is one
 of its ``ProtocolError``s, with its status (``_as_protocol_error`` says which exception is which).
 """
 
@@ -39,10 +43,11 @@ from cluster.instance.kv_stream import KVDestination
 from cluster.cpp.group import peer_from
 from cluster.messenger import TransferError
 from cluster.protocol import CONTROL, EPOCH_HEADER, ControlVerifier, derive_key, verify_request
+from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
     InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
-    RenewReply, RenewRequest, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, Unauthorized, stream_line)
+    RenewReply, RenewRequest, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, stream_line)
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
 from engine.outputs import RequestOutput
@@ -87,18 +92,21 @@ async def _body(request: Request) -> object:
 class InstanceRoutes:
     def __init__(self, service: InstanceService) -> None:
         self.s = service
-        # One verifier for every route, so a nonce seen by one is a replay on all.
-        self._verifier = ControlVerifier(derive_key(service.config.secret, CONTROL))
+        # One verifier for every route, so a nonce seen by one is a replay on all; it takes only
+        # calls signed for the URL this instance advertises (and registers with).
+        self._verifier = ControlVerifier(derive_key(service.config.secret, CONTROL), audiences=[service.config.url])
 
-    def _control(self, roles: tuple[str, ...] | None = None, needs_ready: bool = True) -> Callable[[Handler], Handler]:
-        """Wrap a control route: authenticate, note the Conductor's epoch, check readiness and
-        role, and map the exceptions it raises to status codes."""
+    def _control(self, roles: tuple[str, ...] | None = None, needs_ready: bool = True,
+                 max_body: int = SMALL_BODY) -> Callable[[Handler], Handler]:
+        """Wrap a control route: authenticate (before reading the body, which is read only up to
+        ``max_body`` bytes), note the Conductor's epoch, check readiness and role, and map the
+        exceptions it raises to status codes."""
 
         def wrap(handler: Handler) -> Handler:
             async def route(request: Request) -> Response:
                 s = self.s
-                if (denied := await verify_request(self._verifier, request)) is not None:
-                    return _answer(Unauthorized(denied))
+                if (denied := await verify_request(self._verifier, request, max_body)) is not None:
+                    return _answer(denied)
                 if needs_ready and not s.ready:
                     # "fatal": the engine could not start and will not by itself (a bad model, say).
                     return _answer(InstanceNotReady(s.error or "instance is starting", fatal=s.error is not None))
@@ -207,15 +215,15 @@ class InstanceRoutes:
         return [
             Route("/health", self.health, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
-            Route("/instance/info", c()(self.info), methods=["GET"]),
-            Route("/instance/state", c()(self.state), methods=["GET"]),
-            Route("/instance/reserve", c()(self.reserve), methods=["POST"]),
+            Route("/instance/info", c(max_body=NO_BODY)(self.info), methods=["GET"]),
+            Route("/instance/state", c(max_body=NO_BODY)(self.state), methods=["GET"]),
+            Route("/instance/reserve", c(max_body=PROMPT_BODY)(self.reserve), methods=["POST"]),
             Route("/instance/renew", c()(self.renew), methods=["POST"]),
-            Route("/instance/prefill", c(("prefill",))(self.prefill), methods=["POST"]),
-            Route("/instance/generate", c(("decode", "both"))(self.generate), methods=["POST"]),
+            Route("/instance/prefill", c(("prefill",), max_body=PROMPT_BODY)(self.prefill), methods=["POST"]),
+            Route("/instance/generate", c(("decode", "both"), max_body=PROMPT_BODY)(self.generate), methods=["POST"]),
             # An abort must work while starting too: it only ever frees things.
             Route("/instance/abort", c(needs_ready=False)(self.abort), methods=["POST"]),
-            Route("/instance/push", c(("prefill", "both"))(self.push), methods=["POST"]),
+            Route("/instance/push", c(("prefill", "both"), max_body=PROMPT_BODY)(self.push), methods=["POST"]),
             Route("/instance/adopt", c()(self.adopt), methods=["POST"]),
             Route("/instance/stage/join", c(("prefill",), needs_ready=False)(self.stage_join), methods=["POST"]),
         ]

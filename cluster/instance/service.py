@@ -32,7 +32,7 @@ from cluster.instance.prefill import Prefiller
 from cluster.instance.kv_stream import KVSender
 from cluster.cpp.group import StageGroup, StageRendezvous
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
-from cluster.pool.config import model_identity
+from cluster.pool.config import model_identity, weights_digest
 from cluster.pool.metadata import connect_metadata
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
@@ -193,8 +193,11 @@ class InstanceService:
             # With a pool, what the Conductor needs to name a prompt's pool objects itself.
             naming = (None if self.pool is None else
                       PoolNaming(self.pool.geometry.namespace, self.pool.geometry.blocks_per_object))
+            # What the Conductor checks before it lets this instance exchange KV with the others.
+            weights = await loop.run_in_executor(None, weights_digest, facts["model_path"])
             self._info = InstanceInfo(self.instance_id, cfg.role, os.getpid(), facts["max_model_len"],
-                                      layout.to_dict(), self.profile.to_dict(), naming)
+                                      layout.to_dict(), self.profile.to_dict(), naming, weights,
+                                      facts["dtype"], facts["quantization"])
             self._publish_cache(loop, handoff)
             self.ready = True
             self._tasks.append(asyncio.create_task(self.receiver.expire_forever()))
@@ -227,7 +230,8 @@ class InstanceService:
         if pc.block_tokens % layout.block_size:
             raise ValueError(f"pool block of {pc.block_tokens} tokens is not a multiple of the "
                              f"engine's {layout.block_size}-token blocks")
-        return PoolGeometry(layout, pc.block_tokens // layout.block_size, model_identity(facts["model_path"]))
+        return PoolGeometry(layout, pc.block_tokens // layout.block_size,
+                            model_identity(facts["model_path"], facts["dtype"], facts["quantization"]))
 
     def _join_pool(self, transfer: Messenger, handoff: KVHandoff, geometry: PoolGeometry, staging: int,
                    layers: range) -> PoolIO:
@@ -253,7 +257,8 @@ class InstanceService:
     @staticmethod
     def _engine_facts(e: LLMEngine) -> dict[str, Any]:
         return {"max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
-                "hidden_size": e.model_config.hidden_size, "model_path": str(e.model_path)}
+                "hidden_size": e.model_config.hidden_size, "model_path": str(e.model_path),
+                "dtype": e.config.dtype, "quantization": e.config.quantization}
 
     def _publish_cache(self, loop: asyncio.AbstractEventLoop, handoff: KVHandoff) -> None:
         """After every engine step, hand what changed in the prefix cache to the event loop."""

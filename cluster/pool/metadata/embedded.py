@@ -10,6 +10,7 @@ signed with a key derived from the cluster secret for this purpose alone (``META
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import logging
@@ -142,13 +143,24 @@ class _Handler(BaseHTTPRequestHandler):
         if length is None or not length.isdigit():
             self._answer(411, {"error": "a Content-Length is required"}, close=True)
             return
+        try:
+            # Before anything else, so an unsigned request can learn nothing, not even a 404, and
+            # from the headers alone: its body is never read.
+            digest = self.server.verifier.check_headers("POST", self.path, self.headers)
+        except ControlAuthError as exc:
+            # Its body is skipped unread (a bounded one, so the connection can carry the next
+            # request; a larger one closes it).
+            small = int(length) <= _MAX_BODY_BYTES
+            for left in range(int(length), 0, -(64 << 10)) if small else ():
+                self.rfile.read(min(left, 64 << 10))
+            self._answer(401, {"error": str(exc)}, close=not small)
+            return
         if int(length) > _MAX_BODY_BYTES:
             self._answer(413, {"error": f"body over {_MAX_BODY_BYTES} bytes"}, close=True)
             return
         body = self.rfile.read(int(length))
         try:
-            # Before anything else, so an unsigned request can learn nothing, not even a 404.
-            self.server.verifier.verify("POST", self.path, self.headers, body)
+            self.server.verifier.check_body(digest, hashlib.sha256(body).hexdigest())
         except ControlAuthError as exc:
             self._answer(401, {"error": str(exc)})
             return
