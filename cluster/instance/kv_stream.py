@@ -9,11 +9,25 @@ layer computes. A long prompt's KV thus leaves chunk by chunk as it is computed;
 chunk's is still in flight when the prompt is done. The decode instance then unpacks the whole
 buffer into its pages with ``kernels.scatter_kv`` (``engine.disaggregation.KVHandoff.admit``).
 The wire layout of a request's KV in staging is ``engine.kv_layout.KVLayout``.
+
+A late write cannot corrupt (issue 23 §5). The reservation's range is opened under a
+**generation** (``KVDestination.generation``) that every write names; the decode instance's
+Messenger refuses a write whose generation is not the range's current one (``StaleWrite``), so
+the bytes of a prefill that kept writing after the reservation was released never land in the
+range's next use. And each layer carries a **checksum** (xxh3 of the layer's bytes, with its last
+write, into a trailer after the KV: ``layer_checksums``), which the decode instance verifies
+before the blocks are admitted (``verify_layers``), so anything that did slip in (a write the
+owner admitted just before the use ended) refuses the request instead of entering its prefix cache.
+
+``layer_done`` runs on the engine thread and packs and writes outside ``KVSender._lock`` (a write
+may have to reconnect to a dead peer, for up to the Messenger's timeout); ``expect`` and
+``finish``, on the event loop, only ever hold the lock for a dictionary operation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 import time
 from concurrent import futures
@@ -21,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from cluster.messenger.staging import StagingArea, StagingRange
 from cluster.messenger import Batch, RegionHandle, Messenger, TransferError
@@ -32,25 +47,63 @@ from engine.hooks import PromptChunk
 class KVDestination:
     """Where a decode instance takes a request's prompt KV: its Messenger address, its receive
     staging region, the offset of the range reserved there, and how many leading prompt blocks it
-    already holds (only the blocks after those are sent)."""
+    already holds (only the blocks after those are sent). ``generation``: the use of that range
+    every write names (None: an unguarded range); ``sums``: the range has room for a checksum per
+    layer after the KV (``layer_checksums``), which the sender writes with each layer's last part."""
 
     address: str
     region: RegionHandle
     offset: int
     skip_blocks: int
     num_blocks: int  # blocks sent
+    generation: int | None = None
+    sums: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"address": self.address, "region": self.region.to_dict(), "offset": self.offset,
-                "skip_blocks": self.skip_blocks, "num_blocks": self.num_blocks}
+        data = {"address": self.address, "region": self.region.to_dict(), "offset": self.offset,
+                "skip_blocks": self.skip_blocks, "num_blocks": self.num_blocks, "sums": self.sums}
+        if self.generation is not None:
+            data["generation"] = self.generation
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVDestination:
         try:
+            generation = data.get("generation")
             return cls(str(data["address"]), RegionHandle.from_dict(data["region"]), int(data["offset"]),
-                       int(data["skip_blocks"]), int(data["num_blocks"]))
+                       int(data["skip_blocks"]), int(data["num_blocks"]),
+                       None if generation is None else int(generation), bool(data.get("sums", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed KV destination: {e}") from None
+
+
+# One little-endian xxh3-64 per layer, after the KV of a range whose destination has ``sums``.
+_SUM = struct.Struct("<Q")
+
+
+def sums_bytes(num_layers: int) -> int:
+    """The size of the checksum trailer of ``num_layers`` layers."""
+    return _SUM.size * num_layers
+
+
+def layer_checksum(data: torch.Tensor) -> int:
+    """The checksum of one layer's bytes (a contiguous CPU tensor)."""
+    return xxhash.xxh3_64_intdigest(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+
+
+def layer_checksums(kv: torch.Tensor) -> bytes:
+    """The trailer for ``kv`` (layers on the first dimension): each layer's checksum."""
+    return b"".join(_SUM.pack(layer_checksum(kv[i])) for i in range(kv.shape[0]))
+
+
+def verify_layers(kv: torch.Tensor, trailer: torch.Tensor) -> int | None:
+    """The first layer of ``kv`` whose bytes do not match its checksum in ``trailer`` (the
+    received uint8 trailer), or None when every layer matches."""
+    sums = [v for (v,) in _SUM.iter_unpack(memoryview(trailer.numpy()))]
+    for i in range(kv.shape[0]):
+        if layer_checksum(kv[i]) != sums[i]:
+            return i
+    return None
 
 
 @dataclass(frozen=True)
@@ -63,8 +116,8 @@ class SendReport:
 
 
 class _Outgoing:
-    __slots__ = ("dest", "staging", "batches", "error", "write_by", "sent", "sending", "bytes_sent",
-                 "in_flight_at_end")
+    __slots__ = ("batches", "busy", "bytes_sent", "closed", "dest", "error", "idle", "in_flight_at_end", "sending",
+                 "sent", "staging", "write_by")
 
     def __init__(self, dest: KVDestination, staging: StagingRange | None):
         self.dest = dest
@@ -76,6 +129,18 @@ class _Outgoing:
         self.sending = (self.sent, self.sent)  # the blocks this step's chunk sends, layer by layer
         self.bytes_sent = 0
         self.in_flight_at_end: int | None = None  # bytes not yet landed when the last layer was handed over
+        # Packs and writes in progress outside the lock; once ``finish`` has popped the request
+        # (``closed``), it waits for ``idle`` before it looks at the batches or frees the staging.
+        self.busy = 0
+        self.closed = False
+        self.idle = threading.Event()
+
+    def refused(self) -> bool:
+        """Whether the first write was refused already (the reservation is gone: stop early)."""
+        if not self.batches:
+            return False
+        first = self.batches[0][0]
+        return first.done() and first.exception() is not None
 
 
 class KVSender:
@@ -100,22 +165,28 @@ class KVSender:
         self.layers = range(layout.num_layers) if layers is None else layers
         self.write_window_s = write_window_s
         self.per_chunk = per_chunk
-        # expect/finish run on the event loop, layer_done on the engine thread. layer_done holds
-        # the lock while it packs and submits, so once finish has popped a request no copy into
-        # its staging can still start.
+        # expect/finish run on the event loop, layer_done on the engine thread. The lock guards
+        # the table and each request's bookkeeping only: packing and writing happen outside it
+        # (a write may block on a reconnect), under the request's ``busy`` count instead, so once
+        # finish has popped a request and seen it idle no copy into its staging can still start.
         self._lock = threading.Lock()
         self._out: dict[str, _Outgoing] = {}
 
+    def _nbytes(self, dest: KVDestination) -> int:
+        kv = len(self.layers) * self.layout.layer_bytes(dest.num_blocks)
+        return kv + (sums_bytes(len(self.layers)) if dest.sums else 0)
+
     def expect(self, request_id: str, dest: KVDestination) -> None:
         """Stream this request's prompt KV to ``dest`` when it is computed (raises StagingFull)."""
-        nbytes = len(self.layers) * self.layout.layer_bytes(dest.num_blocks)
-        staging = self.staging.allocate(nbytes) if dest.num_blocks else None
+        staging = self.staging.allocate(self._nbytes(dest)) if dest.num_blocks else None
         with self._lock:
-            if request_id in self._out:
-                if staging is not None:
-                    self.staging.release(staging)
-                raise ValueError(f"request {request_id!r} is already being streamed")
-            self._out[request_id] = _Outgoing(dest, staging)
+            taken = request_id in self._out
+            if not taken:
+                self._out[request_id] = _Outgoing(dest, staging)
+        if taken:
+            if staging is not None:
+                self.staging.release(staging)
+            raise ValueError(f"request {request_id!r} is already being streamed")
 
     def wants(self, request_id: str) -> bool:
         out = self._out.get(request_id)
@@ -125,63 +196,106 @@ class KVSender:
         """Send layer ``layer`` of the blocks each chunk completed (with the blocks before them
         not sent yet: a cached prefix goes with the first chunk), or with the prompt's last
         chunk every block left, the partial last one included."""
-        layout = self.layout
-        last_layer = layer == len(self.layers) - 1
-        with self._lock:
-            for chunk in chunks:
-                out = self._out.get(chunk.request_id)
-                if out is None or out.staging is None or out.error is not None or not (self.per_chunk or chunk.last):
+        for chunk in chunks:
+            with self._lock:
+                planned = self._plan(layer, chunk)
+                if planned is None:
                     continue
-                d = out.dest
-                now = time.monotonic()
-                if layer == 0:
-                    # A new step: the chunk before may have ended long ago (the prompt waited
-                    # for its turn), which the window does not cover.
-                    end = -(-chunk.end // layout.block_size) if chunk.last else chunk.end // layout.block_size
-                    out.sending = (out.sent, max(out.sent, end))
-                    out.write_by = None
-                if out.write_by is not None and now > out.write_by:
-                    out.error = f"too late to write: more than {self.write_window_s:g} s after the layer before"
-                    continue
-                out.write_by = now + self.write_window_s
-                first, end = out.sending
-                ids = chunk.block_ids
-                if end > d.skip_blocks + d.num_blocks or (chunk.last and len(ids) != d.skip_blocks + d.num_blocks):
-                    # Checked before any write: a write past the reserved blocks would land in
-                    # another request's range.
-                    out.error = f"prefill holds {len(ids)} blocks, decode expects {d.skip_blocks} + {d.num_blocks}"
-                    continue
-                if end > first:
-                    self._send(out, kv_cache, ids[first:end], layer, first - d.skip_blocks)
-                if last_layer:
-                    out.sent = end
-                    if chunk.last:
-                        out.in_flight_at_end = sum(n for b, n in out.batches if not b.done())
+                out, first, end = planned
+                out.busy += 1
+            try:
+                if end > first or (chunk.last and out.dest.sums):
+                    self._send(out, kv_cache, chunk.block_ids[first:end], layer, first - out.dest.skip_blocks,
+                               with_sum=chunk.last and out.dest.sums)
+            except Exception as exc:  # noqa: BLE001 -- the request fails, the engine goes on
+                out.error = f"KV write failed: {exc}"
+            finally:
+                with self._lock:
+                    if layer == len(self.layers) - 1:
+                        out.sent = end
+                        if chunk.last:
+                            out.in_flight_at_end = sum(n for b, n in out.batches if not b.done())
+                    out.busy -= 1
+                    if out.closed and not out.busy:
+                        out.idle.set()
 
-    def _send(self, out: _Outgoing, kv_cache: torch.Tensor, block_ids: list[int], layer: int, at: int) -> None:
+    def _plan(self, layer: int, chunk: PromptChunk) -> tuple[_Outgoing, int, int] | None:
+        """Under the lock: what of ``chunk`` goes out with this layer, (request, first block,
+        end block), or None when nothing does."""
+        layout = self.layout
+        out = self._out.get(chunk.request_id)
+        if out is None or out.staging is None or out.error is not None or not (self.per_chunk or chunk.last):
+            return None
+        d = out.dest
+        now = time.monotonic()
+        if layer == 0:
+            # A new step: the chunk before may have ended long ago (the prompt waited
+            # for its turn), which the window does not cover.
+            end = -(-chunk.end // layout.block_size) if chunk.last else chunk.end // layout.block_size
+            out.sending = (out.sent, max(out.sent, end))
+            out.write_by = None
+            if out.refused():
+                out.error = f"KV write to {d.address} refused: {out.batches[0][0].exception()}"
+                return None
+        if out.write_by is not None and now > out.write_by:
+            out.error = f"too late to write: more than {self.write_window_s:g} s after the layer before"
+            return None
+        out.write_by = now + self.write_window_s
+        first, end = out.sending
+        ids = chunk.block_ids
+        if end > d.skip_blocks + d.num_blocks or (chunk.last and len(ids) != d.skip_blocks + d.num_blocks):
+            # Checked before any write: a write past the reserved blocks would land in
+            # another request's range.
+            out.error = f"prefill holds {len(ids)} blocks, decode expects {d.skip_blocks} + {d.num_blocks}"
+            return None
+        return out, first, end
+
+    def _send(self, out: _Outgoing, kv_cache: torch.Tensor, block_ids: list[int], layer: int, at: int,
+              with_sum: bool) -> None:
         """Pack layer ``layer`` of ``block_ids`` into the request's send staging at block ``at``
         of its wire layout and write it to the same place in the decode instance's range: the
-        K pages and the V pages of those blocks, two contiguous ranges."""
+        K pages and the V pages of those blocks, two contiguous ranges. ``with_sum``: the layer
+        is complete in the send staging now; its checksum goes with it, into the trailer."""
         d, n, page = out.dest, len(block_ids), self.layout.page_bytes
+        layer_bytes = self.layout.layer_bytes(d.num_blocks)
         shape = (len(self.layers), *self.layout.shape(d.num_blocks)[1:])
-        buf = self.staging.view(out.staging, kv_cache.dtype, shape)
-        pack(kv_cache, block_ids, range(layer, layer + 1), buf[layer : layer + 1, :, at : at + n])
-        here = out.staging.offset + layer * self.layout.layer_bytes(d.num_blocks)
-        there = d.offset + (self.layers.start + layer) * self.layout.layer_bytes(d.num_blocks)
-        entries = [(self.staging.handle, here + off, d.region, there + off, n * page)
-                   for off in (at * page, (d.num_blocks + at) * page)]
-        out.batches.append((self.transfer.write(d.address, entries), 2 * n * page))
+        kv = StagingRange(out.staging.offset, len(self.layers) * layer_bytes)
+        buf = self.staging.view(kv, kv_cache.dtype, shape)
+        here = out.staging.offset + layer * layer_bytes
+        there = d.offset + (self.layers.start + layer) * layer_bytes
+        entries = []
+        if n:
+            pack(kv_cache, block_ids, range(layer, layer + 1), buf[layer : layer + 1, :, at : at + n])
+            entries = [(self.staging.handle, here + off, d.region, there + off, n * page)
+                       for off in (at * page, (d.num_blocks + at) * page)]
+        if with_sum:
+            slot = out.staging.offset + kv.nbytes + _SUM.size * layer
+            _SUM.pack_into(memoryview(self.staging.buffer.numpy()), slot, layer_checksum(buf[layer]))
+            entries.append((self.staging.handle, slot, d.region,
+                            d.offset + self.layout.nbytes(d.num_blocks) + _SUM.size * (self.layers.start + layer),
+                            _SUM.size))
+        batch = self.transfer.write(d.address, entries, generation=d.generation)
+        out.batches.append((batch, 2 * n * page))
         out.bytes_sent += 2 * n * page
 
     async def finish(self, request_id: str, timeout_s: float) -> SendReport:
         """Wait for every write of the request, then free its staging. Raises ``TransferError``
-        if a write failed or the KV was never fully sent (unless nothing was to be sent)."""
+        if a write failed or the KV was never fully sent (unless nothing was to be sent); a
+        write the decode instance refused because the reservation is gone raises ``StaleWrite``."""
         with self._lock:
             out = self._out.pop(request_id, None)
+            if out is not None:
+                out.closed = True
+                if not out.busy:
+                    out.idle.set()
         if out is None:
             return SendReport(0, 0)
-        batches = [b for b, _ in out.batches]
         loop = asyncio.get_running_loop()
+        if not out.idle.is_set():
+            # A layer of it is being packed or handed to the Messenger on the engine thread (a
+            # reconnect takes at most the Messenger's timeout): wait off the event loop.
+            await loop.run_in_executor(None, out.idle.wait)
+        batches = [b for b, _ in out.batches]
         try:
             # One wait for all (a long prompt's stream is hundreds of writes), off the event loop.
             _, pending = await loop.run_in_executor(None, futures.wait, batches, timeout_s)

@@ -9,19 +9,25 @@ Answered once every layer's write to the decode instance has completed.
 With a KVCache pool (``PoolIO``), a prompt first loads whatever prefix the pool has beyond the
 local cache (``pool_io.prepare_load``, ``pool_io.starter``, as the colocated path in ``decode.py``),
 and what was computed goes back to the pool layer by layer as it is prefilled.
+
+A prefill that comes too late is refused as ``UnknownReservation`` (a request error): one whose id
+was aborted here before it arrived (``aborted``, the instance's memory of recent aborts), and one
+whose writes the decode instance refused because the reservation is gone (``StaleWrite``: it was
+released, perhaps reused, while this prefill waited or computed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from cluster.instance.pool_io import PoolIO, PoolLoad, prepare_load, starter
 from cluster.instance.kv_stream import KVDestination, KVSender
 from cluster.cpp.stage import StageLink
 from cluster.messenger.staging import when_free
-from cluster.messenger import TransferError
-from cluster.protocol import BadRequest
+from cluster.messenger import StaleWrite, TransferError
+from cluster.protocol import BadRequest, UnknownReservation
 from engine.async_engine import AsyncLLMEngine
 from engine.engine_client import EngineError
 from engine.outputs import RequestOutput
@@ -32,9 +38,12 @@ log = logging.getLogger(__name__)
 
 class Prefiller:
     def __init__(self, client: AsyncLLMEngine, sender: KVSender, transfer_timeout_s: float,
-                 pool: PoolIO | None = None, stages: StageLink | None = None) -> None:
+                 pool: PoolIO | None = None, stages: StageLink | None = None,
+                 aborted: Callable[[str], bool] | None = None) -> None:
         """``stages``: a first pipeline stage's link to the later ones, which stream their own
-        layers of each prompt's KV beside ``sender``."""
+        layers of each prompt's KV beside ``sender``. ``aborted``: whether a request id was
+        aborted here lately (``Receiver.aborted``: an abort that overtook its prefill)."""
+        self._aborted = aborted
         self._client = client
         self._sender = sender
         self._stages = stages
@@ -49,6 +58,18 @@ class Prefiller:
         block_size = self._sender.layout.block_size
         if dest.skip_blocks + dest.num_blocks != -(-len(token_ids) // block_size):
             raise BadRequest("destination block count does not match the prompt")
+        self._check_aborted(request_id)
+        try:
+            return await self._prefill(request_id, token_ids, params, dest)
+        except StaleWrite as e:
+            raise UnknownReservation(f"the decode instance no longer holds the reservation for {request_id!r}: {e}") from None
+
+    def _check_aborted(self, request_id: str) -> None:
+        if self._aborted is not None and self._aborted(request_id):
+            raise UnknownReservation(f"request {request_id!r} was aborted before its prefill arrived")
+
+    async def _prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                       dest: KVDestination) -> RequestOutput:
         load = await prepare_load(self._pool, request_id, token_ids, params)
         storing = await self._plan_store(request_id, token_ids, load)
         try:
@@ -83,6 +104,7 @@ class Prefiller:
     async def _prefill_once(self, request_id: str, token_ids: list[int], params: SamplingParams,
                             dest: KVDestination, load: PoolLoad | None) -> RequestOutput:
         sender = self._sender
+        self._check_aborted(request_id)  # it may have come while the pool was asked
         try:
             await when_free(lambda: sender.expect(request_id, dest), self._timeout_s)
         except BaseException:

@@ -11,6 +11,14 @@ The record of a reservation is kept until its take-over has run on the engine th
 (``take_over``): a failure before that (the stream never started, the engine refused) leaves it
 to ``release`` or expiry, never leaked. Receive staging that a sender may still be writing into
 (anything not known to be ``settled``) is reused only after twice the transfer timeout.
+
+A late write cannot corrupt (issue 23 §5): the receive staging is guarded, each reservation's
+range is opened under a fresh generation (``KVDestination.generation``) and closed the moment the
+reservation ends (released, expired, or taken over), so the Messenger refuses a write for it from
+then on; the range also holds a checksum per layer (written by the sender), verified before the
+blocks are admitted (``take_over``): a mismatch refuses the request (``KVWriteFailed``) and its
+blocks never reach the prefix cache. Ids released before they were reserved (an abort that
+overtook its request) are remembered for ``lease_s`` (``aborted``).
 """
 
 from __future__ import annotations
@@ -25,8 +33,8 @@ from typing import TypeVar
 
 import torch
 
-from cluster.instance.kv_stream import KVDestination
-from cluster.protocol import BadRequest, UnknownReservation, WrongEpoch
+from cluster.instance.kv_stream import KVDestination, sums_bytes, verify_layers
+from cluster.protocol import BadRequest, KVWriteFailed, UnknownReservation, WrongEpoch
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVCapacityError, KVHandoff
@@ -53,6 +61,7 @@ class Receiver:
         self._client = client
         self._handoff = handoff
         self.staging = staging
+        staging.guard()  # writes only into a current reservation's range, naming its generation
         self._address = address
         self._layout: KVLayout = handoff.layout
         self.lease_s = lease_s
@@ -70,6 +79,17 @@ class Receiver:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
+
+    def aborted(self, request_id: str) -> bool:
+        """Whether ``request_id`` was released (aborted) lately, perhaps before this instance had
+        seen it: a prefill or push for it that arrives now comes too late."""
+        with self._lock:
+            at = self._released.get(request_id)
+            return at is not None and time.monotonic() - at <= self.lease_s
+
+    def _nbytes(self, num_blocks: int) -> int:
+        """A reservation's receive range: its KV, then a checksum per layer."""
+        return self._layout.nbytes(num_blocks) + sums_bytes(self._layout.num_layers)
 
     def prompt(self, request_id: str) -> list[int] | None:
         """The prompt a reservation holds blocks for (None without a reservation)."""
@@ -94,7 +114,7 @@ class Receiver:
         staging = None
         if n:
             try:
-                staging = self.staging.allocate(self._layout.nbytes(n))
+                staging = self.staging.allocate(self._nbytes(n))
             except (StagingFull, ValueError) as e:
                 await self._client.call(lambda _: self._handoff.drop(request_id))
                 raise KVCapacityError(f"receive staging: {e}") from None
@@ -113,7 +133,7 @@ class Receiver:
                 raise WrongEpoch(f"epoch {epoch} was replaced by {self.epoch} while reserving")
             raise UnknownReservation(f"request {request_id!r} was aborted")
         return KVDestination(self._address, self.staging.handle, staging.offset if staging else 0,
-                             res.cached_blocks, n)
+                             res.cached_blocks, n, staging.generation if staging else None, sums=True)
 
     def renew(self, request_ids: list[str], epoch: int) -> list[str]:
         """Extend the leases of ``request_ids``; returns those this instance does not hold."""
@@ -155,13 +175,31 @@ class Receiver:
             try:
                 kv = None
                 if lease.staging is not None:
-                    kv = self.staging.view(lease.staging, self._layout.torch_dtype, self._layout.shape(lease.num_blocks))
+                    # No write for this reservation lands from now on; what did is checked.
+                    self.staging.revoke(lease.staging)
+                    kv = self._received(request_id, lease)
                 return engine_side(self._handoff, kv)
+            except KVWriteFailed:
+                self._handoff.drop(request_id)
+                raise
             finally:
                 if lease.staging is not None:
                     self.staging.release(lease.staging)
 
         return run
+
+    def _received(self, request_id: str, lease: _Lease) -> torch.Tensor:
+        """The reservation's KV, once each layer matched its checksum (raises ``KVWriteFailed``)."""
+        n, layout = lease.num_blocks, self._layout
+        kv_range = StagingRange(lease.staging.offset, layout.nbytes(n))
+        kv = self.staging.view(kv_range, layout.torch_dtype, layout.shape(n))
+        sums = self.staging.view(StagingRange(kv_range.offset + kv_range.nbytes, sums_bytes(layout.num_layers)),
+                                 torch.uint8, (sums_bytes(layout.num_layers),))
+        bad = verify_layers(kv, sums)
+        if bad is not None:
+            log.warning("refusing the KV of %s: layer %d does not match its checksum", request_id, bad)
+            raise KVWriteFailed(f"the KV received for {request_id!r} is corrupt (layer {bad} does not match its checksum)")
+        return kv
 
     async def release(self, request_id: str, settled: bool) -> bool:
         """Release a reservation not taken over (idempotent; False if there was none). Its
@@ -174,6 +212,8 @@ class Receiver:
                 del self._released[rid]
         if lease is None:
             return False
+        if lease.staging is not None:
+            self.staging.revoke(lease.staging)  # a write for it still on its way is refused
         await self._client.call(lambda _: self._handoff.drop(request_id))
         if lease.staging is not None:
             if settled:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from cluster.instance.receiver import Receiver
-from cluster.instance.kv_stream import KVDestination, settle
-from cluster.messenger.staging import StagingArea, when_free
+from cluster.instance.kv_stream import KVDestination, layer_checksums, settle, sums_bytes
+from cluster.messenger.staging import StagingArea, StagingRange, when_free
 from cluster.messenger import Messenger
 from cluster.protocol import BadRequest, PrefixNotCached, UnknownReservation
 from engine.async_engine import AsyncLLMEngine
@@ -39,13 +41,17 @@ class Replicator:
             raise BadRequest("this instance does not send KV")
         if not dest.num_blocks:
             return 0
+        if self._receiver.aborted(request_id):
+            raise UnknownReservation(f"request {request_id!r} was aborted")
         layout = self._handoff.layout
         send = self._send
-        staging = await when_free(lambda: send.allocate(layout.nbytes(dest.num_blocks)), self._timeout_s)
+        kv_bytes = layout.nbytes(dest.num_blocks)
+        nbytes = kv_bytes + (sums_bytes(layout.num_layers) if dest.sums else 0)
+        staging = await when_free(lambda: send.allocate(nbytes), self._timeout_s)
         batch = None
         exported = False
         try:
-            out = self._send.view(staging, layout.torch_dtype, layout.shape(dest.num_blocks))
+            out = self._send.view(StagingRange(staging.offset, kv_bytes), layout.torch_dtype, layout.shape(dest.num_blocks))
             # Bounded like any KV write: the target gives up on the reservation, and later reuses
             # its range, when a push takes too long (the engine thread may be busy with a step).
             try:
@@ -55,8 +61,12 @@ class Replicator:
             except ValueError as e:  # evicted since the Conductor last polled this instance
                 raise PrefixNotCached(str(e)) from None
             exported = True
+            if dest.sums:  # the checksum of each layer, after the KV (the target verifies them)
+                trailer = layer_checksums(out)
+                self._send.buffer[staging.offset + kv_bytes : staging.offset + nbytes] = torch.frombuffer(
+                    bytearray(trailer), dtype=torch.uint8)
             batch = self._transfer.write(dest.address, [(self._send.handle, staging.offset, dest.region, dest.offset,
-                                                         staging.nbytes)])
+                                                         staging.nbytes)], generation=dest.generation)
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(batch)), self._timeout_s)
         finally:
             if batch is not None:  # a timed-out write may still read the staging

@@ -11,8 +11,16 @@ Typical use::
 
 from .batch import Batch
 from .config import MessengerConfig
+from .errors import (
+    AuthenticationError,
+    ChecksumError,
+    PeerError,
+    RdmaUnavailable,
+    RemoteAccessError,
+    StaleWrite,
+    TransferError,
+)
 from .messenger import Entry, Messenger
-from .errors import AuthenticationError, ChecksumError, PeerError, RdmaUnavailable, RemoteAccessError, TransferError
 from .regions import RegionHandle
 
 __all__ = [
@@ -20,11 +28,12 @@ __all__ = [
     "Batch",
     "ChecksumError",
     "Entry",
+    "Messenger",
+    "MessengerConfig",
     "PeerError",
     "RdmaUnavailable",
     "RegionHandle",
     "RemoteAccessError",
-    "MessengerConfig",
-    "Messenger",
+    "StaleWrite",
     "TransferError",
 ]

@@ -19,6 +19,11 @@ class RemoteAccessError(TransferError):
         self.status = status
 
 
+class StaleWrite(RemoteAccessError):
+    """The owner refused a write into a guarded range: it named no generation, or one of an
+    earlier use of the range (the owner released it; its bytes may belong to someone else now)."""
+
+
 class ChecksumError(TransferError):
     """A slice arrived with a checksum that does not match its bytes."""
 
@@ -46,7 +51,10 @@ def remote_error(status: int, where: str) -> TransferError:
         Status.READ_ONLY: "region is read-only",
         Status.BAD_REQUEST: "malformed request",
         Status.UNSUPPORTED: "operation not supported by the peer",
+        Status.STALE: "the range's use has ended (stale generation)",
     }.get(Status(status), f"status {status}")
     if status == Status.CHECKSUM_MISMATCH:
         return ChecksumError(f"{where}: {reason}")
+    if status == Status.STALE:
+        return StaleWrite(f"{where}: {reason}", int(status))
     return RemoteAccessError(f"{where}: {reason}", int(status))

@@ -42,7 +42,7 @@ class Transport(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def submit(self, batch: Batch, op: Op, requests: Sequence[Request]) -> None: ...
+    def submit(self, batch: Batch, op: Op, requests: Sequence[Request], generation: int | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -122,6 +122,21 @@ class Messenger:
                 raise
         return RegionHandle(self.engine_id, self.address, region.region_id, region.length, region.shared is not None)
 
+    def guard(self, handle: RegionHandle) -> None:
+        """Peers may write into this region of ours only into ranges opened for them
+        (``open_range``), naming the generation the opening returned (idempotent)."""
+        self._table.guard(self._own(handle).region_id)
+
+    def open_range(self, handle: RegionHandle, offset: int, length: int) -> int:
+        """Open ``[offset, offset + length)`` of a guarded region of ours to writes naming the
+        returned generation (what the writer is told with the range's address)."""
+        return self._table.open_range(self._own(handle).region_id, offset, length)
+
+    def close_range(self, handle: RegionHandle, generation: int) -> bool:
+        """End that use of the range: writes naming ``generation`` are refused from now on (a
+        write the owner already admitted may still be landing: do not reuse the range at once)."""
+        return self._table.close_range(self._own(handle).region_id, generation)
+
     def unregister(self, handle: RegionHandle) -> None:
         """Forget a region; the caller must not have transfers on it in flight."""
         self._own(handle)
@@ -131,9 +146,12 @@ class Messenger:
 
     # ----- transfers ------------------------------------------------------------------------
 
-    def write(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None) -> Batch:
-        """Copy local ranges into the peer's regions; returns the batch's future."""
-        return self._submit(peer, entries, Op.WRITE, transport)
+    def write(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None,
+              generation: int | None = None) -> Batch:
+        """Copy local ranges into the peer's regions; returns the batch's future. ``generation``:
+        the use of a guarded remote range the write is for (``open_range`` on the peer); the peer
+        refuses the write (``StaleWrite``) when that use has ended."""
+        return self._submit(peer, entries, Op.WRITE, transport, generation)
 
     def read(self, peer: str, entries: Sequence[Entry], *, transport: str | None = None) -> Batch:
         """Copy the peer's ranges into local regions; returns the batch's future."""
@@ -203,7 +221,8 @@ class Messenger:
 
     # ----- internals ------------------------------------------------------------------------
 
-    def _submit(self, peer: str, entries: Sequence[Entry], op: Op, transport: str | None) -> Batch:
+    def _submit(self, peer: str, entries: Sequence[Entry], op: Op, transport: str | None,
+                generation: int | None = None) -> Batch:
         requests = []
         batch = Batch(keepalive=requests)
         try:
@@ -222,7 +241,10 @@ class Messenger:
                     raise TransferError(f"region {remote.region_id} belongs to engine {remote.engine_id}, not to peer {peer}")
                 requests.append(Request(region, local_offset, remote.region_id, remote_offset, length))
             name = self._choose(link, [e[2] for e in entries], transport)
-            self._transport(link, name).submit(batch, op, requests)
+            if generation is None:
+                self._transport(link, name).submit(batch, op, requests)
+            else:
+                self._transport(link, name).submit(batch, op, requests, generation)
         except TransferError as exc:
             batch.fail(exc)
         return batch

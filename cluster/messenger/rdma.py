@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .batch import Batch, Request
+from .batch import Batch, Request, Slice
 from .config import MessengerConfig
 from .errors import PeerError, RdmaUnavailable, RemoteAccessError, TransferError, remote_error
-from .wire import FLAG_CHECKSUM, MAX_SLICES_PER_MESSAGE, Op, Status, decode_json, encode_json
+from .wire import FLAG_CHECKSUM, FLAG_WRITE, MAX_SLICES_PER_MESSAGE, Op, Status, decode_json, encode_json
 from .regions import LocalRegion
 from .tcp import Stream
 
@@ -223,6 +223,7 @@ class _Job:
     op: Op
     requests: Sequence[Request]
     remaining: int = 0
+    generation: int | None = None
 
 
 class RdmaTransport:
@@ -262,9 +263,9 @@ class RdmaTransport:
     def alive(self) -> bool:
         return self._error is None and self._control.alive
 
-    def submit(self, batch: Batch, op: Op, requests: Sequence[Request]) -> None:
+    def submit(self, batch: Batch, op: Op, requests: Sequence[Request], generation: int | None = None) -> None:
         batch.expect(1)
-        self._work.put(("post", _Job(batch, op, requests)))
+        self._work.put(("post", _Job(batch, op, requests, generation=generation)))
 
     def close(self) -> None:
         with self._cond:
@@ -322,6 +323,8 @@ class RdmaTransport:
         if not work:
             job.batch.part_done()
             return
+        if job.generation is not None and job.op == Op.WRITE:
+            self._admit(job)
         job.remaining = len(work)
         opcode = e.IBV_WR_RDMA_WRITE if job.op == Op.WRITE else e.IBV_WR_RDMA_READ
         for i, (laddr, n, lkey, raddr, rkey) in enumerate(work):
@@ -346,6 +349,15 @@ class RdmaTransport:
                     self._credits[lane] += 1
                 self._set_error(PeerError(f"{self._control.name}: post_send failed: {exc}"))
                 raise self._error from exc
+
+    def _admit(self, job: _Job) -> None:
+        """A write into a guarded range goes out only once the owner has checked its generation
+        (one-sided writes pass the owner's CPU by, as shared memory's copies do)."""
+        for start in range(0, len(job.requests), MAX_SLICES_PER_MESSAGE):
+            chunk = [Slice(r.local, r.region_id, r.offset) for r in job.requests[start : start + MAX_SLICES_PER_MESSAGE]]
+            status, index, _ = self._control.call(Op.CHECK, slices=chunk, flags=FLAG_WRITE, generation=job.generation)
+            if status != Status.OK:
+                raise remote_error(status, f"{self._control.name}, entry at offset {chunk[index].offset}")
 
     def _verify(self, job: _Job) -> None:
         """Checksums for bytes that moved without the owner's CPU: the owner hashes its side."""

@@ -4,7 +4,9 @@ It listens (loopback unless configured otherwise), authenticates every connectio
 cluster secret, then serves one connection per thread. Each request's descriptors are resolved
 against the :class:`RegionTable` *before* any byte of memory is touched: an unknown handle or an
 out-of-range slice gets an error reply, and a refused write's bytes are read off the socket and
-dropped so the stream stays in sync.
+dropped so the stream stays in sync. A write into a guarded region (``RegionTable.guard``) must
+name the generation of the range it writes (``FLAG_GENERATION``), checked the same way: a write for
+an earlier use of a range is refused (``Status.STALE``) before any byte of it lands.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from .errors import AuthenticationError
 from .wire import (
     CHECKSUM,
     FLAG_CHECKSUM,
+    FLAG_GENERATION,
     FLAG_WRITE,
+    GENERATION,
     MAX_CONTROL_PAYLOAD,
     MAX_SLICES_PER_MESSAGE,
     REPLY,
@@ -122,11 +126,21 @@ class RegionServer:
         if count and not recv_exact(conn, memoryview(raw)):
             return False
         slices = list(SLICE.iter_unpack(raw))
+        generation = None
+        if flags & FLAG_GENERATION:
+            tail = recv_struct(conn, GENERATION)
+            if tail is None:
+                return False
+            generation = tail[0]
         if op == Op.WRITE:
-            return self._write(conn, flags, msg_id, payload, slices)
+            return self._write(conn, flags, msg_id, payload, slices, generation)
         if op == Op.READ:
             return self._read(conn, flags, msg_id, payload, slices)
         if op == Op.CHECK:
+            if flags & FLAG_WRITE:
+                status, index = self._table.admits(slices, generation)
+                if status != Status.OK:
+                    return self._reply(conn, status, index, msg_id)
             if not flags & FLAG_CHECKSUM:
                 return self._reply(conn, *self._table.check_all(slices, write=bool(flags & FLAG_WRITE)), msg_id)
             status, index, views = self._resolve(slices, write=bool(flags & FLAG_WRITE))
@@ -160,10 +174,13 @@ class RegionServer:
             views.append(view)
         return Status.OK, 0, views
 
-    def _write(self, conn: socket.socket, flags: int, msg_id: int, payload: int, slices: list) -> bool:
+    def _write(self, conn: socket.socket, flags: int, msg_id: int, payload: int, slices: list,
+               generation: int | None) -> bool:
         if payload != sum(s[2] for s in slices):
             return False
         status, index, views = self._resolve(slices, write=True)
+        if status == Status.OK:
+            status, index = self._table.admits(slices, generation)
         if status != Status.OK:
             drain(conn, payload)
             return self._reply(conn, status, index, msg_id)

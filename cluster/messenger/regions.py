@@ -135,11 +135,19 @@ def check_access(region: LocalRegion | None, offset: int, length: int, write: bo
 
 
 class RegionTable:
-    """The owner's registered regions; every remote access is resolved here before memory is touched."""
+    """The owner's registered regions; every remote access is resolved here before memory is touched.
+
+    A region may be *guarded* (``guard``): a peer may then write only into a range of it the
+    owner opened (``open_range``), and only naming the generation that opening returned. Closing
+    the range (``close_range``) ends that use of it: a write still on its way for it, from a
+    sender that stalled past the owner's timeout, is refused instead of landing in bytes that may
+    belong to the range's next use.
+    """
 
     def __init__(self) -> None:
         self._regions: dict[int, LocalRegion] = {}
         self._lock = threading.Lock()
+        self._guards: dict[int, dict[int, tuple[int, int]]] = {}  # region -> generation -> (offset, length)
 
     def add(self, buffer: object, locate: Callable[[int, int], SharedSpan | None] = lambda a, n: None) -> LocalRegion:
         """Register ``buffer``; ``locate`` says whether its bytes lie in shareable memory."""
@@ -155,8 +163,48 @@ class RegionTable:
             self._regions[region_id] = region
         return region
 
+    def guard(self, region_id: int) -> None:
+        """From now on, writes into the region need a range opened for them (idempotent)."""
+        with self._lock:
+            if region_id not in self._regions:
+                raise TransferError(f"region {region_id} is not registered")
+            self._guards.setdefault(region_id, {})
+
+    def open_range(self, region_id: int, offset: int, length: int) -> int:
+        """Let writes naming the returned generation into ``[offset, offset + length)`` of a
+        guarded region. Generations are random (a stale one cannot be guessed into a new use)."""
+        with self._lock:
+            guards = self._guards.get(region_id)
+            if guards is None:
+                raise TransferError(f"region {region_id} is not guarded")
+            generation = secrets.randbits(63) | 1  # never 0
+            while generation in guards:
+                generation = secrets.randbits(63) | 1
+            guards[generation] = (offset, length)
+            return generation
+
+    def close_range(self, region_id: int, generation: int) -> bool:
+        """End a use of a range: its writes are refused from now on (False if it was not open)."""
+        with self._lock:
+            guards = self._guards.get(region_id)
+            return guards is not None and guards.pop(generation, None) is not None
+
+    def admits(self, slices: list[tuple[int, int, int, int]], generation: int | None) -> tuple[Status, int]:
+        """Whether writes of (region, offset, length, _) descriptors naming ``generation`` may
+        land: each one into a guarded region must lie inside the range opened under it."""
+        with self._lock:
+            for i, (region_id, offset, length, _) in enumerate(slices):
+                guards = self._guards.get(region_id)
+                if guards is None:
+                    continue
+                span = None if generation is None else guards.get(generation)
+                if span is None or offset < span[0] or offset + length > span[0] + span[1]:
+                    return Status.STALE, i
+        return Status.OK, 0
+
     def remove(self, region_id: int) -> LocalRegion:
         with self._lock:
+            self._guards.pop(region_id, None)
             region = self._regions.pop(region_id, None)
         if region is None:
             raise TransferError(f"region {region_id} is not registered")

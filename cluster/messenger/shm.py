@@ -6,7 +6,10 @@ mapping goes). A peer on the same host asks the owner to EXPORT a region, opens 
 through ``/proc/<pid>/fd``, maps exactly the region's window and then copies with ``copy_`` (no
 socket, no second copy). The owner still decides: every batch is CHECKed by the owner before the
 copy and fenced with a PING after it, so unknown handles and out-of-range slices are refused and a
-dead owner fails the batch.
+dead owner fails the batch. A write into a guarded range names its generation in that CHECK; the
+owner refuses one for an ended use of the range. (The check comes before the copy: an owner that
+ends the use between the two relies on not reusing the range at once, and on the KV stream's
+per-layer checksums.)
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ class ShmTransport:
     def alive(self) -> bool:
         return self._control.alive
 
-    def submit(self, batch: Batch, op: Op, requests: Sequence[Request]) -> None:
+    def submit(self, batch: Batch, op: Op, requests: Sequence[Request], generation: int | None = None) -> None:
         # Planned and sent for checking here, not when the copy thread gets to this batch, so the
         # owner checks this batch while earlier ones are still being copied.
         batch.expect(1)
@@ -178,7 +181,7 @@ class ShmTransport:
         chunks = []
         for i in range(0, len(requests), MAX_SLICES_PER_MESSAGE):
             chunk = _plan(requests[i : i + MAX_SLICES_PER_MESSAGE])
-            chunks.append((chunk, self._control.request(Op.CHECK, slices=chunk.spans, flags=flags)))
+            chunks.append((chunk, self._control.request(Op.CHECK, slices=chunk.spans, flags=flags, generation=generation)))
         self._work.put((batch, op, chunks))
 
     def close(self) -> None:

@@ -8,6 +8,11 @@ it, off the per-request path.
 
 ``StagingArea`` is a first-fit allocator over that region, with neighbouring free ranges merged
 on release. Invariant (``check``): the free ranges and the allocated ones tile the region exactly.
+
+Receive staging is *guarded* (``guard``): each allocation opens its range under a fresh generation
+(``StagingRange.generation``, what the writer is told with the range), and ``revoke`` (or
+``release``) ends that use, so a late write for it is refused by the Messenger instead of landing
+in the range's next use.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class StagingFull(RuntimeError):
 class StagingRange:
     offset: int
     nbytes: int
+    generation: int | None = None  # a guarded area's: writes into the range must name it
 
 
 class StagingArea:
@@ -46,9 +52,17 @@ class StagingArea:
         self.nbytes = nbytes
         self.buffer = engine.alloc_shared(nbytes)
         self.handle: RegionHandle = engine.register(self.buffer)
+        self._engine = engine
+        self.guarded = False
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, length)
         self._used: dict[int, int] = {}  # offset -> rounded length
+
+    def guard(self) -> None:
+        """Peers write into this area only into allocated ranges, naming their generation (the
+        ranges allocated from now on; idempotent)."""
+        self._engine.guard(self.handle)
+        self.guarded = True
 
     def allocate(self, nbytes: int) -> StagingRange:
         """A range of at least ``nbytes``; raises ``StagingFull`` (or ValueError if it can never fit)."""
@@ -65,10 +79,20 @@ class StagingArea:
                     else:
                         self._free[i] = (off + size, length - size)
                     self._used[off] = size
-                    return StagingRange(off, nbytes)
-        raise StagingFull(f"no free staging range of {nbytes} bytes ({self.num_free_bytes} free, fragmented)")
+                    break
+            else:
+                raise StagingFull(f"no free staging range of {nbytes} bytes ({self._free_bytes()} free, fragmented)")
+        generation = self._engine.open_range(self.handle, off, nbytes) if self.guarded else None
+        return StagingRange(off, nbytes, generation)
+
+    def revoke(self, r: StagingRange) -> None:
+        """End the range's current use: writes for it are refused from now on (idempotent; the
+        range stays allocated until ``release``)."""
+        if r.generation is not None:
+            self._engine.close_range(self.handle, r.generation)
 
     def release(self, r: StagingRange) -> None:
+        self.revoke(r)
         with self._lock:
             size = self._used.pop(r.offset, None)
             if size is None:
@@ -97,7 +121,10 @@ class StagingArea:
     @property
     def num_free_bytes(self) -> int:
         with self._lock:
-            return sum(length for _, length in self._free)
+            return self._free_bytes()
+
+    def _free_bytes(self) -> int:
+        return sum(length for _, length in self._free)
 
     @property
     def num_allocated(self) -> int:

@@ -25,6 +25,8 @@ from .errors import ChecksumError, PeerError, TransferError, remote_error
 from .wire import (
     CHECKSUM,
     FLAG_CHECKSUM,
+    FLAG_GENERATION,
+    GENERATION,
     MAX_CONTROL_PAYLOAD,
     MAX_SLICES_PER_MESSAGE,
     REPLY,
@@ -78,6 +80,7 @@ class Message:
     flags: int = 0
     msg_id: int = 0
     sums: list[int] = field(default_factory=list)
+    generation: int | None = None  # a write into a guarded range names its use of it
 
     def complete(self, status: int, index: int, payload: bytes, where: str) -> None:
         if self.reply is not None:
@@ -143,10 +146,11 @@ class Stream:
         else:
             self._outbox.put(message)
 
-    def request(self, op: Op, payload: bytes = b"", slices: Sequence[Slice] = (), flags: int = 0) -> Future:
+    def request(self, op: Op, payload: bytes = b"", slices: Sequence[Slice] = (), flags: int = 0,
+                generation: int | None = None) -> Future:
         """Send a control request; the future resolves to (status, failing index, payload)."""
         reply: Future = Future()
-        self.submit(Message(op, slices=slices, payload=payload, reply=reply, flags=flags))
+        self.submit(Message(op, slices=slices, payload=payload, reply=reply, flags=flags, generation=generation))
         return reply
 
     def answer(self, reply: Future) -> tuple[Status, int, bytes]:
@@ -157,9 +161,10 @@ class Stream:
             self._die(PeerError(f"{self.name}: no reply within {self._timeout_s}s"))
             raise PeerError(f"{self.name}: no reply to a control request") from exc
 
-    def call(self, op: Op, payload: bytes = b"", slices: Sequence[Slice] = (), flags: int = 0) -> tuple[Status, int, bytes]:
+    def call(self, op: Op, payload: bytes = b"", slices: Sequence[Slice] = (), flags: int = 0,
+             generation: int | None = None) -> tuple[Status, int, bytes]:
         """A control request answered synchronously (within the timeout)."""
-        return self.answer(self.request(op, payload, slices, flags))
+        return self.answer(self.request(op, payload, slices, flags, generation))
 
     def close(self) -> None:
         self._die(PeerError(f"{self.name}: closed"))
@@ -231,6 +236,9 @@ class Stream:
             payload_bytes = len(message.payload)
             body = [message.payload] if message.payload else []
         flags = message.flags | (FLAG_CHECKSUM if (self._checksum and message.op in (Op.WRITE, Op.READ)) else 0)
+        if message.generation is not None:
+            flags |= FLAG_GENERATION
+            descriptors += GENERATION.pack(message.generation)
         header = REQUEST.pack(message.op, flags, len(message.slices), message.msg_id, payload_bytes)
         return [header + descriptors, *body]
 
@@ -305,7 +313,7 @@ class TcpTransport:
     def alive(self) -> bool:
         return all(s.alive for s in self._streams)
 
-    def submit(self, batch: Batch, op: Op, requests: Sequence[Request]) -> None:
+    def submit(self, batch: Batch, op: Op, requests: Sequence[Request], generation: int | None = None) -> None:
         cfg = self._config
         lanes: list[list[Slice]] = [[] for _ in self._streams]
         k = 0
@@ -319,12 +327,12 @@ class TcpTransport:
             size = 0
             for piece in lane:
                 if group and (size + piece.length > cfg.message_bytes or len(group) == MAX_SLICES_PER_MESSAGE):
-                    plan.append((stream, Message(op, slices=group, batch=batch)))
+                    plan.append((stream, Message(op, slices=group, batch=batch, generation=generation)))
                     group, size = [], 0
                 group.append(piece)
                 size += piece.length
             if group:
-                plan.append((stream, Message(op, slices=group, batch=batch)))
+                plan.append((stream, Message(op, slices=group, batch=batch, generation=generation)))
         batch.expect(len(plan))
         for stream, message in plan:
             stream.submit(message)

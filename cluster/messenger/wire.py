@@ -23,12 +23,15 @@ REPLY = struct.Struct("<BBHIQ")
 # region id, offset, length, checksum (0 when checksums are off)
 SLICE = struct.Struct("<QQQQ")
 CHECKSUM = struct.Struct("<Q")
+# with FLAG_GENERATION: the generation a WRITE (or a write CHECK) names, after the descriptors
+GENERATION = struct.Struct("<Q")
 
 MAX_SLICES_PER_MESSAGE = 1024  # iovec limit of one sendmsg, and a bound on header size
 MAX_CONTROL_PAYLOAD = 1 << 20  # JSON control messages are small; refuse anything bigger
 
 FLAG_CHECKSUM = 1  # slices carry checksums to verify on arrival
 FLAG_WRITE = 2  # a CHECK asks for write access (otherwise read access)
+FLAG_GENERATION = 4  # a WRITE or write CHECK names the generation of the guarded range it writes
 
 
 class Op(enum.IntEnum):
@@ -49,6 +52,7 @@ class Status(enum.IntEnum):
     READ_ONLY = 4
     BAD_REQUEST = 5
     UNSUPPORTED = 6
+    STALE = 7  # a write into a guarded range that does not name the range's current generation
 
 
 def checksum(data: memoryview) -> int:
