@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.default_model import default_model_name
+from engine.disaggregation import KVCapacityError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -59,6 +60,16 @@ def _deliver(items: list[tuple[_Request, RequestOutput | BaseException]]) -> Non
     # Runs on the request's event loop.
     for req, item in items:
         req.queue.put_nowait(item)
+
+
+def _not_the_engines_fault(e: Exception) -> bool:
+    """A request that cannot start for a reason of its own or of the moment: a reservation that
+    lapsed (a ``LookupError`` its owner raised; a bare ``KeyError`` / ``IndexError`` is a bug),
+    or no room for its KV now. Its caller tells the client so, and may place it elsewhere;
+    wrapped as an ``EngineError`` it would read as a failed instance."""
+    if isinstance(e, KVCapacityError):
+        return True
+    return isinstance(e, LookupError) and not isinstance(e, (KeyError, IndexError))
 
 
 class AsyncLLMEngine(EngineClient):
@@ -291,6 +302,9 @@ class AsyncLLMEngine(EngineClient):
         except ValueError as e:
             outbox.append((req, ValueError(str(e))))
         except Exception as e:  # noqa: BLE001
+            if _not_the_engines_fault(e):
+                outbox.append((req, e))
+                return
             log.exception("add_request failed for %s", req.request_id)
             outbox.append((req, EngineError(f"engine failed to add the request: {e}")))
         else:

@@ -189,7 +189,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--max-queued-prefills", type=_positive_int, default=32,
                    help="(Conductor) requests allowed to wait on one prefill instance; beyond it: HTTP 429")
     c.add_argument("--reservation-lease-s", type=_positive_float, default=10.0,
-                   help="(instance) a KV reservation the Conductor stops renewing is released after this long")
+                   help="(instance) a KV reservation the Conductor stops renewing is released after this long; "
+                   "at least 3 x (--renew-interval-s + --renew-timeout-s)")
+    c.add_argument("--renew-interval-s", type=_positive_float, default=1.0,
+                   help="(Conductor) how often the leases of reservations are renewed, each instance on its own")
+    c.add_argument("--renew-timeout-s", type=_positive_float, default=2.0,
+                   help="(Conductor) a renewal not answered this fast is retried at the next interval")
+    c.add_argument("--max-request-moves", type=int, default=2,
+                   help="(Conductor) a request whose instance is lost (or drops its reservation) is placed "
+                   "again at most this often, with the tokens it streamed as part of its prompt; then HTTP 503")
     pool = p.add_argument_group("KVCache pool (every node's DRAM and SSD as one store of prefix blocks)")
     pool.add_argument("--no-pool", action="store_true",
                       help="(Conductor) run without the pool: each instance has only its own prefix cache")
@@ -416,7 +424,10 @@ def main(argv: list[str] | None = None) -> None:
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
             instances=tuple(args.instance) + tuple(supervisor.instances), placement=placement,
+            renew_interval_s=args.renew_interval_s, renew_timeout_s=args.renew_timeout_s,
+            max_request_moves=args.max_request_moves,
         )
+        config.check_lease(args.reservation_lease_s)  # the lease of the instances it starts
     except ValueError as e:
         sys.exit(f"error: {e}")
     conductor = Conductor(config, supervisor=supervisor, pool=pool)

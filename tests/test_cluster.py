@@ -214,9 +214,12 @@ def test_a_full_decode_instance_is_skipped_then_all_full_is_429(cluster):
     cluster.assert_clean()
 
 
-def test_killing_a_decode_instance_mid_stream(cluster):
-    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+def test_killing_a_decode_instance_mid_stream_moves_the_request(cluster, colocated):
+    """The stream pauses, goes on from another decode instance (its prompt plus the tokens already
+    streamed prefilled again) and, greedy in float32, says what an undisturbed run says."""
+    prompt = "Tell me a long story about a dragon."
+    body = {"prompt": prompt, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+    moved = cluster.http.get("/stats").json()["requests_moved"]
     with cluster.http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -225,12 +228,15 @@ def test_killing_a_decode_instance_mid_stream(cluster):
         os.kill(victim["pid"], signal.SIGKILL)
         rest = list(lines)
     stream = sse_events(received + rest)
-    assert stream.done
-    assert stream.error is not None and "error" in stream.events[-1], "the stream must end with an error event"
-    assert len(stream.events) < 400
+    assert stream.done and stream.error is None, stream.error
+    text = "".join(e["choices"][0]["text"] for e in stream.events if e.get("choices"))
+    (want,) = colocated.generate([prompt], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    assert text == want.text
+    assert cluster.http.get("/stats").json()["requests_moved"] == moved + 1
     # The dead instance is out of scheduling; the survivors keep serving.
-    until(lambda: not any(i["up"] for i in cluster.instances("decode") if i["url"] == victim["url"]), 10,
-          "the killed instance to be marked down")
+    # (The stream went on for seconds after the kill: the Supervisor may have restarted it already.)
+    until(lambda: not any(i["up"] and i["instance_id"] == victim["instance_id"] for i in cluster.instances("decode")),
+          10, "the killed instance to be marked down")
     for _ in range(3):
         out = cluster.complete("The capital of France is", temperature=0, max_tokens=6)
         assert out["choices"][0]["text"].startswith(" Paris")
@@ -269,14 +275,17 @@ def test_killing_a_decode_instance_mid_stream(cluster):
     cluster.assert_clean()
 
 
-def test_killing_a_prefill_instance_mid_prefill(cluster):
-    """The request it was computing fails; the decode reservation made for it is released once no
-    late write can land in it; the other prefill instance keeps serving."""
+def test_killing_a_prefill_instance_mid_prefill_moves_the_request(cluster, colocated):
+    """The request goes to the other prefill instance (with a fresh decode reservation) and is
+    answered as if nothing happened; the decode reservation made for the first try is released
+    once no late write can land in it."""
     long_prompt = " ".join(f"token{i}" for i in range(900))
+    moved = cluster.http.get("/stats").json()["requests_moved"]
 
     async def scenario():
         async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
-            task = asyncio.create_task(http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 4}))
+            task = asyncio.create_task(http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 4,
+                                                                          "temperature": 0}))
             deadline = time.monotonic() + 30
             while True:
                 busy = [i for i in cluster.instances("prefill") if i["prefilling"]]
@@ -288,9 +297,12 @@ def test_killing_a_prefill_instance_mid_prefill(cluster):
             return busy[0], await task
 
     victim, r = asyncio.run(scenario())
-    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
-    assert not [i for i in cluster.instances("prefill") if i["url"] == victim["url"]][0]["up"]
-    assert cluster.http.get("/stats").json()["requests_failed"] >= 1
+    assert r.status_code == 200, r.text
+    (want,) = colocated.generate([long_prompt], SamplingParams(temperature=0, max_tokens=4))
+    assert r.json()["choices"][0]["text"] == want.text
+    stats = cluster.http.get("/stats").json()
+    assert stats["requests_moved"] == moved + 1 and stats["requests_failed"] == 0
+    assert not any(i["up"] and i["instance_id"] == victim["instance_id"] for i in cluster.instances("prefill"))
     for _ in range(2):
         out = cluster.complete("The capital of France is", temperature=0, max_tokens=6)
         assert out["choices"][0]["text"].startswith(" Paris")

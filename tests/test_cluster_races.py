@@ -322,8 +322,10 @@ def test_a_burst_beyond_the_queue_bound_gets_429_and_the_rest_complete(cluster):
 
 # -- 3. a frozen instance cannot hang a request ---------------------------------------------------------------
 
-def test_a_decode_instance_frozen_mid_stream_ends_the_stream_within_a_bound(cluster):
-    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 2000, "temperature": 0,
+def test_a_decode_instance_frozen_mid_stream_moves_the_stream_within_a_bound(cluster):
+    """Frozen (SIGSTOP), the instance stops answering polls and is marked down: the stream goes on
+    from the other decode instance, its pause bounded by the poll timeout and a prefill."""
+    body = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 100, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=cluster.url, timeout=httpx.Timeout(10, read=BOUND_S * 2)) as http:
         with http.stream("POST", "/v1/completions", json=body) as r:
@@ -340,8 +342,8 @@ def test_a_decode_instance_frozen_mid_stream_ends_the_stream_within_a_bound(clus
                 _thaw(victim["pid"])
     stream = sse_events(received + rest)
     assert took < BOUND_S, f"the stream from a frozen decode instance hung for {took:.0f} s"
-    assert stream.done
-    assert stream.error is not None and "error" in stream.events[-1], "the stream must end with an error event"
+    assert stream.done and stream.error is None, stream.error
+    assert stream.events[-1]["choices"][0]["finish_reason"] == "length"  # all 100 tokens, across the move
     _wait_up(cluster, victim["url"])
     assert _instance(cluster, victim["url"])["instance_id"] == victim["instance_id"]  # thawed, not restarted
     for _ in range(2):
@@ -349,7 +351,7 @@ def test_a_decode_instance_frozen_mid_stream_ends_the_stream_within_a_bound(clus
     cluster.assert_clean()
 
 
-def test_a_prefill_instance_frozen_mid_prefill_fails_the_request_within_a_bound(cluster):
+def test_a_prefill_instance_frozen_mid_prefill_moves_the_request_within_a_bound(cluster):
     async def scenario():
         async with httpx.AsyncClient(base_url=cluster.url, timeout=BOUND_S * 2) as http:
             task = asyncio.create_task(http.post("/v1/completions", json={
@@ -367,7 +369,8 @@ def test_a_prefill_instance_frozen_mid_prefill_fails_the_request_within_a_bound(
 
     victim, r, took = asyncio.run(scenario())
     assert took < BOUND_S, f"a request to a frozen prefill instance hung for {took:.0f} s"
-    assert r.status_code in (500, 503), r.text
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
     _wait_up(cluster, victim["url"])
     for _ in range(2):
         assert cluster.complete("The capital of France is", temperature=0, max_tokens=4)["choices"][0]["text"]

@@ -106,9 +106,9 @@ class InstanceClient:
         body = ReserveRequest(request_id, token_ids, params).to_dict()
         return _reply(ReserveReply, await self._post(url, "/instance/reserve", body), "/instance/reserve")
 
-    async def renew(self, url: str, request_ids: list[str]) -> list[str]:
+    async def renew(self, url: str, request_ids: list[str], timeout: float | None = None) -> list[str]:
         """Extend the leases; returns the ids the instance no longer holds."""
-        data = await self._post(url, "/instance/renew", RenewRequest(request_ids).to_dict())
+        data = await self._post(url, "/instance/renew", RenewRequest(request_ids).to_dict(), timeout)
         return _reply(RenewReply, data, "/instance/renew").gone
 
     async def abort(self, url: str, request_id: str, writes_done: bool = False) -> None:

@@ -22,6 +22,7 @@ release what an older Conductor reserved.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -33,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cluster.conductor.client import InstanceClient, InstanceUnavailable
-from cluster.conductor.flow import Counters, RequestFlow
+from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
@@ -42,7 +43,7 @@ from cluster.pool.client import CLIENT_COUNTERS, PoolClient
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.objects import object_keys
 from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
-from cluster.protocol import BadRequest, RegisterReply, RegisterRequest, Unauthorized
+from cluster.protocol import BadRequest, RegisterReply, RegisterRequest, TimedOut, Unauthorized
 from engine.default_model import default_model_name
 from engine.config import ModelConfig
 from engine.default_model import resolve_model
@@ -67,7 +68,12 @@ class ConductorConfig:
     poll_timeout_s: float = 5.0  # an instance that does not answer a poll this fast is down
     control_timeout_s: float = 10.0  # every control call to an instance
     request_timeout_s: float = 600.0  # a prefill or a decode stream, at most
-    renew_interval_s: float = 2.0  # reservation leases (instances: 10 s) are renewed this often
+    # Reservation leases (instances: 10 s) are renewed this often, each instance on its own, and
+    # a renewal not answered within renew_timeout_s is retried at the next interval: a lease
+    # must span three such rounds (``check_lease``) so one slow answer never lets it lapse.
+    renew_interval_s: float = 1.0
+    renew_timeout_s: float = 2.0
+    max_request_moves: int = 2  # a request that loses its instance is placed again at most this often
     # None: this Conductor's start time. Instances release what older epochs reserved, so
     # Conductors that front the same instances at the same time must share one epoch.
     epoch: int | None = None
@@ -75,9 +81,20 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
-        for name in ("poll_interval_s", "poll_timeout_s", "control_timeout_s", "request_timeout_s", "renew_interval_s"):
+        for name in ("poll_interval_s", "poll_timeout_s", "control_timeout_s", "request_timeout_s", "renew_interval_s",
+                     "renew_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
+        if self.max_request_moves < 0:
+            raise ValueError("max_request_moves must be >= 0")
+
+    def check_lease(self, reservation_lease_s: float) -> None:
+        """Refuse instances' reservation lease shorter than three renewal rounds (interval plus
+        timeout each): shorter, one stalled or slow answer lets a healthy request's lease lapse."""
+        need = 3 * (self.renew_interval_s + self.renew_timeout_s)
+        if reservation_lease_s < need:
+            raise ValueError(f"the reservation lease ({reservation_lease_s:g} s) must be at least 3 x (renew interval "
+                             f"{self.renew_interval_s:g} s + renew timeout {self.renew_timeout_s:g} s) = {need:g} s")
 
 
 class Conductor(EngineClient):
@@ -163,22 +180,36 @@ class Conductor(EngineClient):
 
     async def _renew_forever(self) -> None:
         """Keep the leases of the reservations requests hold on instances (they expire by
-        themselves when this Conductor dies or forgets them)."""
+        themselves when this Conductor dies or forgets them). Each instance is renewed by a call
+        of its own, bounded by ``renew_timeout_s``: one that stalls delays only its own leases,
+        and while its call is unanswered the next round skips it rather than piling calls up."""
+        in_flight: dict[InstanceRecord, asyncio.Task] = {}
         while True:
             await asyncio.sleep(self.config.renew_interval_s)
-            held = [(rec, rids) for rec, rids in self.ledger.reservations().items() if rec.up]
-            results = await asyncio.gather(*(self.client.renew(rec.url, rids) for rec, rids in held),
-                                           return_exceptions=True)
-            for (rec, _), result in zip(held, results):
-                if isinstance(result, InstanceUnavailable):
-                    self.registry.mark_down(rec, f"renew: {result}")
-                elif isinstance(result, BaseException):
-                    log.warning("renewing leases on %s failed: %s", rec.url, result)
+            for rec, rids in self.ledger.reservations().items():
+                if rec.up and (rec not in in_flight or in_flight[rec].done()):
+                    in_flight[rec] = self._spawn(self._renew_on(rec, rids))
+            for rec in [r for r, t in in_flight.items() if t.done()]:
+                del in_flight[rec]
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    async def _renew_on(self, rec: InstanceRecord, rids: list[str]) -> None:
+        try:
+            # wait_for as well as the HTTP timeout: the bound holds however the call hangs.
+            timeout = self.config.renew_timeout_s
+            await asyncio.wait_for(self.client.renew(rec.url, rids, timeout), timeout)
+        except (TimedOut, TimeoutError) as e:
+            # Slow, not necessarily down: the polls judge its health; the lease has two more rounds.
+            log.warning("renewing %d lease(s) on %s timed out: %s", len(rids), rec.url, e)
+        except InstanceUnavailable as e:
+            self.registry.mark_down(rec, f"renew: {e}")
+        except Exception as e:  # noqa: BLE001 -- a refused renewal ends no request by itself
+            log.warning("renewing leases on %s failed: %s", rec.url, e)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # -- readiness ---------------------------------------------------------------------------------
     @property
@@ -240,8 +271,12 @@ class Conductor(EngineClient):
 
     # -- registration (route on the Conductor's app) -----------------------------------------------
     async def register_route(self, request: Request) -> Response:
-        if (denied := await verify_request(self._verifier, request)) is not None:
-            return JSONResponse(Unauthorized(denied).to_dict(), status_code=Unauthorized.status)
+        # Signature first, from the headers alone; then at most 64 KiB of body (a RegisterRequest
+        # is a URL and an id): an unsigned or oversized body is never read into memory.
+        if (denied := await verify_request(self._verifier, request, 64 << 10)) is not None:
+            if isinstance(denied, Unauthorized):
+                log.info("registration refused: %s", denied)
+            return JSONResponse(denied.to_dict(), status_code=denied.status)
         try:
             body = await request.json()
         except ValueError:
@@ -254,16 +289,48 @@ class Conductor(EngineClient):
         if rec.instance_id != r.instance_id:
             self.registry.mark_down(rec, "re-registered")  # re-read its info on the next poll
         await self.registry.poll(rec)
+        if rec.misfit is not None:  # its weights, precision or KV layout differ: kept out
+            e = BadRequest(f"instance does not fit this cluster: {rec.misfit}")
+            return JSONResponse(e.to_dict(), status_code=e.status)
         return JSONResponse(RegisterReply(r.url, rec.up).to_dict())
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
+        """Serve one request; when it loses its instance (``RequestMoved``) place it again, at
+        most ``max_request_moves`` times, with the tokens already streamed as part of its prompt:
+        the client's stream only pauses."""
         if not self.is_ready:
             raise self.not_ready()
         ids = prompt_token_ids(prompt, self.tokenizer, self._vocab_size)
         check_fits(len(ids), params.max_tokens, self.max_model_len, "the model's context")
+        streamed: list[int] = []  # output tokens the client has
+        moves = 0
+        while True:
+            attempt = _Attempt(request_id, ids, tuple(streamed), params, moves)
+            try:
+                outs = self._serve(attempt)
+                async with _closing(outs):
+                    async for out in outs:
+                        streamed.extend(out.new_token_ids)
+                        yield attempt.as_seen_by_client(out)
+                return
+            except RequestMoved as e:
+                if moves >= self.config.max_request_moves or self._serving_mode() is None:
+                    self.counters.failed += 1
+                    why = self.readiness() if self._serving_mode() is None else f"moved {moves} time(s) already"
+                    log.warning("request %s lost its %s instance and cannot move (%s): %s", request_id, e.role, why, e)
+                    raise EngineNotReady(f"the {e.role} instance serving the request was lost ({why}); retry shortly",
+                                         retry_after=2.0) from None
+                moves += 1
+                self.counters.moved += 1
+                log.warning("request %s lost its %s instance after %d token(s); placing it again (move %d): %s",
+                            request_id, e.role, len(streamed), moves, e)
+
+    async def _serve(self, attempt: _Attempt) -> AsyncIterator[RequestOutput]:
+        """One placement of ``attempt`` and its run through the instances."""
+        request_id, ids, params = attempt.request_id, attempt.prompt, attempt.params
         pool_blocks = await self._pool_prefix(ids)
         # From here to the booking nothing awaits: the decision and its record are one step.
         mode = self._serving_mode()
@@ -272,7 +339,8 @@ class Conductor(EngineClient):
         disaggregated = mode == "disaggregated"
         prefills = self.registry.up("prefill" if disaggregated else "both")
         decodes = self.registry.up("decode") if disaggregated else []
-        placement = self._place(ids, prefills, decodes, pool_blocks)
+        # A moved request was admitted once: refusing it now would lose work the client waits on.
+        placement = self._place(ids, prefills, decodes, pool_blocks, admit=attempt.moves == 0)
         booking = self.ledger.book()
         prefill = prefills[placement.plan.instance]
         now = time.monotonic()
@@ -291,7 +359,7 @@ class Conductor(EngineClient):
                 yield out
 
     def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord],
-               pool_blocks: int) -> Placement:
+               pool_blocks: int, admit: bool = True) -> Placement:
         ref = prefills[0]
         layout = ref.layout
         placer = Placer(self.config.placement, ref.profile.prefill, decodes[0].profile.decode if decodes else None,
@@ -305,7 +373,7 @@ class Conductor(EngineClient):
         result = placer.place(
             now, info, [load.prefill_state(i, now, r) for i, (r, load) in enumerate(zip(prefills, loads))],
             [len(load.prefilling) for load in loads],
-            [self.ledger.load(r).decode_state(i) for i, r in enumerate(decodes)])
+            [self.ledger.load(r).decode_state(i) for i, r in enumerate(decodes)], admit=admit)
         if not isinstance(result, Placement):
             raise self.counters.reject(result.reason, result.retry_after_s)
         return result
@@ -336,7 +404,7 @@ class Conductor(EngineClient):
             "epoch": self.epoch,
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
-            "decode_reservation_retries": c.decode_retries,
+            "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,
             "migrations": c.migrations, "migrated_blocks": c.migrated_blocks,
             "max_num_running_seen": max(self._max_running_seen, totals.get("max_num_running_seen", 0)),
             "instances": [{**r.describe(), **self.ledger.load(r).describe()} for r in self.registry.records],
@@ -349,6 +417,44 @@ class Conductor(EngineClient):
                 pool[name] = sum(s.get("pool_client", {}).get(name, 0) for s in up)
             totals["pool"] = pool
         return totals
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One placement of a client's request. After a move (``moves`` > 0) its prompt is the
+    client's prompt plus the tokens already streamed, under an id of its own (the lost instance
+    may still hold the old one until its abort lands), and it asks for what is left."""
+
+    client_request_id: str
+    client_prompt: list[int]
+    streamed: tuple[int, ...]  # output tokens the client had when this attempt began
+    client_params: SamplingParams
+    moves: int
+
+    @property
+    def request_id(self) -> str:
+        return self.client_request_id if not self.moves else f"{self.client_request_id}~{self.moves}"
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.client_prompt + list(self.streamed)
+
+    @property
+    def params(self) -> SamplingParams:
+        if not self.moves:
+            return self.client_params
+        # Only the penalties on output tokens and a seeded sampler's state start afresh; a greedy
+        # request continues exactly as it would have. The prompt's logprobs went out already.
+        return dataclasses.replace(self.client_params, max_tokens=self.client_params.max_tokens - len(self.streamed),
+                                   prompt_logprobs=None)
+
+    def as_seen_by_client(self, out: RequestOutput) -> RequestOutput:
+        """``out`` with the client's id and counts (its prompt, its output so far)."""
+        if not self.moves:
+            return out
+        return dataclasses.replace(out, request_id=self.client_request_id, num_prompt_tokens=len(self.client_prompt),
+                                   num_output_tokens=len(self.streamed) + out.num_output_tokens,
+                                   num_cached_tokens=min(out.num_cached_tokens, len(self.client_prompt)))
 
 
 class _closing:

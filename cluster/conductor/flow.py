@@ -12,6 +12,12 @@ whatever way the request ends (finished, failed, refused, or the client gone: ca
 ``Booking.close`` in the ``finally`` tells which instances to abort it on. The aborts run as
 tasks of their own, so the cancellation that ended the request cannot cancel them; an abort is
 idempotent on the instance.
+
+A request cannot go on where it was placed when that instance is lost (it stopped answering
+polls, a call found it unreachable or failing) or drops the request's reservation (it lapsed while
+the instance stalled): that is ``RequestMoved``, not a failure of the request, and the Conductor
+places it again (``Conductor.generate``). Only an unhealthy instance is marked down; a request's
+own fault (``BadRequest``) ends it with a 400 wherever it runs.
 """
 
 from __future__ import annotations
@@ -26,13 +32,23 @@ from typing import Any
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import Booking, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
-from cluster.protocol import (BadRequest, GenerateRequest, InstanceBusy, InstanceUnavailable, NoKVRoom, Prefilled,
-                              ProtocolError, RequestError, ReserveReply)
-from engine.engine_client import EngineError, EngineOverloaded
+from cluster.protocol import (BadRequest, GenerateRequest, InstanceBusy, InstanceUnavailable, KVWriteFailed, NoKVRoom,
+                              Prefilled, ProtocolError, RequestError, ReserveReply, UnknownReservation)
+from engine.engine_client import EngineOverloaded
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class RequestMoved(Exception):
+    """The request cannot go on where it runs, through no fault of its own: the Conductor places
+    it again (with the tokens already streamed as part of its prompt). ``role``: the role of the
+    instance it lost, to name in the client's error once it cannot move any more."""
+
+    def __init__(self, role: str, reason: str) -> None:
+        super().__init__(reason)
+        self.role = role
 
 
 @dataclass
@@ -43,6 +59,7 @@ class Counters:
     migrations: int = 0
     migrated_blocks: int = 0
     decode_retries: int = 0  # a decode instance was full (507) and the next one was tried
+    moved: int = 0  # requests placed again after they lost their instance or reservation
     per_reason: dict[str, int] = field(default_factory=dict)
 
     def reject(self, reason: str, retry_after_s: float) -> EngineOverloaded:
@@ -71,8 +88,14 @@ class RequestFlow:
             if source is not None and source is not prefill:
                 await self._migrate(rid, ids, prefix_tokens, source, prefill, booking)
             booking.add(decode, "reserved", rid, False)  # from now on KV may be in flight
-            first = await self._call(prefill, "prefill", self._client.prefill(
-                prefill.url, rid, ids, params, dest, prefill.lost))
+            try:
+                first = await self._client.prefill(prefill.url, rid, ids, params, dest, prefill.lost)
+            except (UnknownReservation, KVWriteFailed) as e:
+                # The decode side lost the reservation (it lapsed while that instance stalled)
+                # or could not be written: the prefill instance is fine, the request moves.
+                raise RequestMoved("decode", f"prefill on {prefill.url}: {e}") from None
+            except ProtocolError as e:
+                raise self._failed(prefill, "prefill", e) from None
             booking.remove(prefill, "prefilling", rid)
             booking.remove(decode, "incoming", rid)
             booking.add(decode, "reserved", rid, True)  # the prefill answered: no write in flight
@@ -120,7 +143,7 @@ class RequestFlow:
             return rec, dest
         if full:
             raise self._counters.reject(f"no decode instance has room for the KV ({len(full)} full)", 1.0)
-        raise EngineError("no decode instance answered")
+        raise RequestMoved("decode", "no decode instance answered a reservation")
 
     async def _migrate(self, rid: str, ids: list[int], prefix_tokens: int, source: InstanceRecord,
                        target: InstanceRecord, booking: Booking) -> None:
@@ -178,34 +201,26 @@ class RequestFlow:
         finally:
             await stream.aclose()
 
-    async def _call(self, rec: InstanceRecord, what: str, call: Coroutine[Any, Any, Any]) -> Any:
-        try:
-            return await call
-        except BadRequest:
-            raise
-        except ProtocolError as e:
-            raise self._failed(rec, what, e) from None
-
     def _failed(self, rec: InstanceRecord, what: str, e: ProtocolError) -> Exception:
-        """What the client gets for ``e``; only an unhealthy instance is marked down."""
+        """What becomes of the request for ``e``: a bad request ends (400), a busy instance
+        refuses it (429); anything else moves it (``RequestMoved``), and only an unhealthy
+        instance is marked down on the way."""
+        if isinstance(e, BadRequest):
+            return e
         if isinstance(e, InstanceBusy):
             return self._counters.reject(f"overloaded: the {rec.role} instance has too much waiting", e.retry_after)
         if isinstance(e, InstanceUnavailable):
             self._registry.mark_down(rec, f"{what}: {e}")
-        log.warning("%s on %s failed: %s", what, rec.url, e)
-        # The server's log keeps the cause (the client sees an error id): e.g. that a prefill
-        # group lost a pipeline stage.
-        return EngineError(f"the {rec.role} instance failed while serving the request ({what}: {e})")
+        # The server's log keeps the cause: e.g. that a prefill group lost a pipeline stage.
+        log.warning("%s on %s failed, moving the request: %s", what, rec.url, e)
+        return RequestMoved(rec.role or "instance", f"{what} on {rec.url}: {e}")
 
     @contextmanager
     def _settled(self, rid: str, booking: Booking) -> Iterator[None]:
-        """Counts an engine failure and, however the request ends (cancellation included),
-        aborts what instances may still hold of it, each abort a task of its own."""
+        """However the request ends here (cancellation and moves included), abort what
+        instances may still hold of it, each abort a task of its own."""
         try:
             yield
-        except EngineError:
-            self._counters.failed += 1
-            raise
         finally:
             for (rec, key), writes_done in booking.close().items():
                 self._spawn(self.abort_on(rec, key, writes_done))

@@ -86,10 +86,12 @@ class Placer:
             self.admission = _admission(config, decode_step)
 
     def place(self, now: float, request: RequestInfo, prefills: Sequence[PrefillInstanceState],
-              queued: Sequence[int], decodes: Sequence[DecodeInstanceState] = ()) -> Placement | Refusal:
+              queued: Sequence[int], decodes: Sequence[DecodeInstanceState] = (), admit: bool = True
+              ) -> Placement | Refusal:
         """Choose for ``request``. ``queued[i]``: requests waiting on prefill instance ``i``;
-        ``decodes`` empty: colocated instances (the prefill choice serves the whole request)."""
-        open_ = [s for s, n in zip(prefills, queued) if n < self.config.max_queued_prefills]
+        ``decodes`` empty: colocated instances (the prefill choice serves the whole request).
+        ``admit`` False: the request was admitted before (it is being moved) and is never refused."""
+        open_ = [s for s, n in zip(prefills, queued) if n < self.config.max_queued_prefills] if admit else list(prefills)
         if not open_:
             return Refusal(f"overloaded: every prefill instance has {self.config.max_queued_prefills} "
                            f"requests waiting", min(s.queue_s for s in prefills))
@@ -99,7 +101,7 @@ class Placer:
         admission = self.admission
         balanced = DecodeLoadBalancer(admission.step).select(request, decodes)
         decision = admission.on_arrival(now, request, plan, balanced, decodes)
-        if not decision.accept:
+        if admit and not decision.accept:
             return Refusal(f"overloaded: predicted prefill load {decision.prefill_load:.2f}, decode load "
                            f"{decision.decode_load:.2f} (1.0 = at the SLO)", plan.queue_s)
         order = sorted(range(len(decodes)),

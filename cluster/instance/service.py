@@ -186,7 +186,8 @@ class InstanceService:
                     await self.client.call(lambda _: handoff.add_sink(pool_io))
             if sender is not None:
                 self.prefiller = Prefiller(self.client, sender, cfg.transfer_timeout_s, self.pool,
-                                           self.stages.link if self.stages is not None else None)
+                                           self.stages.link if self.stages is not None else None,
+                                           aborted=self.receiver.aborted if self.receiver is not None else None)
             self.decoder = Decoder(self.client, self.receiver, self.pool)
             self.profile = await self.client.call(
                 lambda e: cached_profile(e, cfg.calibration_seed, cfg.recalibrate_after))
