@@ -28,7 +28,6 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
-from typing_extensions import Self
 
 import cluster.pool.config as pool_config
 from cluster.conductor.conductor import Conductor, ConductorConfig
@@ -69,7 +68,7 @@ class _Server:
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> _Server:
         self.thread.start()
         deadline = time.time() + 30
         while not self.server.started:

@@ -27,6 +27,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,6 @@ from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.snapshot import RequestInfo
 from cluster.pool.client import CLIENT_COUNTERS, PoolClient
-from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.objects import object_keys
 from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
 from cluster.protocol import BadRequest, RegisterReply, RegisterRequest, TimedOut, Unauthorized
@@ -116,6 +116,10 @@ class Conductor(EngineClient):
         self._supervisor = supervisor
         self._pool = pool
         self._pool_stats: dict[str, Any] | None = None
+        # Pool metadata calls run on threads of their own: a lookup that outlives its 1 s wait
+        # (etcd down: up to its client timeout) must not take the default executor's few threads.
+        self._pool_threads = ThreadPoolExecutor(2, thread_name_prefix="pool-lookup")
+        self._pool_down_until = 0.0
         self._model_name = config.served_model_name or default_model_name(config.model)
         self._tokenizer: Tokenizer | None = None
         self._vocab_size = 0
@@ -150,13 +154,14 @@ class Conductor(EngineClient):
             task.cancel()
         await self.registry.close()
         await self.client.close()
+        self._pool_threads.shutdown(wait=False, cancel_futures=True)
 
     async def _watch_pool(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                self._pool_stats = await loop.run_in_executor(None, self._pool.stats)
-            except MetadataUnavailable as exc:
+                self._pool_stats = await loop.run_in_executor(self._pool_threads, self._pool.stats)
+            except Exception as exc:  # noqa: BLE001 -- reported, retried; the watch must not end
                 log.warning("pool metadata unavailable: %s", exc)
             await asyncio.sleep(1.0)
 
@@ -171,9 +176,13 @@ class Conductor(EngineClient):
         keys = object_keys(namespace, chain_keys(ids[: (len(ids) - 1) // bs * bs], bs), per_object)
         if not keys:
             return 0
+        if time.monotonic() < self._pool_down_until:
+            return 0  # it failed a moment ago: do not queue a lookup behind the hung one
         try:
-            run = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self._pool.lookup, keys), 1.0)
-        except (TimeoutError, MetadataUnavailable) as exc:
+            run = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                self._pool_threads, self._pool.lookup, keys), 1.0)
+        except Exception as exc:  # noqa: BLE001 -- the pool is a cache: no error of it fails a request
+            self._pool_down_until = time.monotonic() + 1.0
             log.warning("pool lookup failed; placing without it: %s", exc)
             return 0
         return len(run) * per_object
