@@ -54,6 +54,8 @@ class Instances:
         self.calls: list[tuple[str, str, dict]] = []
         self.generates = 0
         self.renew_gate: dict[str, asyncio.Event] = {}
+        self.prefill_gate: asyncio.Event | None = None  # set by a test: the first prefill hangs
+        self.prefill_started = asyncio.Event()
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         url, path = _url(request), request.url.path
@@ -75,6 +77,9 @@ class Instances:
             return httpx.Response(200, json={"aborted": body["request_id"]})
         if path == "/instance/prefill":
             ids = body["prompt_token_ids"]
+            if self.prefill_gate is not None and body["request_id"] == "req":
+                self.prefill_started.set()
+                await self.prefill_gate.wait()  # its KV writes hang on a frozen decode instance
             out = RequestOutput(body["request_id"], [ids[-1] + 1], "", False, "handoff", len(ids), 1, 0)
             return httpx.Response(200, json={"output": output_to_dict(out)})
         if path == "/instance/generate":
@@ -159,6 +164,35 @@ def test_a_lapsed_reservation_moves_the_request_without_marking_the_instance_dow
         assert [t for o in outs for t in o.new_token_ids] == list(range(PROMPT[-1] + 1, PROMPT[-1] + 6))
         assert all(_up(c).values()), "a request's failure marked an instance down"
         assert c.stats()["requests_moved"] == 1
+        await c.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_instance_lost_during_the_prefill_moves_the_request_at_once(monkeypatch):
+    """Its KV writes would fail only after the transfer timeout (30 s by default): the loss of
+    the instance the KV goes to ends the prefill call as soon as the registry sees it."""
+    instances = Instances()
+
+    async def scenario():
+        instances.prefill_gate, instances.prefill_started = asyncio.Event(), asyncio.Event()
+        c = await _conductor(instances, monkeypatch)
+        task = asyncio.create_task(_collect(c, max_tokens=3))
+        await asyncio.wait_for(instances.prefill_started.wait(), 5)
+        (reserved_on,) = [url for url, path, _ in instances.calls if path == "/instance/reserve"]
+        c.registry.mark_down(next(r for r in c.registry.records if r.url == reserved_on), "poll: TimedOut")
+        outs = await asyncio.wait_for(task, 5)
+        assert [t for o in outs for t in o.new_token_ids] == list(range(PROMPT[-1] + 1, PROMPT[-1] + 4))
+        reserves = [url for url, path, _ in instances.calls if path == "/instance/reserve"]
+        assert reserves[1] != reserved_on and c.stats()["requests_moved"] == 1
+        aborted = [(url, b["request_id"]) for url, path, b in instances.calls if path == "/instance/abort"]
+        for _ in range(100):  # the aborts run as tasks of their own
+            if ("http://p0:1", "req") in aborted:
+                break
+            await asyncio.sleep(0.01)
+            aborted = [(url, b["request_id"]) for url, path, b in instances.calls if path == "/instance/abort"]
+        assert ("http://p0:1", "req") in aborted, "the abandoned prefill was not aborted"
+        instances.prefill_gate.set()
         await c.shutdown()
 
     asyncio.run(scenario())

@@ -89,7 +89,7 @@ class RequestFlow:
                 await self._migrate(rid, ids, prefix_tokens, source, prefill, booking)
             booking.add(decode, "reserved", rid, False)  # from now on KV may be in flight
             try:
-                first = await self._client.prefill(prefill.url, rid, ids, params, dest, prefill.lost)
+                first = await self._client.prefill(prefill.url, rid, ids, params, dest, prefill.lost, decode.lost)
             except (UnknownReservation, KVWriteFailed) as e:
                 # The decode side lost the reservation (it lapsed while that instance stalled)
                 # or could not be written: the prefill instance is fine, the request moves.
