@@ -130,7 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--conductor", default=_env("MOONCAKE_CONDUCTOR"),
                    help="(instance) the Conductor's URL to register with (env MOONCAKE_CONDUCTOR)")
     c.add_argument("--url", default=None,
-                   help="(instance) the URL the Conductor reaches this instance at; default http://HOST:PORT")
+                   help="(instance) the URL the Conductor reaches this instance at; default http://HOST:PORT. "
+                   "(Conductor) the URL other hosts reach the Conductor at: its host is the address the embedded "
+                   "metadata server is advertised by; default HOST, or with --host 0.0.0.0 the address of "
+                   "this host's default route")
     given = c.add_mutually_exclusive_group()
     given.add_argument("--cluster-secret-file", metavar="PATH", default=None,
                        help=f"file holding the shared secret (>= {MIN_SECRET_CHARS} characters) between the "
@@ -315,9 +318,36 @@ def _pool_config(args: argparse.Namespace, url: str):
                       block_tokens=args.pool_block_tokens)
 
 
-def _start_pool(args: argparse.Namespace, secret: str, host: str):
+def _outward_address() -> str | None:
+    """The address this host's default route leaves by (a UDP connect sends nothing), or None."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2: only the route to it is looked up
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _advertised_host(args: argparse.Namespace) -> str:
+    """The address other hosts reach the Conductor (and its metadata server) at: ``--url``'s
+    host, else ``--host``; for a wildcard ``--host``, this host's outward address."""
+    from urllib.parse import urlsplit
+
+    if args.url:
+        host = urlsplit(args.url).hostname
+        if host:
+            return host
+    if args.host not in ("0.0.0.0", "::", ""):
+        return args.host
+    return _outward_address() or "127.0.0.1"
+
+
+def _start_pool(args: argparse.Namespace, secret: str, host: str, advertise_host: str | None = None):
     """The Conductor's view of the pool (a ``PoolClient`` on its metadata), the metadata server
-    it runs when there is no etcd (or None), and the flags its instances get to join."""
+    it runs when there is no etcd (or None: listening on ``host``, the Conductor's own, and
+    advertised by ``advertise_host``), and the flags its instances get to join."""
     from cluster.pool import PoolClient
     from cluster.pool.metadata.embedded import MetadataServer
     from cluster.pool.metadata.etcd import EtcdMetadata
@@ -326,7 +356,7 @@ def _start_pool(args: argparse.Namespace, secret: str, host: str):
     if args.etcd:
         return PoolClient(None, EtcdMetadata(args.etcd)), None, []
     store = LocalMetadata()
-    server = MetadataServer(secret.encode(), host=host, store=store)
+    server = MetadataServer(secret.encode(), host=host or "0.0.0.0", store=store, advertise_host=advertise_host)
     return PoolClient(None, store), server, ["--pool-metadata", server.url]
 
 
@@ -418,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
             admission=args.admission, slo_ttft_s=args.slo_ttft_s, slo_tbt_s=args.slo_tbt_s,
             predicted_decode_s=args.predicted_decode_s, max_queued_prefills=args.max_queued_prefills,
         )
-        pool, metadata_server, pool_args = (None, None, []) if args.no_pool else _start_pool(args, secret, local)
+        pool, metadata_server, pool_args = (
+            (None, None, []) if args.no_pool else _start_pool(args, secret, args.host, _advertised_host(args)))
         supervisor = Supervisor(roles, f"http://{local}:{args.port}", secret, threads, _instance_args(args) + pool_args)
         # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(

@@ -49,14 +49,17 @@ class Transport(Protocol):
 
 def host_identity() -> str:
     """Same value exactly when two processes can map each other's memory (same kernel boot and
-    pid namespace, since shared memory is reached through ``/proc/<pid>``)."""
+    pid namespace, since shared memory is reached through ``/proc/<pid>``) and share a network
+    namespace: a peer in another one (a container, a host simulated by ``ip netns``) is taken
+    for another host, so its KV goes over TCP as it would between machines."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         pidns = os.stat("/proc/self/ns/pid").st_ino
+        netns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
         return f"unshared-{secrets.token_hex(8)}"  # no /proc: never claim to share a host
-    return f"{socket.gethostname()}:{boot}:{pidns}"
+    return f"{socket.gethostname()}:{boot}:{pidns}:{netns}"
 
 
 @dataclass

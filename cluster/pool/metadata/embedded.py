@@ -87,6 +87,8 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], store: LocalMetadata, verifier: ControlVerifier) -> None:
+        # An IPv6 address (``::`` included: on Linux it takes IPv4 too) needs an IPv6 socket.
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.store = store
         self.verifier = verifier
         self._connections: set[socket.socket] = set()
@@ -196,11 +198,16 @@ class _Handler(BaseHTTPRequestHandler):
 class MetadataServer:
     """Serves a ``LocalMetadata`` (``store``) over HTTP on a daemon thread, from construction
     until ``close``. Only requests signed with ``derive_key(secret, METADATA_PURPOSE)`` are
-    served (``HttpMetadata`` signs them); others get 401 and change nothing."""
+    served (``HttpMetadata`` signs them); others get 401 and change nothing.
+
+    It listens on ``host`` (``0.0.0.0`` or ``::``: every address of this host) and ``url`` names
+    it by ``advertise_host``, the address other hosts reach it by; without one, by ``host``, or
+    by loopback when ``host`` is a wildcard (which no other host could use)."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0,
-                 store: LocalMetadata | None = None) -> None:
+                 store: LocalMetadata | None = None, *, advertise_host: str | None = None) -> None:
         self.store = store if store is not None else LocalMetadata()
+        self._advertise_host = advertise_host or None
         self._server = _Server((host, port), self.store, ControlVerifier(derive_key(secret, METADATA_PURPOSE)))
         # A short poll interval: close() waits up to one for the serving loop to notice.
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
@@ -209,9 +216,14 @@ class MetadataServer:
 
     @property
     def url(self) -> str:
-        """``http://HOST:PORT`` as bound (the real port when constructed with port 0)."""
+        """``http://HOST:PORT``: the advertised host (else the bound one; loopback for a
+        wildcard) and the real port (when constructed with port 0)."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        if self._advertise_host is not None:
+            host = self._advertise_host
+        elif host in ("0.0.0.0", "::"):
+            host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def close(self) -> None:
         """Stop serving: no request is answered after this returns."""
