@@ -1,26 +1,34 @@
 """Chaos benchmark: faults against a running cluster, and whether every request still gets a clear answer.
 
 Run with ``python -m bench.chaos`` (``--help`` for flags; ``--quick`` for a shorter run). It starts
-the default ``python -m server`` cluster (a Conductor plus one prefill and one decode instance;
-``--server-arg`` / ``--server-args`` add flags such as ``--instance-threads 1``) on a free loopback
-port, in its own session, with a cluster secret in its environment, and waits until every instance
-is up. Then:
+a ``python -m server`` cluster at the shipped lease and timeout defaults (a Conductor plus two
+prefill and two decode instances, on an etcd the bench starts itself when there is an etcd
+binary; ``--server-arg`` / ``--server-args`` add flags such as ``--instance-threads 1``) on a free
+loopback port, in its own session, with a cluster secret in its environment, and waits until every
+instance is up. Then:
 
 0. the **expected texts**: each prompt of a small fixed set (completions and chat) is sent once,
    alone, greedy (temperature 0) before any fault; the server (in float32 here, where batching
    does not change the rounding) is deterministic for greedy decoding, so every later answer
    that completes normally must repeat that text exactly;
 1. a **steady stream** starts: Poisson arrivals (``bench.serving.arrival_times``) at ``--rate``
-   req/s, each request one of those prompts, streamed (SSE) or not, ``--max-tokens`` tokens; it
-   runs under all the faults below, one after another with ``--pause-s`` between them;
-2. ``kill -9`` of the **decode** instance (its pid from the Conductor's ``/stats``); the benchmark
-   only watches: the Conductor's supervisor must start it again (a new pid, ``up``) and a request
-   must then complete with the expected text;
-3. the same for the **prefill** instance;
-4. **SIGSTOP** of one instance (``--stop-role``) for ``--stop-s`` seconds, then SIGCONT; it must be
-   up again and serve;
-5. a **burst** of ``--burst`` requests at once, far above what two cores serve;
-6. a **fuzz** of the HTTP API: handmade bodies (malformed and truncated JSON, wrong types, huge
+   req/s, each request one of those prompts, streamed (SSE) or not, ``--max-tokens`` tokens; and
+   the **long-prompt load** of ``bench/chaos_isolation.py`` (``--long-clients`` clients sending
+   prompts of ``--long-words`` words, each twice: both answers must be the same text); both
+   run under all the faults below, one after another with ``--pause-s`` between them, while a
+   monitor watches the Conductor's view of every instance that is not being faulted;
+2. ``kill -9`` of one of the two **decode** instances (its pid from the Conductor's ``/stats``); the
+   benchmark only watches: the Conductor's supervisor must start it again (a new pid, ``up``) and
+   a request must then complete with the expected text;
+3. the same for one **prefill** instance;
+4. **SIGSTOP** of one instance of each role (``--stop-role``) for ``--stop-s`` seconds, then SIGCONT;
+   it must be up again and serve;
+5. the faults of ``bench/chaos_isolation.py``: the metadata store (etcd) stopped, a pool node
+   stopped then killed, a replayed / stale-epoch control call, an unsigned 1 GiB control body
+   (a partition is not run here: tests/test_across_hosts.py; a late KV writer:
+   tests/test_late_write.py);
+6. a **burst** of ``--burst`` requests at once, far above what two cores serve;
+7. a **fuzz** of the HTTP API: handmade bodies (malformed and truncated JSON, wrong types, huge
    numbers, 10k-deep nesting, invalid UTF-8, lone surrogates, thousands of prompts, a body over
    the size limit, ...), ``--fuzz-examples`` bodies that ``hypothesis`` generates with a fixed
    seed (structured requests with bad fields, arbitrary JSON, raw bytes, then truncated or with
@@ -37,6 +45,11 @@ writes the same figures. Rows marked "must be 0":
 * well-formed requests with no clear answer: a dropped connection, a stream that ends without
   ``[DONE]``, an error status without an OpenAI error body;
 * completed answers whose text differs from the expected greedy text;
+* requests lost while a healthy instance of their role was up (a 5xx or an error event: with two
+  instances of each role and one faulted at a time, there always was one), and healthy instances
+  the Conductor marked down;
+* stale, replayed or altered control calls an instance accepted, and an unsigned huge control
+  body the Conductor did not refuse from its headers (401 / 413, peak RSS growing less than 64 MiB);
 * 5xx answers to malformed input, and malformed requests the server dropped without an answer
   (a 503, the cluster not serving, and a 500 for a body the engine accepted and then failed are
   shown apart: the rows above and below account for them);
@@ -56,7 +69,9 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -69,6 +84,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from bench import chaos_isolation as iso
 from bench.harness import INSTANCE_HELD, ServerProcess, launch_server, sse_events
 from bench.serving import arrival_times
 
@@ -86,6 +102,11 @@ PROMPTS: tuple[tuple[str, str], ...] = (
     (CHAT, "Name a fruit."),
     (CHAT, "What is the boiling point of water?"),
 )
+
+LOST = "requests lost while a healthy instance of their role was up"
+MARKED_DOWN = "healthy instances marked down"
+STALE = "stale, replayed or altered control calls accepted"
+HUGE = "unsigned huge control body not refused"
 
 # The Conductor's own books about each instance.
 CONDUCTOR_HELD = ("prefilling", "running", "incoming", "reserved")
@@ -107,8 +128,20 @@ class ChaosConfig:
     max_tokens: int = 16
     deadline_s: float = 120.0
     pause_s: float = 5.0
-    stop_role: str = "decode"
-    stop_s: float = 5.0
+    # Two instances of each role: one is faulted at a time, and the other must take its requests.
+    prefill_instances: int = 2
+    decode_instances: int = 2
+    stop_role: str = "both"  # SIGSTOP one instance of this role ("both": one of each, in turn)
+    stop_s: float = 20.0
+    # The long-prompt load (bench/chaos_isolation.py) under every fault.
+    long_clients: int = 4
+    long_words: int = 500
+    long_max_tokens: int = 16
+    etcd: bool = True  # run on an etcd of the bench's own, and stop it (when there is an etcd binary)
+    etcd_stop_s: float = 10.0
+    pool_node: bool = True  # a pool node of its own, stopped and then killed
+    pool_stop_s: float = 10.0
+    huge_body_bytes: int = 1 << 30
     burst: int = 200
     fuzz_examples: int = 150
     fuzz_concurrency: int = 4
@@ -128,8 +161,11 @@ class ChaosConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> ChaosConfig:
         """The same scenarios, smaller: what tests/test_chaos.py runs."""
-        base = cls(rate=1.5, pause_s=2.0, stop_s=3.0, burst=60, fuzz_examples=40, slow_request_s=2.0,
-                   stall_connections=16, stall_s=3.0, restart_timeout_s=180.0, probe_timeout_s=60.0)
+        # Two long-prompt clients, not four: on CI's two cores four keep the CPU so busy that
+        # each restart after a kill takes half a minute longer.
+        base = cls(rate=1.0, pause_s=0.5, stop_s=3.0, burst=40, fuzz_examples=40, slow_request_s=2.0,
+                   stall_connections=16, stall_s=2.0, restart_timeout_s=180.0, probe_timeout_s=60.0,
+                   long_clients=2, long_words=150, long_max_tokens=8, etcd_stop_s=2.0, pool_stop_s=2.0)
         return replace(base, **overrides)
 
 
@@ -149,6 +185,7 @@ class Outcome:
     error: str = ""
     retry_after: bool | None = None  # for 429 / 503: whether Retry-After was sent
     latency_s: float = 0.0
+    long_key: str = ""  # a long prompt (bench.chaos_isolation): which one; prompt is then -1
 
 
 def request_body(prompt: int, stream: bool, max_tokens: int) -> dict[str, Any]:
@@ -196,9 +233,9 @@ def parse_sse(lines: list[str], path: str) -> tuple[str, str, str]:
     return COMPLETED, text, ""
 
 
-async def _exchange(client: httpx.AsyncClient, base_url: str, out: Outcome, max_tokens: int) -> None:
-    path = PROMPTS[out.prompt][0]
-    body = request_body(out.prompt, out.stream, max_tokens)
+async def _exchange(client: httpx.AsyncClient, base_url: str, out: Outcome, max_tokens: int,
+                    override: tuple[str, dict[str, Any]] | None = None) -> None:
+    path, body = override or (PROMPTS[out.prompt][0], request_body(out.prompt, out.stream, max_tokens))
     async with client.stream("POST", base_url + path, json=body) as resp:
         out.status = resp.status_code
         if resp.status_code != 200:
@@ -225,11 +262,12 @@ async def _exchange(client: httpx.AsyncClient, base_url: str, out: Outcome, max_
 
 
 async def send(client: httpx.AsyncClient, base_url: str, out: Outcome, max_tokens: int,
-               deadline_s: float) -> Outcome:
-    """Send one well-formed request; ``out`` says what came back (hung when nothing did in time)."""
+               deadline_s: float, override: tuple[str, dict[str, Any]] | None = None) -> Outcome:
+    """Send one well-formed request (``override``: its path and body instead of ``out.prompt``'s);
+    ``out`` says what came back (hung when nothing did in time)."""
     t0 = time.monotonic()
     try:
-        await asyncio.wait_for(_exchange(client, base_url, out, max_tokens), deadline_s)
+        await asyncio.wait_for(_exchange(client, base_url, out, max_tokens, override), deadline_s)
     except (asyncio.TimeoutError, httpx.TimeoutException):
         out.result, out.error = HUNG, f"no answer within {deadline_s:g} s"
     except httpx.HTTPError as e:  # a dropped connection is no answer a client can act on
@@ -509,6 +547,9 @@ def framing_cases() -> list[tuple[str, bytes, bool, bool]]:
 class Cluster:
     server: ServerProcess
     seen_pids: set[int] = field(default_factory=set)  # every instance pid /stats ever named
+    secret: str = ""  # the cluster secret (the stale-epoch check signs with it, as the Conductor does)
+    etcd: iso.Etcd | None = None  # the metadata store the bench started (None: the embedded one)
+    pool_node: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -533,11 +574,19 @@ def start_cluster(cfg: ChaosConfig) -> Cluster:
     # float32, the reference precision: there a greedy answer does not depend on how requests
     # were batched, which the expected texts rely on (the CPU default, int4 weights,
     # rounds differently at different batch sizes). --server-arg can still choose another.
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           SECRET_ENV: os.environ.get(SECRET_ENV) or secrets.token_hex(16)}
-    server = launch_server(["--dtype", "float32", *cfg.server_args], cfg.log_path, name="chaos",
-                           python=cfg.python, host=HOST, env=env)
-    return Cluster(server)
+    # Leases and timeouts are the shipped defaults: no flag here sets them.
+    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(16)
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), SECRET_ENV: secret}
+    etcd = iso.start_etcd(cfg.log_path.parent) if cfg.etcd else None
+    flags = ["--dtype", "float32", "--prefill-instances", str(cfg.prefill_instances),
+             "--decode-instances", str(cfg.decode_instances), *(["--etcd", etcd.url] if etcd else [])]
+    try:
+        server = launch_server([*flags, *cfg.server_args], cfg.log_path, name="chaos", python=cfg.python,
+                               host=HOST, env=env)
+    except BaseException:
+        iso.stop_process(etcd.proc if etcd else None)
+        raise
+    return Cluster(server, secret=secret, etcd=etcd)
 
 
 def stop_cluster(cluster: Cluster, timeout_s: float = 30.0) -> None:
@@ -547,6 +596,7 @@ def stop_cluster(cluster: Cluster, timeout_s: float = 30.0) -> None:
     for pid in cluster.seen_pids:
         if cluster.owns(pid):
             _signal(pid, signal.SIGCONT)
+    iso.stop_process(cluster.pool_node)
     cluster.server.stop(timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(cluster.owns(p) for p in cluster.seen_pids):
@@ -560,6 +610,9 @@ def stop_cluster(cluster: Cluster, timeout_s: float = 30.0) -> None:
                     os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    if cluster.etcd is not None:
+        iso.stop_process(cluster.etcd.proc)
+        shutil.rmtree(cluster.etcd.data_dir, ignore_errors=True)
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
@@ -625,6 +678,8 @@ class Run:
         self.faults: list[dict[str, Any]] = []
         self.phases: list[dict[str, Any]] = []
         self.errors: list[str] = []  # scenarios that could not run
+        self.faulted: set[str] = set()  # URLs of the instances being faulted now
+        self.monitor = iso.Monitor()
         self.rng = np.random.default_rng([cfg.seed, 11])
         self.t0 = time.monotonic()
 
@@ -692,6 +747,13 @@ class Run:
         fault: dict[str, Any] = {"kind": "kill -9", "role": role, "url": victim["url"], "old_pid": victim["pid"],
                                  "restarts_before": victim["restarts"], "at_s": self._elapsed()}
         self.faults.append(fault)
+        self.faulted.add(victim["url"])
+        try:
+            await self._kill(role, victim, fault)
+        finally:
+            self.faulted.discard(victim["url"])
+
+    async def _kill(self, role: str, victim: dict[str, Any], fault: dict[str, Any]) -> None:
         _progress(f"kill -9 {role} instance pid {victim['pid']} ({victim['url']})")
         t0 = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
@@ -726,6 +788,13 @@ class Run:
         fault: dict[str, Any] = {"kind": "SIGSTOP", "role": role, "url": victim["url"], "old_pid": victim["pid"],
                                  "stopped_s": self.cfg.stop_s, "at_s": self._elapsed()}
         self.faults.append(fault)
+        self.faulted.add(victim["url"])
+        try:
+            await self._stop_and_continue(role, victim, fault)
+        finally:
+            self.faulted.discard(victim["url"])
+
+    async def _stop_and_continue(self, role: str, victim: dict[str, Any], fault: dict[str, Any]) -> None:
         _progress(f"SIGSTOP {role} instance pid {victim['pid']} for {self.cfg.stop_s:g} s")
         marked_down = False
         os.kill(victim["pid"], signal.SIGSTOP)
@@ -876,11 +945,22 @@ async def run_scenarios(cfg: ChaosConfig, cluster: Cluster, fuzz_cases: list[Fuz
         stop, tasks = asyncio.Event(), []
         run.begin("steady")
         feeder = asyncio.create_task(run.steady(stop, tasks))
-        extra: dict[str, Any] = {}
+        long_load = asyncio.create_task(iso.long_clients(run, stop))
+        watcher = asyncio.create_task(iso.monitor(run, stop))
+        extra: dict[str, Any] = {"partition": iso.partition_support(), "late_writer": iso.LATE_WRITER}
+        stop_roles = ["decode", "prefill"] if cfg.stop_role == "both" else [cfg.stop_role]
         scenarios: list[tuple[str, Callable[[], Awaitable[Any]], str | None]] = [
             ("kill decode", lambda: run.kill("decode"), None),
             ("kill prefill", lambda: run.kill("prefill"), None),
-            (f"SIGSTOP {cfg.stop_role}", lambda: run.stop_and_continue(cfg.stop_role), None),
+            *((f"SIGSTOP {role}", lambda role=role: run.stop_and_continue(role), None) for role in stop_roles),
+        ]
+        if cluster.etcd is not None:
+            scenarios.append(("etcd stopped", lambda: iso.stop_etcd(run), None))
+        if cfg.pool_node:
+            scenarios.append(("pool node stopped", lambda: iso.stop_pool_node(run), None))
+        scenarios += [
+            ("stale epoch", lambda: iso.stale_epoch(run), "stale_epoch"),
+            ("huge control body", lambda: iso.huge_body(run), "huge_body"),
             ("burst", run.burst, "burst"),
             ("fuzz", lambda: run.fuzz(fuzz_cases), "fuzz"),
             ("bad framing", run.framing, "framing"),
@@ -892,7 +972,7 @@ async def run_scenarios(cfg: ChaosConfig, cluster: Cluster, fuzz_cases: list[Fuz
                 run.begin(name)
                 try:
                     result = await scenario()
-                except (RuntimeError, OSError, httpx.HTTPError, ValueError, KeyError) as e:
+                except (RuntimeError, OSError, httpx.HTTPError, ValueError, KeyError, TimeoutError) as e:
                     # One scenario that cannot run must not hide what the others find.
                     run.errors.append(f"{name}: {type(e).__name__}: {e}")
                     _progress(f"{name} FAILED to run: {type(e).__name__}: {e}")
@@ -905,8 +985,9 @@ async def run_scenarios(cfg: ChaosConfig, cluster: Cluster, fuzz_cases: list[Fuz
             await feeder
             run.begin("drain")
             _progress(f"waiting for {sum(not t.done() for t in tasks)} requests still in flight")
-            await asyncio.gather(*tasks)  # each bounded by its deadline
+            await asyncio.gather(*tasks, long_load, watcher)  # each bounded by its deadline
         end = await run.held_at_end()
+        extra["front_memory"] = {"pid": cluster.server.proc.pid, **iso.memory_kib(cluster.server.proc.pid)}
         return build_report(cfg, run, extra, end)
 
 
@@ -919,7 +1000,16 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
     for o in outs:
         requests["sent"] += 1
         requests[o.result if o.result != HTTP_ERROR else f"http {o.status}"] += 1
-    wrong = [o for o in outs if o.result == COMPLETED and o.text != run.expected.get(o.prompt)]
+    # A long prompt's answers must all be the first completed one's (cold and warm; moved or not).
+    long_first: dict[str, str] = {}
+    for o in outs:
+        if o.long_key and o.result == COMPLETED:
+            long_first.setdefault(o.long_key, o.text)
+    wrong = [o for o in outs if o.result == COMPLETED
+             and o.text != (long_first[o.long_key] if o.long_key else run.expected.get(o.prompt))]
+    # With two instances of each role and one faulted at a time, every role always had an instance
+    # up: a 5xx or an error event is a request lost although a healthy instance could serve it.
+    lost = [o for o in outs if (o.result == HTTP_ERROR and (o.status or 0) >= 500) or o.result == STREAM_ERROR]
     no_retry_after = sum(o.retry_after is False for o in outs)
     by_phase: dict[str, Counter] = {}
     for o in outs:
@@ -941,11 +1031,20 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         slow_failed += 1
     held = end.get("held", {})
     held_total = sum(v for per in held.values() for v in per.values())
+    mon: iso.Monitor = run.monitor
+    stale = extra.get("stale_epoch") or {}
+    huge = extra.get("huge_body") or {}
+    front = extra.get("front_memory") or {}
+    peak_mib = max(mon.peak_hwm_kib, front.get("VmHWM", 0)) // 1024
 
     must_be_zero = {
         "hung requests": requests[HUNG] + sum(f.result == HUNG for f in fuzz) + sum(r.hung for r in framing),
         "requests with no clear answer": requests[UNCLEAR],
         "completed with a different text": len(wrong),
+        "requests lost while a healthy instance of their role was up": len(lost),
+        "healthy instances marked down": len(mon.marked_down),
+        "stale, replayed or altered control calls accepted": stale.get("accepted", 0),
+        "unsigned huge control body not refused": int(bool(huge) and not huge.get("refused")),
         "5xx answers to malformed input": len(fuzz_5xx) + sum((r.status or 0) >= 500 for r in framing),
         "malformed requests dropped unanswered": len(fuzz_no_answer) - sum(f.result == HUNG for f in fuzz)
         + sum(bool(expects_answer.get(r.label)) and r.status is None and not r.hung for r in framing),
@@ -963,8 +1062,26 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         "requests": dict(requests),
         "missing_retry_after": no_retry_after,
         "by_phase": {k: dict(v) for k, v in by_phase.items()},
-        "wrong_texts": [{"phase": o.phase, "prompt": PROMPTS[o.prompt][1], "stream": o.stream, "got": o.text,
-                         "expected": run.expected.get(o.prompt)} for o in wrong[:20]],
+        "wrong_texts": [{"phase": o.phase, "prompt": f"long prompt {o.long_key}" if o.long_key else PROMPTS[o.prompt][1],
+                         "stream": o.stream, "got": o.text,
+                         "expected": long_first[o.long_key] if o.long_key else run.expected.get(o.prompt)}
+                        for o in wrong[:20]],
+        "long_prompts": {"sent": sum(bool(o.long_key) for o in outs),
+                         "completed": sum(bool(o.long_key) and o.result == COMPLETED for o in outs),
+                         "prompts": len({o.long_key for o in outs if o.long_key}),
+                         "latency_p50_s": _p50([o.latency_s for o in outs if o.long_key and o.result == COMPLETED])},
+        "lost": [{"phase": o.phase, "status": o.status, "result": o.result, "long": bool(o.long_key),
+                  "stream": o.stream, "error": o.error[:200]} for o in lost[:30]],
+        "lost_by_phase": dict(Counter(o.phase for o in lost)),
+        "marked_down": mon.marked_down,
+        "monitor_samples": mon.samples,
+        "requests_moved": stats.get("requests_moved"),
+        "front_memory": {"pid": front.get("pid"), "peak_mib": peak_mib, "rss_end_mib": front.get("VmRSS", 0) // 1024,
+                         "rss_samples": mon.rss_kib[::max(1, len(mon.rss_kib) // 50)]},
+        "stale_epoch": stale,
+        "huge_body": huge,
+        "partition": extra.get("partition"),
+        "late_writer": extra.get("late_writer"),
         "error_samples": sorted({f"{o.phase}: {o.status} {o.error[:160]}" for o in outs if o.error})[:30],
         "faults": run.faults,
         "scenario_errors": run.errors,
@@ -979,10 +1096,14 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         "down_at_end": end.get("down", {}),
         "server_log": scan_log(cfg.log_path),
         "conductor": {k: stats.get(k) for k in ("requests_accepted", "requests_rejected", "requests_failed",
-                                                "rejections_by_reason", "supervised")},
+                                                "requests_moved", "rejections_by_reason", "supervised", "pool")},
         "must_be_zero": must_be_zero,
         "ok": not any(must_be_zero.values()),
     }
+
+
+def _p50(values: list[float]) -> float | None:
+    return round(float(np.median(values)), 2) if values else None
 
 
 def scan_log(path: Path) -> dict[str, Any]:
@@ -1021,6 +1142,14 @@ def format_table(report: dict[str, Any]) -> str:
         row("hung (no answer within the deadline)", must["hung requests"], "hung requests"),
         row("completed with text != the greedy answer", must["completed with a different text"],
             "completed with a different text"),
+        row("lost while a healthy instance of their role was up", must[LOST], LOST),
+        row("  (a 5xx or an error event; 2 instances per role, 1 faulted)", ""),
+        row("healthy instances marked down (Conductor /stats)", must[MARKED_DOWN], MARKED_DOWN),
+        row("requests moved to another instance (Conductor)", report.get("requests_moved")),
+        row(f"long prompts (~{report['config'].get('long_words')} words, "
+            f"{report['config'].get('long_clients')} clients): sent/completed",
+            f"{report['long_prompts']['sent']}/{report['long_prompts']['completed']}"),
+        row("front (Conductor) process peak memory, VmHWM MiB", report["front_memory"]["peak_mib"]),
         row("malformed requests sent (fuzz + bad framing)", fuzz["sent"] + len(report["framing"])),
     ]
     lines += [row(f"  answered HTTP {s}", n) for s, n in sorted(fuzz["by_status"].items())]
@@ -1032,6 +1161,10 @@ def format_table(report: dict[str, Any]) -> str:
             "malformed requests dropped unanswered"),
     ]
     for f in report["faults"]:
+        if "summary" in f:
+            what = f["summary"] if f.get("recovered") else f"NOT recovered: {f['summary']}"
+            lines.append(f"fault: {f['kind']} {f['role']} (pid {f['old_pid']}): {what}")
+            continue
         if f["kind"] == "kill -9":
             what = (f"restarted in {f.get('restart_s')} s, served {f.get('served_after_s')} s later"
                     if f.get("recovered") else "NOT recovered")
@@ -1039,6 +1172,19 @@ def format_table(report: dict[str, Any]) -> str:
             what = (f"up again in {f.get('up_again_s')} s, served {f.get('served_after_s')} s later"
                     if f.get("recovered") else "NOT recovered")
         lines.append(f"fault: {f['kind']} {f['role']} (pid {f['old_pid']} -> {f.get('new_pid')}): {what}")
+    lines.append(f"fault: partition of one instance: {report.get('partition')}")
+    lines.append(f"fault: late KV writer: {report.get('late_writer')}")
+    huge = report.get("huge_body") or {}
+    if huge:
+        lines.append(f"fault: unsigned {huge['bytes'] / 2**30:g} GiB body to /cluster/register: HTTP {huge['status']} "
+                     f"after {huge['sent_before_refusal_mib']} MiB sent; Conductor VmHWM {huge['vmhwm_before_mib']} -> "
+                     f"{huge['vmhwm_after_mib']} MiB")
+    lines.append(row("  unsigned huge control body not refused", must[HUGE], HUGE))
+    stale = report.get("stale_epoch") or {}
+    if stale:
+        lines.append("fault: control calls to " + stale["instance"] + ": " +
+                     "; ".join(f"{label} -> {status}" for label, status in stale["calls"].items()))
+    lines.append(row("  stale, replayed or altered control calls accepted", must[STALE], STALE))
     lines += [
         row("faults not recovered", must["faults not recovered"], "faults not recovered"),
         row("slow-client checks failed", must["slow-client checks failed"], "slow-client checks failed"),
@@ -1064,6 +1210,10 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{f['body'][:300]}")
     for wt in report["wrong_texts"][:5]:
         lines.append(f"different text: {wt}")
+    for lost in report["lost"][:10]:
+        lines.append(f"lost: {lost}")
+    for down in report["marked_down"][:10]:
+        lines.append(f"healthy instance marked down: {down}")
     return "\n".join(lines)
 
 
@@ -1104,8 +1254,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help=f"tokens per request (default {d.max_tokens})")
     p.add_argument("--deadline-s", type=float, default=None, help=f"per request (default {d.deadline_s:g})")
     p.add_argument("--pause-s", type=float, default=None, help=f"between faults (default {d.pause_s:g})")
-    p.add_argument("--stop-role", choices=["prefill", "decode"], default=None, help=f"default {d.stop_role}")
+    p.add_argument("--stop-role", choices=["prefill", "decode", "both"], default=None, help=f"default {d.stop_role}")
     p.add_argument("--stop-s", type=float, default=None, help=f"SIGSTOP duration (default {d.stop_s:g})")
+    p.add_argument("--long-clients", type=int, default=None, help=f"long-prompt clients (default {d.long_clients})")
+    p.add_argument("--long-words", type=int, default=None, help=f"words per long prompt (default {d.long_words})")
+    p.add_argument("--etcd-stop-s", type=float, default=None, help=f"default {d.etcd_stop_s:g}")
+    p.add_argument("--no-etcd", action="store_true", help="the embedded metadata store (not stopped)")
+    p.add_argument("--pool-stop-s", type=float, default=None, help=f"default {d.pool_stop_s:g}")
+    p.add_argument("--no-pool-node", action="store_true", help="no pool node of the bench's own")
     p.add_argument("--burst", type=int, default=None, help=f"requests at once (default {d.burst})")
     p.add_argument("--fuzz-examples", type=int, default=None,
                    help=f"hypothesis-generated bodies (default {d.fuzz_examples})")
@@ -1124,7 +1280,9 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
              "pause_s": args.pause_s, "stop_role": args.stop_role, "stop_s": args.stop_s, "burst": args.burst,
              "fuzz_examples": args.fuzz_examples, "stall_connections": args.stall_connections,
              "restart_timeout_s": args.restart_timeout_s, "drain_s": args.drain_s, "seed": args.seed,
-             "log_path": args.log}
+             "log_path": args.log, "long_clients": args.long_clients, "long_words": args.long_words,
+             "etcd_stop_s": args.etcd_stop_s, "pool_stop_s": args.pool_stop_s,
+             "etcd": False if args.no_etcd else None, "pool_node": False if args.no_pool_node else None}
     return replace(cfg, python=args.python, server_args=[*args.server_arg, *shlex.split(args.server_args)],
                    **{k: v for k, v in given.items() if v is not None})
 

@@ -63,25 +63,41 @@ def _run_with(outcomes: list[Outcome], expected: dict[int, str]) -> chaos.Run:
 def test_the_report_counts_what_must_be_zero(tmp_path):
     expected = {0: " Paris", 4: "Banana"}
     outs = [Outcome("steady", 0, True, COMPLETED, 200, " Paris"),
-            Outcome("steady", 4, False, HTTP_ERROR, 503, error="no decode instance is up", retry_after=True),
-            Outcome("burst", 0, False, HTTP_ERROR, 429, retry_after=False)]
+            Outcome("steady", 4, False, HTTP_ERROR, 429, error="too many queued", retry_after=True),
+            Outcome("burst", 0, False, HTTP_ERROR, 429, retry_after=False),
+            Outcome("kill decode", -1, False, COMPLETED, 200, " long answer", long_key="0.0"),
+            Outcome("kill decode", -1, True, COMPLETED, 200, " long answer", long_key="0.0")]
     clean = chaos.build_report(chaos.ChaosConfig.quick(log_path=tmp_path / "none.log"), _run_with(outs, expected),
                                {}, {"held": {}, "down": {}})
     assert clean["ok"] and not any(clean["must_be_zero"].values())
-    assert clean["requests"] == {"sent": 3, COMPLETED: 1, "http 503": 1, "http 429": 1}
+    assert clean["requests"] == {"sent": 5, COMPLETED: 3, "http 429": 2}
     assert clean["missing_retry_after"] == 1
-    assert "RESULT: OK" in chaos.format_table(clean)
+    assert clean["long_prompts"] == {"sent": 2, "completed": 2, "prompts": 1, "latency_p50_s": 0.0}
+    table = chaos.format_table(clean)
+    assert "RESULT: OK" in table and "lost while a healthy instance of their role was up" in table
 
     bad = outs + [Outcome("burst", 4, True, COMPLETED, 200, "Cherry"), Outcome("fuzz", 0, False, HUNG),
-                  Outcome("steady", 0, True, UNCLEAR, 200, error="stream ended without [DONE]")]
+                  Outcome("steady", 0, True, UNCLEAR, 200, error="stream ended without [DONE]"),
+                  Outcome("SIGSTOP decode", 4, False, HTTP_ERROR, 500, error="internal error"),
+                  Outcome("SIGSTOP decode", 0, True, STREAM_ERROR, 200, error="instance lost"),
+                  Outcome("SIGSTOP decode", -1, False, COMPLETED, 200, " other answer", long_key="0.0")]
     fuzz = [chaos.FuzzOutcome("lone surrogate", chaos.COMPLETIONS, "b'{}'", 2, 500, "answered", "internal error"),
             chaos.FuzzOutcome("valid", chaos.COMPLETIONS, "b'{}'", 2, 500, "answered", f"x {chaos.ENGINE_FAILED} y"),
             chaos.FuzzOutcome("down", chaos.COMPLETIONS, "b'{}'", 2, 503, "answered", "no decode instance is up")]
-    report = chaos.build_report(chaos.ChaosConfig.quick(log_path=tmp_path / "none.log"), _run_with(bad, expected),
-                                {"fuzz": fuzz}, {"held": {"http://x": {"num_used_blocks": 3}}, "down": {}})
+    run = _run_with(bad, expected)
+    run.monitor.marked_down.append({"url": "http://p2", "role": "prefill", "phase": "SIGSTOP decode",
+                                    "last_error": "timed out"})
+    huge = {"bytes": 1 << 30, "status": 200, "sent_before_refusal_mib": 1024.0, "vmhwm_before_mib": 500,
+            "vmhwm_after_mib": 1600, "refused": False}
+    stale = {"instance": "http://d1", "calls": {"the same poll replayed": 200}, "accepted": 1}
+    report = chaos.build_report(chaos.ChaosConfig.quick(log_path=tmp_path / "none.log"), run,
+                                {"fuzz": fuzz, "huge_body": huge, "stale_epoch": stale},
+                                {"held": {"http://x": {"num_used_blocks": 3}}, "down": {}})
     must = report["must_be_zero"]
     assert (must["completed with a different text"], must["hung requests"], must["requests with no clear answer"],
-            must["5xx answers to malformed input"], must["resources held at the end"]) == (1, 1, 1, 1, 3)
+            must["5xx answers to malformed input"], must["resources held at the end"]) == (2, 1, 1, 1, 3)
+    assert (must[chaos.LOST], must[chaos.MARKED_DOWN], must[chaos.HUGE], must[chaos.STALE]) == (2, 1, 1, 1)
+    assert report["lost_by_phase"] == {"SIGSTOP decode": 2}
     assert (report["fuzz"]["unavailable"], report["fuzz"]["engine_failed"]) == (1, 1)
     assert not report["ok"]
     table = chaos.format_table(report)
@@ -133,8 +149,10 @@ def test_each_kill_is_followed_by_a_restart_by_the_conductor(report):
         assert k["restarted"], k
         assert k["new_pid"] != k["old_pid"] and k["restarts"] >= 1 and k["last_exit"] == "signal SIGKILL", k
         assert k["served"], f"nothing served after the {k['role']} kill: {k}"
-    (stopped,) = [f for f in report["faults"] if f["kind"] == "SIGSTOP"]
-    assert stopped["up_again"] and stopped["served"], stopped
+    stopped = [f for f in report["faults"] if f["kind"] == "SIGSTOP" and f["role"] in ("decode", "prefill")]
+    assert [f["role"] for f in stopped] == ["decode", "prefill"], report["scenario_errors"]
+    for f in stopped:
+        assert f["up_again"] and f["served"], f
     supervised = report["conductor"]["supervised"]
     assert sorted(s["role"] for s in supervised if s["restarts"] >= 1) == ["decode", "prefill"]
 
@@ -148,6 +166,27 @@ def test_no_request_hangs_or_changes_its_answer(report):
     assert len(report["expected"]) == len(PROMPTS) and report["requests"][COMPLETED] > 20
     burst = report["burst"]["results"]
     assert sum(burst.values()) == report["config"]["burst"] and set(burst) <= {COMPLETED, "http 429", "http 503"}
+
+
+@pytest.mark.processes
+def test_faults_of_one_instance_lose_no_request_and_mark_no_healthy_one_down(report):
+    must = report["must_be_zero"]
+    assert must[chaos.LOST] == 0, report["lost"]
+    assert must[chaos.MARKED_DOWN] == 0, report["marked_down"]
+    assert report["monitor_samples"] > 50 and report["long_prompts"]["completed"] > 10, report["long_prompts"]
+    kinds = {(f["kind"], f["role"]) for f in report["faults"]}
+    assert {("SIGSTOP", "metadata store (etcd)"), ("SIGSTOP then kill -9", "pool node")} <= kinds, kinds
+    assert all(f["recovered"] for f in report["faults"]), report["faults"]
+
+
+@pytest.mark.processes
+def test_stale_replayed_and_unsigned_control_calls_are_refused(report):
+    stale = report["stale_epoch"]
+    assert list(stale["calls"].values()) == [200, 401, 401, 409], stale
+    assert stale["epoch_replaced_log_lines"] == 0 and report["must_be_zero"][chaos.STALE] == 0
+    huge = report["huge_body"]
+    assert huge["status"] == 401 and huge["refused"], huge
+    assert huge["vmhwm_growth_mib"] < chaos.iso.HUGE_BODY_RSS_SLACK_MIB, huge
 
 
 @pytest.mark.processes
@@ -188,7 +227,7 @@ def test_every_must_be_zero_row_is_zero(report):
 
 @pytest.mark.processes
 def test_every_process_is_gone_after_the_run(report):
-    assert len(report["instance_pids"]) >= 4  # two instances, each started twice
+    assert len(report["instance_pids"]) >= 6  # four instances, two of them started twice
     for pid in report["instance_pids"]:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
