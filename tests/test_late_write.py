@@ -261,3 +261,29 @@ def test_expect_and_finish_do_not_wait_for_a_stuck_layer_write():
         asyncio.run(scenario())
     finally:
         transfer.close()
+
+
+def test_an_abort_that_comes_while_the_pool_is_asked_releases_the_pool_load(decode):
+    """The second check of an early abort (after the pool was asked) used to raise before the
+    code that closes the pool load: its staging range was held for good (bench.chaos found one)."""
+    d = decode
+    closed: list[bool] = []
+    checks = iter([False, True])  # not aborted on arrival; aborted once the pool has answered
+
+    class Pool:
+        async def prepare_load(self, request_id, token_ids):
+            return SimpleNamespace(close=lambda used: closed.append(used))
+
+        async def plan_store(self, request_id, token_ids):
+            return False
+
+    async def scenario():
+        sender = KVSender(d.peer, d.send, d.layout)
+        prefiller = Prefiller(SimpleNamespace(), sender, 1.0, pool=Pool(), aborted=lambda rid: next(checks))
+        dest = KVDestination(d.transfer.address, d.staging.handle, 0, 0, 3)
+        with pytest.raises(UnknownReservation):
+            await prefiller.prefill("aborted-mid-way", PROMPT, PARAMS, dest)
+        assert closed == [False], "the pool load was not released"
+        assert not sender._out and d.send.num_allocated == 0
+
+    asyncio.run(scenario())

@@ -104,8 +104,8 @@ class Prefiller:
     async def _prefill_once(self, request_id: str, token_ids: list[int], params: SamplingParams,
                             dest: KVDestination, load: PoolLoad | None) -> RequestOutput:
         sender = self._sender
-        self._check_aborted(request_id)  # it may have come while the pool was asked
         try:
+            self._check_aborted(request_id)  # it may have come while the pool was asked
             await when_free(lambda: sender.expect(request_id, dest), self._timeout_s)
         except BaseException:
             if load is not None:
