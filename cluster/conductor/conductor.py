@@ -328,9 +328,10 @@ class Conductor(EngineClient):
             except RequestMoved as e:
                 if moves >= self.config.max_request_moves or self._serving_mode() is None:
                     self.counters.failed += 1
-                    why = self.readiness() if self._serving_mode() is None else f"moved {moves} time(s) already"
+                    why = (self.readiness() if self._serving_mode() is None
+                           else f"it was moved {moves} time(s) already; retry shortly")
                     log.warning("request %s lost its %s instance and cannot move (%s): %s", request_id, e.role, why, e)
-                    raise EngineNotReady(f"the {e.role} instance serving the request was lost ({why}); retry shortly",
+                    raise EngineNotReady(f"the {e.role} instance serving the request was lost: {why}",
                                          retry_after=2.0) from None
                 moves += 1
                 self.counters.moved += 1
