@@ -44,9 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from bench.harness import free_port
+from bench import harness
 
 if TYPE_CHECKING:
     from bench.chaos import Run
@@ -88,40 +86,18 @@ def partition_support() -> str:
 # --------------------------------------------------------------------------- processes of the bench's own
 
 
-@dataclass
-class Etcd:
-    url: str
-    proc: subprocess.Popen
-    data_dir: Path
+# The bench's etcd: ``url``, ``proc`` (SIGSTOPped by ``stop_etcd``), ``data_dir``, ``stop()``.
+Etcd = harness.EtcdProcess
 
 
 def start_etcd(workdir: Path, timeout_s: float = 30.0) -> Etcd | None:
-    """A single-member etcd of the bench's own on free loopback ports (None without an etcd binary)."""
-    binary = shutil.which("etcd")
-    if binary is None:
+    """A single-member etcd of the bench's own on free loopback ports, at etcd's shipped timing
+    (None without an etcd binary); its log is ``workdir/etcd.log``."""
+    if shutil.which("etcd") is None:
         return None
-    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     data = workdir / f"etcd-{os.getpid()}"
     shutil.rmtree(data, ignore_errors=True)
-    workdir.mkdir(parents=True, exist_ok=True)
-    with (workdir / "etcd.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [binary, "--name", "chaos", "--data-dir", str(data), "--listen-client-urls", client,
-             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"chaos={peer}", "--logger", "zap", "--log-level", "error"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"etcd exited with {proc.returncode}: see {workdir / 'etcd.log'}")
-        try:
-            if httpx.get(f"{client}/health", timeout=1.0).json().get("health") == "true":
-                return Etcd(client, proc, data)
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.1)
-    stop_process(proc)
-    raise RuntimeError(f"etcd did not become healthy within {timeout_s:g} s")
+    return harness.start_etcd(data, name="chaos", log_path=workdir / "etcd.log", within_s=timeout_s)
 
 
 def stop_process(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> None:

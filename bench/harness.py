@@ -6,6 +6,9 @@ group (the Conductor stops its instances), waits, and sends SIGKILL to whatever 
 leaves processes behind. Every wait here is bounded and fails naming what it waited for and the
 end of the server's log.
 
+An etcd of a test's or a benchmark's own (``start_etcd``) runs the same way: a process group,
+a log file, a bounded wait for it to be healthy, and a ``stop`` that leaves nothing behind.
+
 Also here, because every client of the server needs them: parsing a streamed (SSE) answer, and
 the list of what an instance must no longer hold once the requests it served are gone.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,8 +31,8 @@ import httpx
 
 from cluster.conductor.supervisor import free_port
 
-__all__ = ["HOST", "INSTANCE_HELD", "DONE", "ServerProcess", "SSEStream", "free_port", "launch_server",
-           "sse_data", "sse_events", "start_server", "until"]
+__all__ = ["HOST", "INSTANCE_HELD", "DONE", "EtcdProcess", "ServerProcess", "SSEStream", "free_port",
+           "launch_server", "sse_data", "sse_events", "start_etcd", "start_server", "until"]
 
 HOST = "127.0.0.1"
 DONE = "[DONE]"
@@ -162,7 +166,7 @@ class ServerProcess:
             raise RuntimeError(f"{self.name} server exited with {self.proc.returncode} before it was ready; "
                                f"log tail:\n{self.log_tail()}")
 
-    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> float:
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.5) -> float:
         t0 = time.monotonic()
 
         def check() -> bool:
@@ -173,7 +177,7 @@ class ServerProcess:
                 return False
 
         try:
-            until(check, timeout_s, f"{self.name} server: {what}", every_s=0.5)
+            until(check, timeout_s, f"{self.name} server: {what}", every_s=every_s)
         except TimeoutError as e:
             raise TimeoutError(f"{e}; log tail:\n{self.log_tail()}") from None
         return time.monotonic() - t0
@@ -243,3 +247,73 @@ def launch_server(flags: Sequence[str], log_path: Path, *, name: str = "server",
     port = free_port(host)
     cmd = [python, "-m", "server", "--host", host, "--port", str(port), *flags]
     return start_server(name, cmd, f"http://{host}:{port}", log_path, env)
+
+
+# --------------------------------------------------------------------------- etcd
+
+
+@dataclass
+class EtcdProcess(ServerProcess):
+    """A single-member etcd started by ``start_etcd``: ``url`` is its client URL, ``proc`` the
+    process (a test may SIGSTOP it: ``stop`` resumes it first), ``data_dir`` its ``--data-dir``."""
+
+    data_dir: Path
+
+    @property
+    def url(self) -> str:
+        return self.base_url
+
+    def stop(self, timeout_s: float = 10.0, sig: signal.Signals = signal.SIGTERM) -> None:
+        """SIGCONT (a test or the bench may have stopped it, and a stopped etcd cannot act on
+        SIGTERM), then ``ServerProcess.stop``: ``sig``, and SIGKILL after ``timeout_s``."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        super().stop(timeout_s, sig)
+
+
+def start_etcd(data_dir: Path, *, host: str = HOST, name: str = "etcd", fast_leases: bool = False,
+               client_port: int | None = None, peer_port: int | None = None, prefix: Sequence[str] = (),
+               log_path: Path | None = None, within_s: float = 15.0) -> EtcdProcess:
+    """Start a single-member etcd with its data in ``data_dir`` and wait until ``/health`` says it
+    is healthy; its output goes to ``log_path`` (default: ``data_dir`` with ``.log`` appended).
+
+    It listens for clients at ``http://host:client_port`` and for peers at ``http://host:peer_port``
+    (a single member has none, but etcd needs the URL); each port, unless given, is one free here.
+    ``prefix`` runs it inside something, e.g. ``ip netns exec NS`` for a host of its own: there
+    this namespace's free ports say nothing, so pass the ports, and ``host`` must be an address
+    this process reaches (the health check is made from here).
+
+    ``fast_leases``: etcd's shortest lease is 1.5 election timeouts rounded up to whole seconds
+    (2 s at the default 1 s timeout); a 50 ms election timeout (10 ms heartbeats) brings it to
+    1 s, which keeps the tests that wait for a lease to expire short. Without it etcd runs at its
+    shipped timing, as a deployment would.
+
+    Raises ``FileNotFoundError`` without an ``etcd`` binary on PATH (a caller decides whether to
+    skip), and ``RuntimeError`` (etcd exited) or ``TimeoutError`` (not healthy within
+    ``within_s``) with the end of its log; etcd is stopped before either is raised.
+    """
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise FileNotFoundError("no etcd binary (apt-get install etcd-server)")
+    client = f"http://{host}:{client_port if client_port is not None else free_port(host)}"
+    peer = f"http://{host}:{peer_port if peer_port is not None else free_port(host)}"
+    timing = ["--heartbeat-interval", "10", "--election-timeout", "50"] if fast_leases else []
+    cmd = [*prefix, binary, "--name", name, "--data-dir", str(data_dir),
+           "--listen-client-urls", client, "--advertise-client-urls", client,
+           "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+           "--initial-cluster", f"{name}={peer}", *timing, "--logger", "zap", "--log-level", "error"]
+    started = start_server("etcd" if name == "etcd" else f"etcd {name}", cmd, client,
+                           log_path or data_dir.with_name(data_dir.name + ".log"))
+    etcd = EtcdProcess(started.name, started.cmd, started.proc, started.log_path, client, data_dir)
+
+    def healthy() -> bool:
+        return httpx.get(f"{client}/health", timeout=1.0, trust_env=False).json().get("health") == "true"
+
+    try:
+        etcd._wait(healthy, within_s, "/health to say healthy", every_s=0.05)
+    except BaseException:
+        etcd.stop()
+        raise
+    return etcd

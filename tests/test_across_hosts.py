@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.harness import ServerProcess, sse_events, start_server, until
+from bench.harness import ServerProcess, sse_events, start_etcd, start_server, until
 from clusters import SECRET, STARTUP_S, TEST_FLAGS, words
 from engine import LLM, SamplingParams
 from engine.default_model import resolve_model
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.processes  # starts real server / instance / pool proce
 
 SUBNET = "10.23.0"
 HOSTS = {"ctl": 2, "p0": 11, "p1": 12, "d0": 21, "d1": 22, "pool": 31}
-CONDUCTOR_PORT, INSTANCE_PORT, ETCD_PORT = 8000, 8100, 2379
+CONDUCTOR_PORT, INSTANCE_PORT, ETCD_PORT, ETCD_PEER_PORT = 8000, 8100, 2379, 2380
 POOL_BLOCK_TOKENS = 64
 ENV = {"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
 # The Conductor's TEST_FLAGS, as an instance started by hand takes them (--threads, not
@@ -72,11 +72,9 @@ class AcrossHosts:
     def start_all(self) -> None:
         ctl = self.hosts.address("ctl")
         python = sys.executable
-        self.start("ctl", "etcd", [
-            "etcd", "--name", "ctl", "--data-dir", str(self.workdir / "etcd"),
-            "--listen-client-urls", self.etcd, "--advertise-client-urls", self.etcd,
-            "--listen-peer-urls", "http://127.0.0.1:2380", "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
-            "--initial-cluster", "ctl=http://127.0.0.1:2380", "--logger", "zap", "--log-level", "error"], self.etcd)
+        # etcd on host ctl, at its bridge address (reached from the root namespace for its health).
+        self.procs["etcd"] = start_etcd(self.workdir / "etcd", host=ctl, name="ctl", client_port=ETCD_PORT,
+                                        peer_port=ETCD_PEER_PORT, prefix=self.hosts.run("ctl", []))
         self.start("ctl", "conductor", [
             python, "-m", "server", "--host", ctl, "--port", str(CONDUCTOR_PORT), *TEST_FLAGS,
             "--prefill-instances", "0", "--decode-instances", "0", "--etcd", self.etcd], self.url)

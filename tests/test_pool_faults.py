@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import shutil
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 import cluster.pool.ssd as ssd_module
-from bench.harness import free_port, until
+from bench.harness import start_etcd, until
 from cluster.instance.pool_io import PoolIO, prepare_load
 from cluster.messenger import Messenger, MessengerConfig
 from cluster.messenger.staging import StagingArea
@@ -343,35 +344,16 @@ def test_a_full_disk_stores_nothing_and_the_node_keeps_serving(tmp_path, monkeyp
 
 
 @pytest.fixture
-def private_etcd(tmp_path: Path):
-    """An etcd of this test's own (the session's is shared: this one gets stopped)."""
-    import shutil
-
-    binary = shutil.which("etcd")
-    if binary is None:
+def private_etcd(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """An etcd of this test's own (the session's is shared: this one gets stopped): its URL and its
+    process, which the test SIGSTOPs and kills (``stop`` resumes it first, and passes over a dead one)."""
+    if shutil.which("etcd") is None:
         pytest.skip("no etcd binary (apt-get install etcd-server)")
-    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-    with (tmp_path / "etcd.log").open("wb") as log_file:
-        process = subprocess.Popen(
-            [binary, "--name", "faults", "--data-dir", str(tmp_path / "etcd"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"faults={peer}", "--logger", "zap", "--log-level", "error"],
-            stdout=log_file, stderr=subprocess.STDOUT)
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{client}/health", timeout=1.0).json().get("health") == "true"
-        except (httpx.HTTPError, ValueError):
-            return False
-
+    etcd = start_etcd(tmp_path / "etcd", name="faults")
     try:
-        until(healthy, 15.0, "etcd to become healthy", every_s=0.05)
-        yield client, process
+        yield etcd.url, etcd.proc
     finally:
-        process.send_signal(signal.SIGCONT)
-        process.kill()
-        process.wait()
+        etcd.stop()
 
 
 @pytest.mark.processes
