@@ -31,8 +31,14 @@ SECRET = "cluster test secret 0123456789"
 CONTROL_AUTH = ControlAuth(derive_key(SECRET.encode(), CONTROL))  # signs control calls as the Conductor does
 STARTUP_S = 300
 TEST_FLAGS = ("--dtype", "float32", "--instance-threads", "1", "--kv-cache-gib", "0.25", "--staging-gib", "0.1")
+TRANSFER_TIMEOUT_S = 30.0  # the shipped default
 if os.environ.get("MOONCAKE_TEST_SHIPPED_TIMEOUTS") != "1":
+    TRANSFER_TIMEOUT_S = 3.0
     TEST_FLAGS += ("--transfer-timeout-s", "3", "--reservation-lease-s", "30")
+# An abandoned request's receive staging is reused only after twice the transfer timeout (a
+# write approved just before its reservation ended may still be copying): what a test waits for
+# "nothing held" after a request was cut off.
+RELEASE_S = 15.0 + 2 * TRANSFER_TIMEOUT_S
 
 
 def words(tag: str, n: int) -> str:
@@ -132,7 +138,7 @@ class Cluster:
     def assert_clean(self, also: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         """Every instance that is up holds no blocks, requests, reservations or staging, within a
         few seconds (aborts travel asynchronously); ``also(conductor stats)`` adds the caller's own."""
-        self.server.assert_clean(15.0, also)
+        self.server.assert_clean(RELEASE_S, also)
 
     def close(self) -> None:
         self.stop_pool_node()

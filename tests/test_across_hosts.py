@@ -167,11 +167,6 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory):
         c.close()
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    return LLM(threads=1, kv_cache_gib=0.25, dtype="float32")
-
-
 def _kv_bytes_per_token() -> int:
     config = json.loads((resolve_model(None) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

@@ -22,7 +22,7 @@ from bench.harness import sse_events, until
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.placement import PlacementConfig
 from clusters import CONTROL_AUTH, SECRET, STARTUP_S, Cluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from server.app import build_app
 
 pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
@@ -41,11 +41,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         yield c
     finally:
         c.close()
-
-
-@pytest.fixture(scope="module")
-def colocated():
-    return LLM(threads=1, kv_cache_gib=0.25, dtype="float32")
 
 
 SHARED = ("You are a helpful assistant for a cooking website. Answer briefly and kindly, and always "

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from bench.harness import free_port, sse_events, until
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.placement import PlacementConfig
-from clusters import CONTROL_AUTH, SECRET, Cluster, words as _words
+from clusters import CONTROL_AUTH, RELEASE_S, SECRET, Cluster, words as _words
 from server.app import build_app
 
 pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
@@ -380,6 +380,7 @@ def test_a_prefill_instance_frozen_mid_prefill_moves_the_request_within_a_bound(
 # -- 6. a newer Conductor epoch releases the older one's reservations (last: it changes the instance) ---------
 
 def test_a_newer_conductor_epoch_releases_reservations_of_the_older_one(cluster):
+    cluster.assert_clean()  # what earlier scenarios cut off is released (its staging is held back a while)
     (decode, other) = cluster.instances("decode")
     url = decode["url"]
     epoch = _conductor_stats(cluster)["epoch"]
@@ -391,10 +392,10 @@ def test_a_newer_conductor_epoch_releases_reservations_of_the_older_one(cluster)
     assert s["num_reservations"] == 1 and s["staging_recv_ranges"] == 1
     # Any signed call from a newer Conductor (here a poll) releases what the older one reserved.
     assert httpx.get(url + "/instance/state", timeout=30, **_signed(epoch + 1)).status_code == 200
-    # The staging is held back twice the transfer timeout (3 s).
+    # The staging is held back twice the transfer timeout.
     until(lambda: not any(cluster.instance_stats(url)[k] for k in ("num_reservations", "num_used_blocks",
                                                                    "staging_recv_ranges")),
-          10, "the older epoch's reservation to be released", every_s=0.1)
+          RELEASE_S, "the older epoch's reservation to be released", every_s=0.1)
     # The older Conductor is refused from now on (409), and holds nothing there.
     r = httpx.post(url + "/instance/reserve", timeout=30, **_signed(epoch),
                    json={"request_id": "old-epoch-2", "prompt_token_ids": ids, "params": {"max_tokens": 1}})

@@ -57,11 +57,6 @@ def cluster(group):
     return group.http
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    return LLM(threads=1, kv_cache_gib=0.25, dtype="float32")
-
-
 def _texts(http: httpx.Client, params: dict) -> list[str]:
     out = []
     for p in PROMPTS:

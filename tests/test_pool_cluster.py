@@ -138,11 +138,6 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         c.close()
 
 
-@pytest.fixture(scope="module")
-def colocated():
-    return LLM(threads=1, kv_cache_gib=0.25, dtype="float32")
-
-
 def _want(colocated: LLM, prompt: str) -> str:
     return colocated.generate([prompt], SamplingParams(**GREEDY))[0].text
 
