@@ -37,17 +37,13 @@ from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.receiver import Receiver
 from cluster.protocol import CacheDelta, InstanceInfo, InstanceState, WrongEpoch
 from cluster.policies.snapshot import RequestInfo
-from cluster.messenger.staging import StagingArea
-from cluster.messenger import MessengerConfig, Messenger
 from cluster.protocol import output_to_dict
-from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
 from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from paged_kv.block_pool import BlockPool
-from tests.tiny_models import make_tiny_model
+from tests.decode_side import tiny_decode_side
 
 SECRET = b"cluster units test secret 0123"
 
@@ -272,21 +268,8 @@ def test_cache_mirror_answers_too_old_pollers_and_a_pool_reset_with_the_whole_se
 
 @pytest.fixture(scope="module")
 def decode_engine(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny"), "Qwen3ForCausalLM", tie=False, seed=3)
-    client = AsyncLLMEngine(EngineConfig(model=str(model), device="cpu", role="decode", kv_cache_gib=0.01,
-                                         threads=1, max_num_batched_tokens=64))
-    transfer = Messenger(MessengerConfig(secret=SECRET, transport="shm"))
-
-    async def up():
-        await client.start()
-        assert await asyncio.get_running_loop().run_in_executor(None, client.wait_ready, 120)
-        return await client.call(KVHandoff)
-
-    handoff = asyncio.run(up())
-    staging = StagingArea(transfer, 1 << 22)
-    yield SimpleNamespace(client=client, handoff=handoff, staging=staging, transfer=transfer)
-    asyncio.run(client.shutdown())
-    transfer.close()
+    with tiny_decode_side(tmp_path_factory.mktemp("tiny"), SECRET, "shm") as d:
+        yield d
 
 
 def _receiver(d, lease_s: float, transfer_timeout_s: float = 0.2) -> Receiver:

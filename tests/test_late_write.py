@@ -29,13 +29,10 @@ from cluster.instance.receiver import Receiver
 from cluster.messenger import Messenger, MessengerConfig, StaleWrite
 from cluster.messenger.staging import StagingArea
 from cluster.protocol import KVWriteFailed, UnknownReservation
-from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
-from engine.disaggregation import KVHandoff
 from engine.hooks import PromptChunk
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams
-from tests.tiny_models import make_tiny_model
+from tests.decode_side import tiny_decode_side
 
 SECRET = b"late write test cluster secret"
 PROMPT = list(range(10, 10 + 40))  # 3 blocks of 16
@@ -85,23 +82,8 @@ def test_a_write_for_an_ended_use_of_a_range_is_refused(transport):
 
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny"), "Qwen3ForCausalLM", tie=False, seed=3)
-    client = AsyncLLMEngine(EngineConfig(model=str(model), device="cpu", role="decode", kv_cache_gib=0.01,
-                                         threads=1, max_num_batched_tokens=64))
-    transfer = Messenger(MessengerConfig(secret=SECRET, transport="tcp"))
-    peer = Messenger(MessengerConfig(secret=SECRET, transport="tcp"))
-
-    async def up():
-        await client.start()
-        assert await asyncio.get_running_loop().run_in_executor(None, client.wait_ready, 120)
-        return await client.call(KVHandoff)
-
-    handoff = asyncio.run(up())
-    staging = StagingArea(transfer, 1 << 22)
-    yield SimpleNamespace(client=client, handoff=handoff, staging=staging, transfer=transfer, peer=peer,
-                          send=StagingArea(peer, 1 << 22), layout=handoff.layout)
-    asyncio.run(client.shutdown())
-    transfer.close(), peer.close()
+    with tiny_decode_side(tmp_path_factory.mktemp("tiny"), SECRET, "tcp", peer=True) as d:
+        yield d
 
 
 def _receiver(d, lease_s: float = 30.0, transfer_timeout_s: float = 0.1) -> Receiver:

@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 import cluster.pool.ssd as ssd_module
 from bench.harness import start_etcd, until
@@ -39,23 +38,9 @@ from cluster.pool.metadata.local import LocalMetadata
 from cluster.pool.objects import PoolGeometry, part_checksums
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams
+from tests.pool_objects import OBJ, PART, leased_bytes, write_object
 
 SECRET = b"pool-faults-test-secret-01234567"
-PART = 4096
-OBJ = 4 * PART
-
-
-def _write(segment: Segment, key: str, fill: int) -> bytes:
-    offset = segment.allocate(key, OBJ, PART)
-    assert offset is not None
-    data = bytes([fill]) * OBJ
-    segment.area.buffer[offset : offset + OBJ].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    assert segment.seal(key, part_checksums(memoryview(data), PART))
-    return data
-
-
-def _bytes(segment: Segment, grant) -> bytes:
-    return bytes(segment.area.buffer[grant.offset : grant.offset + grant.nbytes].numpy())
 
 
 def _within(fn, seconds: float):
@@ -66,14 +51,6 @@ def _within(fn, seconds: float):
             return future.result(seconds)
         except TimeoutError:
             raise AssertionError(f"{fn} blocked for more than {seconds} s") from None
-
-
-def _wait(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -187,7 +164,7 @@ def test_a_replication_longer_than_the_lease_keeps_the_lease():
         handle = reader_engine.register(buf)
         buf[:] = 5
         assert reader.put("ns/hot", handle, 0, OBJ, PART, part_checksums(memoryview(buf.numpy()), PART))
-        _wait(lambda: reader.lookup(["ns/hot"]))
+        until(lambda: reader.lookup(["ns/hot"]), 5.0, "the hot object to be listed")
         lease = node._lease
         assert reader.get(["ns/hot"], handle, [0], memoryview(buf.numpy())) == 1  # hot now
         assert copying.wait(5), "the hot object was not replicated"
@@ -239,7 +216,7 @@ def _ssd_segment(engine, tmp_path, dram_objects: int = 2, ssd_objects: int = 4) 
 
 def test_a_slow_ssd_read_does_not_hold_the_segment_lock(engine, tmp_path):
     seg, ssd = _ssd_segment(engine, tmp_path)
-    data = {key: _write(seg, key, 10 + i) for i, key in enumerate("abc")}  # a is on the SSD
+    data = {key: write_object(seg, key, 10 + i) for i, key in enumerate("abc")}  # a is on the SSD
     assert seg.stats()["objects_ssd"] == 1
     ssd.read_gate.clear()
     with ThreadPoolExecutor(1) as pool:
@@ -250,16 +227,16 @@ def test_a_slow_ssd_read_does_not_hold_the_segment_lock(engine, tmp_path):
         _within(lambda: seg.lease(["c"]), 1.0)  # a read of a DRAM object goes on too
         ssd.read_gate.set()
         (grant,) = promoting.result(5)
-    assert grant is not None and _bytes(seg, grant) == data["a"]
+    assert grant is not None and leased_bytes(seg, grant) == data["a"]
     seg.check()
 
 
 def test_a_slow_ssd_write_does_not_hold_the_segment_lock(engine, tmp_path):
     seg, ssd = _ssd_segment(engine, tmp_path)
-    data = {key: _write(seg, key, 10 + i) for i, key in enumerate("ab")}
+    data = {key: write_object(seg, key, 10 + i) for i, key in enumerate("ab")}
     ssd.write_gate.clear()
     with ThreadPoolExecutor(1) as pool:
-        allocating = pool.submit(_write, seg, "c", 12)  # pushes a down to the SSD
+        allocating = pool.submit(write_object, seg, "c", 12)  # pushes a down to the SSD
         assert ssd.writing.wait(5)
         assert _within(seg.stats, 1.0)["demotions"] == 1
         # On its way to the SSD, a is still readable (from the bytes being written).
@@ -268,14 +245,14 @@ def test_a_slow_ssd_write_does_not_hold_the_segment_lock(engine, tmp_path):
         data["c"] = allocating.result(5)
     for key in "abc":
         (g,) = seg.lease([key])
-        assert g is not None and _bytes(seg, g) == data[key]
+        assert g is not None and leased_bytes(seg, g) == data[key]
         seg.release(key, g.lease)
     seg.check()
 
 
 def test_a_promotion_without_room_keeps_the_ssd_copy(engine, tmp_path):
     seg, ssd = _ssd_segment(engine, tmp_path)
-    data = {key: _write(seg, key, 10 + i) for i, key in enumerate("abc")}  # a is on the SSD
+    data = {key: write_object(seg, key, 10 + i) for i, key in enumerate("abc")}  # a is on the SSD
     held = seg.lease(["b", "c"])  # every DRAM object leased: no room to bring a up
     assert seg.lease(["a"]) == [None]
     assert seg.stats()["objects_ssd"] == 1 and "a" in ssd, "a promotion that found no room lost the object"
@@ -286,7 +263,7 @@ def test_a_promotion_without_room_keeps_the_ssd_copy(engine, tmp_path):
     ssd.on_delete = lambda key: in_dram_when_deleted.append(
         (key, seg._objects.get(key) is not None and seg._objects[key].range is not None))
     (grant,) = seg.lease(["a"])
-    assert grant is not None and _bytes(seg, grant) == data["a"]
+    assert grant is not None and leased_bytes(seg, grant) == data["a"]
     assert ("a", True) in in_dram_when_deleted and ("a", False) not in in_dram_when_deleted
     seg.check()
 
@@ -328,8 +305,8 @@ def test_a_full_disk_stores_nothing_and_the_node_keeps_serving(tmp_path, monkeyp
         assert s["ssd_errors"] == 2 and s["objects"] == 2 and s["objects_ssd"] == 0 and s["evictions"] == 2
         assert ssd.used_bytes == 0 and not list((tmp_path / "ssd").iterdir()), "a failed write left a file"
         node.segment.check()
-        _wait(lambda: sorted(metadata.get_prefix(OBJECTS)) == [object_entry(f"ns/{i}", node.segment_id)
-                                                                for i in (2, 3)])
+        until(lambda: sorted(metadata.get_prefix(OBJECTS)) == [object_entry(f"ns/{i}", node.segment_id)
+                                                                for i in (2, 3)], 5.0, "only the stored objects to be listed")
         # The same connection still serves: reads, and writes once the disk has room again.
         assert writer.get(["ns/3"], handle, [0], memoryview(buf.numpy())) == 1
         assert int(buf[0]) == 3

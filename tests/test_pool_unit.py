@@ -16,10 +16,9 @@ from cluster.pool.client import SEGMENTS, NewObject
 from cluster.pool.metadata.local import LocalMetadata
 from cluster.pool.objects import part_checksums
 from cluster.messenger import MessengerConfig, Messenger
+from tests.pool_objects import OBJ, PART, leased_bytes, write_object
 
 SECRET = b"pool-unit-test-secret-0123456789"
-PART = 4096
-OBJ = 4 * PART
 
 
 class Clock:
@@ -28,19 +27,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def _write(segment: Segment, key: str, fill: int) -> bytes:
-    offset = segment.allocate(key, OBJ, PART)
-    assert offset is not None
-    data = bytes([fill]) * OBJ
-    segment.area.buffer[offset : offset + OBJ].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    assert segment.seal(key, part_checksums(memoryview(data), PART))
-    return data
-
-
-def _bytes(segment: Segment, grant) -> bytes:
-    return bytes(segment.area.buffer[grant.offset : grant.offset + grant.nbytes].numpy())
 
 
 @pytest.fixture
@@ -58,9 +44,9 @@ def test_write_then_publish_and_checksums(engine):
     assert seg.allocate("a", OBJ, PART) is None  # being stored already
     assert not seg.seal("a", [1, 2, 3, 4])  # bytes do not match: dropped, never published
     assert seg.stats()["corrupt_puts"] == 1 and seg.lease(["a"]) == [None]
-    data = _write(seg, "a", 7)
+    data = write_object(seg, "a", 7)
     grant = seg.lease(["a"])[0]
-    assert grant is not None and _bytes(seg, grant) == data and grant.checksums == part_checksums(memoryview(data), PART)
+    assert grant is not None and leased_bytes(seg, grant) == data and grant.checksums == part_checksums(memoryview(data), PART)
     deadline = time.monotonic() + 2
     while ("a", True) not in published and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -73,15 +59,15 @@ def test_lru_eviction_respects_leases_and_watermark(engine):
     clock = Clock()
     seg = Segment(engine, SegmentConfig(dram_bytes=4 * OBJ, high_watermark=0.75), clock=clock)
     for i, key in enumerate("abc"):
-        _write(seg, key, i)
+        write_object(seg, key, i)
         clock.now += 1
     held = seg.lease(["a"])[0]  # "a" is the least recently used, but a reader holds it
     seg.lease(["b"])  # "b" becomes the most recently used (its lease is released below)
     seg.release("b", seg.lease(["b"])[0].lease)
     clock.now += 1
-    _write(seg, "d", 3)  # 3 objects fit under 75%: "c", the LRU unleased one, goes
+    write_object(seg, "d", 3)  # 3 objects fit under 75%: "c", the LRU unleased one, goes
     assert seg.lease(["c"]) == [None]
-    assert seg.lease(["a"])[0] is not None and _bytes(seg, held) == bytes([0]) * OBJ
+    assert seg.lease(["a"])[0] is not None and leased_bytes(seg, held) == bytes([0]) * OBJ
     assert seg.stats()["evictions"] == 1
     seg.check()
 
@@ -91,10 +77,10 @@ def test_a_leased_prefix_is_evicted_from_its_end(engine):
     rest of the chain would stay stored but unreachable."""
     seg = Segment(engine, SegmentConfig(dram_bytes=4 * OBJ, high_watermark=0.75))
     for i, key in enumerate(["head", "mid", "tail"]):
-        _write(seg, key, i)
+        write_object(seg, key, i)
     for g in seg.lease(["head", "mid", "tail"]):
         seg.release(g.key, g.lease)
-    _write(seg, "other", 9)
+    write_object(seg, "other", 9)
     assert [g is not None for g in seg.lease(["head", "mid", "tail"])] == [True, True, False]
 
 
@@ -102,18 +88,18 @@ def test_a_touched_prefix_outlives_an_untouched_one(engine):
     """A prefix used again from a reader's own cache is touched (no read): the LRU keeps it."""
     seg = Segment(engine, SegmentConfig(dram_bytes=5 * OBJ, high_watermark=0.8))
     for i, key in enumerate(["old", "head", "tail", "stale"]):
-        _write(seg, key, i)
+        write_object(seg, key, i)
     seg.touch(["head", "tail", "absent"])
-    _write(seg, "new", 9)  # 4 objects fit under 80%: the least recently used goes
+    write_object(seg, "new", 9)  # 4 objects fit under 80%: the least recently used goes
     assert sorted(seg.keys()) == ["head", "new", "stale", "tail"]
-    _write(seg, "newer", 10)  # then "stale", untouched, goes before the touched prefix
+    write_object(seg, "newer", 10)  # then "stale", untouched, goes before the touched prefix
     assert sorted(seg.keys()) == ["head", "new", "newer", "tail"]
 
 
 def test_everything_leased_means_full_not_a_stolen_slot(engine):
     seg = Segment(engine, SegmentConfig(dram_bytes=2 * OBJ, lease_ttl_s=10))
-    _write(seg, "a", 1)
-    _write(seg, "b", 2)
+    write_object(seg, "a", 1)
+    write_object(seg, "b", 2)
     seg.lease(["a", "b"])
     with pytest.raises(PoolFull):
         seg.allocate("c", OBJ, PART)
@@ -123,8 +109,8 @@ def test_everything_leased_means_full_not_a_stolen_slot(engine):
 def test_lease_expiry_makes_an_object_evictable(engine):
     clock = Clock()
     seg = Segment(engine, SegmentConfig(dram_bytes=2 * OBJ, lease_ttl_s=5), clock=clock)
-    _write(seg, "a", 1)
-    _write(seg, "b", 2)
+    write_object(seg, "a", 1)
+    write_object(seg, "b", 2)
     seg.lease(["a", "b"])
     clock.now += 6
     assert seg.allocate("c", OBJ, PART) is not None
@@ -146,16 +132,16 @@ def test_puts_being_written_leave_room_for_readers(engine, tmp_path):
     # Half the DRAM at most is held by unsealed puts: a writer that allocated a long prompt's
     # objects before its prefill does not block a reader's promotion from SSD meanwhile.
     seg = Segment(engine, SegmentConfig(dram_bytes=8 * OBJ, max_pending_fraction=0.5), SsdTier(tmp_path, 8 * OBJ))
-    data = _write(seg, "cold", 9)
+    data = write_object(seg, "cold", 9)
     for i in range(6):
-        _write(seg, f"filler{i}", i)
+        write_object(seg, f"filler{i}", i)
     for i in range(4):
         assert seg.allocate(f"new{i}", OBJ, PART) is not None  # "cold" goes down to SSD to make room
     assert seg.stats()["demotions"] >= 1
     with pytest.raises(PoolFull, match="being written"):
         seg.allocate("new4", OBJ, PART)
     grant = seg.lease(["cold"])[0]  # promoted: sealed objects could be demoted for it
-    assert grant is not None and _bytes(seg, grant) == data
+    assert grant is not None and leased_bytes(seg, grant) == data
     seg.abort("new0")
     assert seg.allocate("new4", OBJ, PART) is not None  # one fewer being written
     seg.check()
@@ -167,21 +153,21 @@ def test_ssd_tier_demotes_and_promotes_bit_exact(engine, tmp_path):
     seg = Segment(engine, SegmentConfig(dram_bytes=2 * OBJ, high_watermark=1.0), ssd, clock=clock)
     originals = {}
     for i, key in enumerate("abcd"):
-        originals[key] = _write(seg, key, 10 + i)
+        originals[key] = write_object(seg, key, 10 + i)
         clock.now += 1
     s = seg.stats()
     assert s["demotions"] == 2 and s["objects_ssd"] == 2 and s["objects_dram"] == 2 and s["evictions"] == 0
     grant = seg.lease(["a"])[0]  # on SSD: comes back up, pushing the LRU DRAM object down
-    assert grant is not None and _bytes(seg, grant) == originals["a"]
+    assert grant is not None and leased_bytes(seg, grant) == originals["a"]
     assert seg.stats()["promotions"] == 1
     seg.release("a", grant.lease)
     for key in "abcd":
         g = seg.lease([key])[0]
-        assert g is not None and _bytes(seg, g) == originals[key]
+        assert g is not None and leased_bytes(seg, g) == originals[key]
         seg.release(key, g.lease)
     # 4 objects, 2 in DRAM + 3 on SSD of room: nothing lost yet; a 6th overflows the SSD tier.
     for key in "ef":
-        originals[key] = _write(seg, key, 20)
+        originals[key] = write_object(seg, key, 20)
     assert seg.stats()["evictions"] == 1 and seg.stats()["objects"] == 5
     seg.check()
 
