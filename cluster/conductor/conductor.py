@@ -195,11 +195,10 @@ class Conductor(EngineClient):
         in_flight: dict[InstanceRecord, asyncio.Task] = {}
         while True:
             await asyncio.sleep(self.config.renew_interval_s)
+            in_flight = {rec: task for rec, task in in_flight.items() if not task.done()}
             for rec, rids in self.ledger.reservations().items():
-                if rec.up and (rec not in in_flight or in_flight[rec].done()):
+                if rec.up and rec not in in_flight:
                     in_flight[rec] = self._spawn(self._renew_on(rec, rids))
-            for rec in [r for r, t in in_flight.items() if t.done()]:
-                del in_flight[rec]
 
     async def _renew_on(self, rec: InstanceRecord, rids: list[str]) -> None:
         try:
@@ -326,10 +325,10 @@ class Conductor(EngineClient):
                         yield attempt.as_seen_by_client(out)
                 return
             except RequestMoved as e:
-                if moves >= self.config.max_request_moves or self._serving_mode() is None:
+                serving = self._serving_mode() is not None
+                if moves >= self.config.max_request_moves or not serving:
                     self.counters.failed += 1
-                    why = (self.readiness() if self._serving_mode() is None
-                           else f"it was moved {moves} time(s) already; retry shortly")
+                    why = f"it was moved {moves} time(s) already; retry shortly" if serving else self.readiness()
                     log.warning("request %s lost its %s instance and cannot move (%s): %s", request_id, e.role, why, e)
                     raise EngineNotReady(f"the {e.role} instance serving the request was lost: {why}",
                                          retry_after=2.0) from None
