@@ -69,12 +69,24 @@ class QuantizedWeight:
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        # Each conversion is skipped when it would be a no-op: at one decode row the calls
+        # themselves, not their work, are what a projection costs beyond its kernel.
         if flat.shape[0] <= self.max_rows:
-            out = self.kernel(flat.to(torch.bfloat16).contiguous())
+            want = torch.bfloat16
+            run = self.kernel
         else:
-            out = F.linear(flat.to(self.dense.dtype), self.dense)
-        return out.to(x.dtype).view(*x.shape[:-1], self.dense.shape[0])
+            want = self.dense.dtype
+            run = self._dense
+        if flat.dtype != want:
+            flat = flat.to(want)
+        out = run(flat if flat.is_contiguous() else flat.contiguous())
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.dense.shape[0])
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense)
 
 
 class Int8Weight(QuantizedWeight):

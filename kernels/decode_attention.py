@@ -41,14 +41,16 @@ def decode_attention_torch(
     out = None if len(context.groups) == 1 else torch.empty_like(q)
     for g in context.groups:
         n = s if g.rows is None else g.rows.shape[0]
-        k = gather_tiles(k_cache, g.tiles, n, g.max_len).float()  # [n, Hkv, L, D]
-        v = gather_tiles(v_cache, g.tiles, n, g.max_len).float()
+        # [n * Hkv, L, D]: the (sequence, KV head) pairs as one batch of 3-D matmuls (a view).
+        k = gather_tiles(k_cache, g.tiles, n, g.max_len).flatten(0, 1).float()
+        v = gather_tiles(v_cache, g.tiles, n, g.max_len).flatten(0, 1).float()
         # The query heads sharing a KV head act as a "query length" of `group` rows against
         # that head's keys, which avoids materialising repeated K/V for GQA.
-        qg = (q if g.rows is None else q[g.rows]).view(n, hkv, group, d).float()
-        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [n, Hkv, group, L]
-        scores.masked_fill_(g.beyond, float("-inf"))
-        o = torch.matmul(scores.softmax(-1), v).reshape(n, hq, d).to(q.dtype)
+        qg = (q if g.rows is None else q[g.rows]).reshape(n * hkv, group, d).float()
+        scores = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)  # [n * Hkv, group, L]
+        if g.beyond is not None:
+            scores.view(n, hkv, group, g.max_len).masked_fill_(g.beyond, float("-inf"))
+        o = torch.bmm(scores.softmax(-1), v).view(n, hq, d).to(q.dtype)
         if out is None:
             return o
         out[g.rows] = o

@@ -43,12 +43,13 @@ class ContextGroup:
     """Sequences of a batch whose contexts are read together, padded to the longest of them.
 
     ``rows``: their indices in the batch (None: the whole batch, in order); ``tiles``: what
-    :func:`gather_tiles` reads for them; ``beyond [n, 1, 1, max_len]``: the padded slots."""
+    :func:`gather_tiles` reads for them; ``beyond [n, 1, 1, max_len]``: the padded slots (None
+    when every context of the group is ``max_len`` long, as a lone sequence's is)."""
 
     rows: torch.Tensor | None
     max_len: int
     tiles: torch.Tensor
-    beyond: torch.Tensor
+    beyond: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ class DecodeContext:
             whole = len(runs) == 1
             rows = None if whole else torch.tensor(run, device=device)
             tables, lens = (block_tables, seq_lens) if whole else (block_tables[rows], seq_lens[rows])
-            beyond = torch.arange(max_len, device=device)[None, :] >= lens[:, None]
+            beyond = None
+            if any(lengths[i] != max_len for i in run):
+                beyond = (torch.arange(max_len, device=device)[None, :] >= lens[:, None])[:, None, None, :]
             tiles = context_tiles(tables, num_kv_heads, -(-max_len // block_size))
-            groups.append(ContextGroup(rows, max_len, tiles, beyond[:, None, None, :]))
+            groups.append(ContextGroup(rows, max_len, tiles, beyond))
         return cls(groups)

@@ -200,3 +200,6 @@ def test_a_batch_of_similar_lengths_is_one_group_read_in_order():
     _, _, _, bt, sl = make_case(8, lens, hkv=2, group=3, d=32, bs=16, dtype=torch.float32)
     context = DecodeContext.build(bt, sl, 2, 16)
     assert len(context.groups) == 1 and context.groups[0].rows is None and context.groups[0].max_len == 500
+    assert context.groups[0].beyond is not None  # the shorter contexts are padded, and masked
+    # A lone sequence is never padded: its scores need no mask.
+    assert DecodeContext.build(bt[:1], sl[:1], 2, 16).groups[0].beyond is None

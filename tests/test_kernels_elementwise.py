@@ -122,6 +122,19 @@ def test_rms_norm_2d(dtype, n, with_residual):
     _close(out, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (37, 576), (5, 9, 64), (2, 3, 7, 128)])
+def test_rms_norm_twin_on_cpu_is_the_fp32_formula_bit_for_bit(dtype, shape):
+    """The twin runs torch's fused CPU rms_norm; it must be the spec's formula exactly: fp32
+    math, the weight multiplied in fp32, one rounding to the input's dtype."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(dtype)
+    assert torch.equal(rms_norm_torch(x, w, 1e-5), want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 80, 128])
 def test_rms_norm_per_head_strided(dtype, d):
