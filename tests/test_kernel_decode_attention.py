@@ -203,3 +203,55 @@ def test_a_batch_of_similar_lengths_is_one_group_read_in_order():
     assert context.groups[0].beyond is not None  # the shorter contexts are padded, and masked
     # A lone sequence is never padded: its scores need no mask.
     assert DecodeContext.build(bt[:1], sl[:1], 2, 16).groups[0].beyond is None
+
+
+def test_kept_contexts_follow_the_cache_step_by_step():
+    """Contexts kept from step to step (``seq_ids``) read what a fresh gather reads, on every
+    layer, while sequences decode, cross into new blocks, join, leave and a layer misses a step."""
+    from kernels.paged import CONTEXT_HEADROOM, DecodeContext
+
+    bs, hkv, group, d, layers = 4, 2, 3, 8, 2
+    g = torch.Generator().manual_seed(5)
+    num_blocks = 200
+    caches = [(torch.randn(num_blocks, hkv, bs, d, generator=g), torch.randn(num_blocks, hkv, bs, d, generator=g))
+              for _ in range(layers)]
+    free = list(range(num_blocks))
+    tables: dict[str, list[int]] = {}
+    lens: dict[str, int] = {}
+
+    def join(name: str, n: int) -> None:
+        tables[name] = [free.pop() for _ in range(-(-n // bs))]
+        lens[name] = n - 1  # its last prompt token decodes (is written) in the next step
+
+    for name, n in (("a", 5), ("b", 9), ("c", 30), ("d", 31)):
+        join(name, n)
+    previous = None
+    kept_steps = 0
+    for step in range(CONTEXT_HEADROOM + 12):
+        if step == 3:
+            join("e", 6)
+        if step == 7:
+            del tables["b"], lens["b"]
+        names = list(tables)
+        for name in names:  # this step's token: a new block when the last one is full
+            if lens[name] % bs == 0 and lens[name] // bs == len(tables[name]):
+                tables[name].append(free.pop())
+            lens[name] += 1
+        width = max(len(t) for t in tables.values())
+        bt = torch.tensor([tables[n] + [0] * (width - len(tables[n])) for n in names], dtype=torch.int32)
+        sl = torch.tensor([lens[n] for n in names], dtype=torch.int32)
+        context = DecodeContext.build(bt, sl, hkv, bs, names, previous)
+        kept_steps += any(gr.appends is not None for gr in context.groups)
+        q = torch.randn(len(names), hkv * group, d, generator=g)
+        for layer, (k_cache, v_cache) in enumerate(caches):
+            for i, name in enumerate(names):  # store this step's K/V
+                p = lens[name] - 1
+                k_cache[tables[name][p // bs], :, p % bs] = torch.randn(hkv, d, generator=g)
+                v_cache[tables[name][p // bs], :, p % bs] = torch.randn(hkv, d, generator=g)
+            if step == 5 and layer == 1:
+                continue  # this layer misses a step: its kept contexts must be gathered again
+            got = decode_attention_torch(q, k_cache, v_cache, bt, sl, 0.3, context)
+            want = decode_attention_torch(q, k_cache, v_cache, bt, sl, 0.3)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        previous = context
+    assert kept_steps > CONTEXT_HEADROOM // 2  # most steps carried their contexts over
