@@ -179,7 +179,7 @@ class ModelRunner:
             return [s.seq.num_computed_tokens + s.num_new_tokens for s in group]
 
         meta = self._metadata(slots, len(decodes), tables(decodes), lens(decodes), tables(prefills), lens(prefills),
-                              query_start, None if prefills else [s.seq for s in decodes])
+                              query_start, [s.seq for s in decodes])
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, ordered
 
     def _metadata(self, slots: list[int], num_decodes: int, decode_tables: torch.Tensor, decode_lens: list[int],
@@ -189,12 +189,10 @@ class ModelRunner:
         on the torch twins' path, the step's cache slots and its plan for reading the decode
         contexts (``kernels.CacheSlots``, ``kernels.DecodeContext``).
 
-        ``decoding``: the decoding sequences of a step of decodes only. Their gathered contexts
-        are then kept from step to step (each step copies only the new tokens; a batch of 32
-        spent a third of its float32 decode step copying contexts), within as much memory again
-        as the KV cache. A step with a prompt chunk gathers them anew, as does a pipeline
-        stage's (no sequences): there the batch changes from step to step, and keeping the
-        contexts of a batch that changes costs more (room to grow, fresh memory) than it saves."""
+        ``decoding``: the step's decoding sequences. Their gathered contexts are then kept from
+        step to step (each step copies only the new tokens; a batch of 32 spent a third of its
+        float32 decode step copying contexts), within as much memory again as the KV cache;
+        a pipeline stage's steps, which carry no sequences, gather them every step."""
         slot_mapping = self._tensor(slots, torch.int64)
         decode_seq_lens = self._tensor(decode_lens, torch.int32)
         cache_slots = context = None
