@@ -105,8 +105,6 @@ class ModelRunner:
             dtype=config.kv_torch_dtype, device=self.device,
         )
         self.model.kv_cache = self.kv_cache
-        # The last step's decode contexts, which the next step's carry over (``_metadata``).
-        self._kept_context: kernels.DecodeContext | None = None
         # A first stage before others: where its steps go on (set by the cluster's stage link).
         self.downstream: StageDownstream | None = None
         self._steps = 0
@@ -179,35 +177,22 @@ class ModelRunner:
             return [s.seq.num_computed_tokens + s.num_new_tokens for s in group]
 
         meta = self._metadata(slots, len(decodes), tables(decodes), lens(decodes), tables(prefills), lens(prefills),
-                              query_start, [s.seq for s in decodes])
+                              query_start)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, ordered
 
     def _metadata(self, slots: list[int], num_decodes: int, decode_tables: torch.Tensor, decode_lens: list[int],
-                  prefill_tables: torch.Tensor, prefill_lens: list[int], query_start: list[int],
-                  decoding: list[Sequence] | None = None) -> AttentionMetadata:
+                  prefill_tables: torch.Tensor, prefill_lens: list[int], query_start: list[int]) -> AttentionMetadata:
         """A step's attention metadata, with what every layer would otherwise work out again:
         on the torch twins' path, the step's cache slots and its plan for reading the decode
-        contexts (``kernels.CacheSlots``, ``kernels.DecodeContext``).
-
-        ``decoding``: the step's decoding sequences. Their gathered contexts are then kept from
-        step to step (each step copies only the new tokens; a batch of 32 spent a third of its
-        float32 decode step copying contexts), within as much memory again as the KV cache;
-        a pipeline stage's steps, which carry no sequences, gather them every step."""
+        contexts (``kernels.CacheSlots``, ``kernels.DecodeContext``)."""
         slot_mapping = self._tensor(slots, torch.int64)
         decode_seq_lens = self._tensor(decode_lens, torch.int32)
         cache_slots = context = None
         if not self.triton:
             cache_slots = kernels.CacheSlots.of(slot_mapping, self.config.block_size)
             if num_decodes:
-                cfg, bs = self.model_config, self.config.block_size
-                context = kernels.DecodeContext.build(decode_tables, decode_seq_lens, cfg.num_kv_heads, bs,
-                                                      decoding, self._kept_context)
-                kv = self.kv_cache
-                if decoding is not None and context.kept_bytes(
-                        cfg.num_kv_heads, cfg.head_dim, kv.element_size(), kv.shape[0]) > kv.numel() * kv.element_size():
-                    context = kernels.DecodeContext.build(decode_tables, decode_seq_lens, cfg.num_kv_heads, bs)
-            # Kept only while it keeps contexts: a step without decodes lets their memory go.
-            self._kept_context = context if decoding is not None else None
+                context = kernels.DecodeContext.build(decode_tables, decode_seq_lens,
+                                                      self.model_config.num_kv_heads, self.config.block_size)
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import check_paged_attention, output_like
-from kernels.paged import DecodeContext
+from kernels.paged import DecodeContext, gather_tiles
 
 
 def decode_attention_torch(
@@ -38,12 +38,12 @@ def decode_attention_torch(
     group = hq // hkv
     if context is None:
         context = DecodeContext.build(block_tables, seq_lens, hkv, k_cache.shape[2])
-    out = None
+    out = None if len(context.groups) == 1 else torch.empty_like(q)
     for g in context.groups:
         n = s if g.rows is None else g.rows.shape[0]
         # [n * Hkv, L, D]: the (sequence, KV head) pairs as one batch of 3-D matmuls (a view).
-        k, v = g.read(k_cache, v_cache, context.step)
-        k, v = k.flatten(0, 1).float(), v.flatten(0, 1).float()
+        k = gather_tiles(k_cache, g.tiles, n, g.max_len).flatten(0, 1).float()
+        v = gather_tiles(v_cache, g.tiles, n, g.max_len).flatten(0, 1).float()
         # The query heads sharing a KV head act as a "query length" of `group` rows against
         # that head's keys, which avoids materialising repeated K/V for GQA.
         qg = (q if g.rows is None else q[g.rows]).reshape(n * hkv, group, d).float()
@@ -51,10 +51,8 @@ def decode_attention_torch(
         if g.beyond is not None:
             scores.view(n, hkv, group, g.max_len).masked_fill_(g.beyond, float("-inf"))
         o = torch.bmm(scores.softmax(-1), v).view(n, hq, d).to(q.dtype)
-        if g.rows is None:  # the whole batch in order: the only group
-            return o
         if out is None:
-            out = torch.empty_like(q)
+            return o
         out[g.rows] = o
     return out
 
