@@ -24,8 +24,12 @@ def main(in_path: str, out_path: str) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    try:  # vLLM lives in its own venv, never ours: a clear answer when given the wrong python
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as e:
+        raise SystemExit(f"{sys.executable} has no vLLM ({e}): give bench.offline --vllm-python the python "
+                         "of a venv with vllm-cpu (bench/README.md)") from e
 
     longest = max(len(p) for p in job["prompts"]) + max(job["out_lens"])
     started = time.perf_counter()
