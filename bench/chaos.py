@@ -743,17 +743,24 @@ class Run:
         return {**up[0], "restarts": restarts[0] if restarts else 0}
 
     async def kill(self, role: str) -> None:
+        await self._fault(role, "kill -9", self._kill)
+
+    async def _fault(self, role: str, kind: str,
+                     run: Callable[[str, dict[str, Any], dict[str, Any]], Awaitable[None]]) -> None:
+        """Record a fault of ``kind`` against an instance of ``role`` that is up and ``run`` it
+        there; the instance counts as faulted (the monitor expects its failures) until it ends."""
         victim = await self._instance(role)
-        fault: dict[str, Any] = {"kind": "kill -9", "role": role, "url": victim["url"], "old_pid": victim["pid"],
-                                 "restarts_before": victim["restarts"], "at_s": self._elapsed()}
+        fault: dict[str, Any] = {"kind": kind, "role": role, "url": victim["url"], "old_pid": victim["pid"],
+                                 "at_s": self._elapsed()}
         self.faults.append(fault)
         self.faulted.add(victim["url"])
         try:
-            await self._kill(role, victim, fault)
+            await run(role, victim, fault)
         finally:
             self.faulted.discard(victim["url"])
 
     async def _kill(self, role: str, victim: dict[str, Any], fault: dict[str, Any]) -> None:
+        fault["restarts_before"] = victim["restarts"]
         _progress(f"kill -9 {role} instance pid {victim['pid']} ({victim['url']})")
         t0 = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
@@ -784,17 +791,10 @@ class Run:
         _progress(f"after the {role} kill: served again: {fault['served']} ({fault['served_after_s']} s)")
 
     async def stop_and_continue(self, role: str) -> None:
-        victim = await self._instance(role)
-        fault: dict[str, Any] = {"kind": "SIGSTOP", "role": role, "url": victim["url"], "old_pid": victim["pid"],
-                                 "stopped_s": self.cfg.stop_s, "at_s": self._elapsed()}
-        self.faults.append(fault)
-        self.faulted.add(victim["url"])
-        try:
-            await self._stop_and_continue(role, victim, fault)
-        finally:
-            self.faulted.discard(victim["url"])
+        await self._fault(role, "SIGSTOP", self._stop_and_continue)
 
     async def _stop_and_continue(self, role: str, victim: dict[str, Any], fault: dict[str, Any]) -> None:
+        fault["stopped_s"] = self.cfg.stop_s
         _progress(f"SIGSTOP {role} instance pid {victim['pid']} for {self.cfg.stop_s:g} s")
         marked_down = False
         os.kill(victim["pid"], signal.SIGSTOP)
