@@ -56,6 +56,11 @@ AGREE_PREFIX = 16
 MIN_TOKEN_ID = 100
 
 
+def agreement(ours: list[list[int]], theirs: list[list[int]], out_lens: list[int]) -> int:
+    """How many requests have the same first ``AGREE_PREFIX`` tokens (or all, if fewer) in both."""
+    return sum(a[:min(AGREE_PREFIX, n)] == b[:min(AGREE_PREFIX, n)] for a, b, n in zip(ours, theirs, out_lens))
+
+
 def build_workload(num_prompts, input_len, output_len, vocab_size, seed):
     rng = random.Random(seed)
     prompts, out_lens = [], []
@@ -261,8 +266,7 @@ def main(argv=None) -> int:
                       f"in {hf['wall_s']:.2f} s", flush=True)
             hf, hf_out = hf_runs[dtype]
             ratio = entry["ours"]["gen_tok_s"] / (hf["generated"] / hf["wall_s"])
-            agree = sum(a[:min(AGREE_PREFIX, n)] == b[:min(AGREE_PREFIX, n)]
-                        for a, b, n in zip(ours_out, hf_out, out_lens))
+            agree = agreement(ours_out, hf_out, out_lens)
             entry["hf"] = dict(hf, hf_batch_size=args.hf_batch_size, gen_tok_s=hf["generated"] / hf["wall_s"],
                                total_tok_s=(n_prompt + hf["generated"]) / hf["wall_s"])
             entry["ratio_gen_tok_s"] = ratio
@@ -273,9 +277,7 @@ def main(argv=None) -> int:
         vllm_cell = ""
         if vllm is not None:
             entry["ratio_vllm_float32"] = entry["ours"]["gen_tok_s"] / vllm["gen_tok_s"]
-            entry["agreement_first16_vllm"] = sum(
-                a[:min(AGREE_PREFIX, n)] == b[:min(AGREE_PREFIX, n)] for a, b, n in zip(ours_out, vllm_out, out_lens)
-            ) / len(prompts)
+            entry["agreement_first16_vllm"] = agreement(ours_out, vllm_out, out_lens) / len(prompts)
             vllm_cell = f"{entry['ratio_vllm_float32']:.2f}x"
         report["precisions"][precision] = entry
         rows.append((f"{precision} ({dtype})", weights, f"{entry['ours']['gen_tok_s']:.1f}",
