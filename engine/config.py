@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from engine.cpu_runtime import fast_bfloat16
-from engine.quantization import QUANTIZATIONS
 
 # Architecture name -> (attention projections carry a bias, per-head q/k RMSNorm).
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -19,6 +18,10 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+
+# Weight-only formats (engine.quantization); here so that what only reads the settings (the
+# Conductor) does not load the kernels.
+QUANTIZATIONS = ("int8", "int4")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

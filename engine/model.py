@@ -18,7 +18,7 @@ from torch import nn
 
 import kernels
 from engine.config import ModelConfig
-from engine.quantization import linear
+from engine.quantization import Int4Weight, linear
 
 
 @dataclass
@@ -213,6 +213,35 @@ class CausalLM(nn.Module):
         self.lm_head = _weight(cfg.vocab_size, cfg.hidden_size) if own_head else None
         self.register_buffer("cos_sin", rope_cos_sin_cache(cfg, max_positions), persistent=False)
         self.kv_cache: torch.Tensor | None = None
+        # Native decode layers (``enable_native_decode``): one call per layer for a step of up to
+        # ``native_rows`` decodes; 0 while they are off.
+        self.native_layers: list[object] = []
+        self.native_rows = 0
+
+    def enable_native_decode(self) -> bool:
+        """Run steps of decodes through the native CPU decoder layers (:mod:`kernels.decode_layer`),
+        when every projection is an int4 weight in the native kernel's layout. Returns whether
+        they are on."""
+        weights = [w for layer in self.layers
+                   for w in (layer.attn.qkv_weight, layer.attn.o_weight, layer.gate_up_weight, layer.down_weight)]
+        if not weights or not all(isinstance(w, Int4Weight) and w.native for w in weights):
+            return False
+        self.native_layers = [
+            kernels.native_decode_layer(
+                layer.input_norm, layer.post_attn_norm, layer.attn.qkv_weight.packed, layer.attn.qkv_bias,
+                layer.attn.q_norm, layer.attn.k_norm, layer.attn.o_weight.packed, layer.gate_up_weight.packed,
+                layer.down_weight.packed, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim,
+                self.cfg.rms_norm_eps)
+            for layer in self.layers
+        ]
+        # Past the weights' crossover the eager layers multiply by the dense copies instead.
+        self.native_rows = min(w.max_rows for w in weights)
+        return True
+
+    def _native_step(self, meta: AttentionMetadata) -> bool:
+        # A step of decodes only, few enough for the int kernels, every token with a cache slot.
+        return (0 < meta.num_decodes <= self.native_rows and meta.num_prefills == 0
+                and meta.cache_slots is not None and meta.cache_slots.keep is None)
 
     def forward(
         self,
@@ -241,10 +270,21 @@ class CausalLM(nn.Module):
         else:
             x, residual = hidden
         cos_sin = self.cos_sin[positions]  # the step's rows of the rotary table, for every layer
+        native = self._native_step(meta)
+        if native:
+            # The native layers keep the hidden states and the residual stream in float32.
+            x = x.float().contiguous()
+            residual = None if residual is None else residual.float().contiguous()
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            x, residual = layer(x, residual, cos_sin, self.kv_cache, meta)
+            if native:
+                k_cache, v_cache = self.kv_cache[i]
+                x, residual = self.native_layers[i].forward(
+                    x, residual, cos_sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
+                    meta.decode_seq_lens, layer.attn.scale)
+            else:
+                x, residual = layer(x, residual, cos_sin, self.kv_cache, meta)
             if on_layer is not None:
                 on_layer(i)
         if not self.last:

@@ -95,8 +95,14 @@ class ModelRunner:
         cfg = ModelConfig.from_folder(Path(model_path))
         layers = None if config.stage is None else stage_layers(cfg.num_layers, *config.stage)
         self.model = load_model(model_path, config.torch_dtype, config.device, max_model_len, layers)
+        # The native CPU kernels (built once per machine kind, cached on disk) unless
+        # MOONCAKE_KERNELS says otherwise; built here so that a missing compiler fails the start.
+        self.native = self.device.type == "cpu" and kernels.native_cpu()
+        if self.native:
+            kernels.load_native()
         if config.quantization != "none":
             quantize_model(self.model, config.quantization)
+        native_layers = self.native and self.model.enable_native_decode()
         self.model_config = self.model.cfg
         weight_bytes = model_bytes(self.model)
         self.num_blocks = num_kv_blocks(self.model_config, config)
@@ -118,11 +124,14 @@ class ModelRunner:
         )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); weights %.2f GiB (%s), "
-            "their bfloat16 copy for prefill %.2f GiB",
+            "their bfloat16 copy for prefill %.2f GiB; kernels: %s",
             self.num_blocks, config.block_size, self.num_blocks * config.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.kv_cache_dtype,
             weight_bytes / _GIB, config.quantization if config.quantization != "none" else config.dtype,
             prefill_copy_bytes(self.model) / _GIB,
+            "triton" if self.triton else
+            f"native CPU (decode layers: {'up to %d rows' % self.model.native_rows if native_layers else 'eager'})"
+            if self.native else "torch twins",
         )
 
     @property
@@ -190,7 +199,7 @@ class ModelRunner:
         cache_slots = context = None
         if not self.triton:
             cache_slots = kernels.CacheSlots.of(slot_mapping, self.config.block_size)
-            if num_decodes:
+            if num_decodes and not self.native:  # the plan is the twin's; the native kernel reads in place
                 context = kernels.DecodeContext.build(decode_tables, decode_seq_lens,
                                                       self.model_config.num_kv_heads, self.config.block_size)
         return AttentionMetadata(

@@ -1,29 +1,32 @@
-"""Weight-only int8 and int4 for the linear layers and the LM head, on torch's own CPU kernels.
+"""Weight-only int8 and int4 for the linear layers and the LM head, on CPU kernels.
 
 A decode step at small batch reads every weight once for a handful of rows: it is bound by the
-bytes of the weights, not by arithmetic. Reading all of the default model's projections once,
-from memory rather than cache, took here 28 ms in bfloat16, 11.6 ms as int8 and 4.1-5.0 ms as
-int4 (2 threads, one row).
+bytes of the weights (and the arithmetic of unpacking them), not by the multiply-adds. Reading
+all of the default model's projections once, from memory rather than cache, took here 28 ms in
+bfloat16, 11.6 ms as int8 and 4.1-5.0 ms as int4 (2 threads, one row).
 
 * ``int8``: int8 rows with one scale per output row (symmetric: ``W ~= q * scale[:, None]``,
-  ``scale = max|W_row| / 127``), multiplied by ``torch._weight_int8pack_mm``.
-* ``int4``: groups of ``INT4_GROUP`` weights along each row with a scale and a zero point
-  (asymmetric: ``W ~= (q - 8) * scale + zero``, ``q`` in 0..15), packed by
-  ``torch._convert_weight_to_int4pack_for_cpu`` and multiplied by
-  ``torch._weight_int4pack_mm_for_cpu``. Groups of 32 are the blocks of GGUF's Q4_0/Q4_1, so a
-  model dequantized from those (the default one) comes back to nearly the same 4-bit grid.
+  ``scale = max|W_row| / 127``).
+* ``int4``: groups of ``INT4_GROUP`` weights along each row with a scale ``d`` and a minimum
+  ``m`` in fp16 (``W ~= q * d + m``, ``q`` in 0..15): GGUF Q4_1's grid, so a model dequantized
+  from Q4_0/Q4_1 (the default one) comes back to nearly the same weights.
 
-Both kernels are fast with bfloat16 activations only (int8 with float32 ones was 9x slower than
-a float32 matmul here), so activations go in as bfloat16 and results come back in the model's
-dtype. Both are matrix-vector kernels: their time grows with every row of ``x``. Over all of
-the default model's projections, read from memory, int8 took 12.7 ms for 1 row and 32.6 ms for
-8, int4 5.2 ms for 1 row and 29.3 ms for 16, where a bfloat16 matmul took 31-42 ms for 1 to
-16 rows (2 threads, a CPU with avx512_bf16). So past ``max_rows`` rows (a prefill chunk, a
-large decode batch) the step multiplies by the same quantized weights dequantized once, at load,
-to the model's dtype: prefill and decode compute with the same weights (up to that dtype's
-rounding), at the cost of 2 (bfloat16) or 4 (float32) more bytes per weight in memory. On a CPU
-without bfloat16 units (AVX2 only) the kernels still win for few rows but a bfloat16 matmul is
-7x slower than a float32 one, so there the CPU default is a float32 model
+Two kernels can multiply them, chosen when the weight is built (``native``):
+
+* the native ones (:mod:`kernels.quant_linear`, the default on CPU): activations quantized to 8
+  bits per block of 32 and integer dot products, float32 activations in and out; a 3072x576
+  int4 projection of one row took 58 us against torch's 96 us (1 thread, avx512 EPYC);
+* torch's own (``MOONCAKE_KERNELS=torch``): ``torch._weight_int8pack_mm`` and
+  ``torch._weight_int4pack_mm_for_cpu``, fast with bfloat16 activations only (int8 with float32
+  ones was 9x slower than a float32 matmul here), so activations go in as bfloat16; torch's int4
+  layout wants a bfloat16 scale and a zero point, ``zero = m + 8 * d``.
+
+Both are matrix-vector kernels: their time grows with every row of ``x``. So past ``max_rows``
+rows (a prefill chunk, a large decode batch) the step multiplies by the same quantized weights
+dequantized once, at load, to the model's dtype: prefill and decode compute with the same
+weights (up to that dtype's rounding), at the cost of 2 (bfloat16) or 4 (float32) more bytes
+per weight in memory. On a CPU without bfloat16 units (AVX2 only) a bfloat16 matmul is 7x
+slower than a float32 one, so there the CPU default is a float32 model
 (``engine.cpu_runtime.fast_bfloat16``) and its copy is float32. The embedding lookup keeps its
 float table (a tied LM head gets its own quantized copy, int8 under int4 too), as do the norms.
 ``quantize_model`` replaces the weights after loading; ``linear`` is what the model calls for
@@ -36,27 +39,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8", "int4")
+import kernels
+from engine.config import QUANTIZATIONS
+
 INT4_GROUP = 32
 
 
 class QuantizedWeight:
     """A ``[out, in]`` linear weight in a weight-only format: ``kernel`` for up to ``max_rows``
     rows of activations, a matmul on ``dense`` (the dequantized weight, in the model's dtype)
-    above."""
+    above. ``native``: the native CPU kernel (float32 activations) or torch's (bfloat16 ones)."""
 
     # Where the kernel and the dense matmul cross over, by the dense copy's dtype (measured from
     # memory, 2 threads). A float32 matmul is the slower per row on a CPU with bfloat16 units, a
     # bfloat16 one is far slower still on a CPU without them (AVX2: 7x a float32 matmul), which
     # is why a model whose dtype is float32 keeps a float32 copy and crosses over later.
     crossover_rows: dict[torch.dtype, int]
+    native_crossover_rows: dict[torch.dtype, int]
 
-    def __init__(self, dense: torch.Tensor, dense_dtype: torch.dtype) -> None:
+    def __init__(self, dense: torch.Tensor, dense_dtype: torch.dtype, native: bool) -> None:
         if dense_dtype not in self.crossover_rows:
             raise ValueError(f"a dequantized copy in {dense_dtype} is not supported "
                              f"(supported: {sorted(str(d) for d in self.crossover_rows)})")
+        self.native = native
         self.dense = dense.to(dense_dtype).contiguous()
-        self.max_rows = self.crossover_rows[dense_dtype]
+        self.max_rows = (self.native_crossover_rows if native else self.crossover_rows)[dense_dtype]
+        self.kernel_dtype = torch.float32 if native else torch.bfloat16
 
     @property
     def shape(self) -> torch.Size:
@@ -73,7 +81,7 @@ class QuantizedWeight:
         # Each conversion is skipped when it would be a no-op: at one decode row the calls
         # themselves, not their work, are what a projection costs beyond its kernel.
         if flat.shape[0] <= self.max_rows:
-            want = torch.bfloat16
+            want = self.kernel_dtype
             run = self.kernel
         else:
             want = self.dense.dtype
@@ -92,21 +100,27 @@ class QuantizedWeight:
 class Int8Weight(QuantizedWeight):
     """int8 rows and one scale per row."""
 
-    # bfloat16: 6 with avx512_bf16; float32: 64 on AVX2 (1 row 17.5 ms against 60 in float32,
-    # 64 rows 263 against 294, all the default model's projections).
+    # torch's kernel: bfloat16 6 with avx512_bf16; float32 64 on AVX2 (1 row 17.5 ms against 60
+    # in float32, 64 rows 263 against 294, all the default model's projections). The native one
+    # reads the same bytes; as an LM head (49152x576) it matched torch's at 1 row (1.74 ms, memory
+    # bound) and took 1.50 ms against 2.77 at 4.
     crossover_rows = {torch.bfloat16: 6, torch.float32: 64}
+    native_crossover_rows = {torch.bfloat16: 8, torch.float32: 64}
 
-    def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16,
+                 native: bool | None = None) -> None:
         w = weight.detach().float()
         self.scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
         self.q = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
         self._scale = self.scale.to(torch.bfloat16)
-        super().__init__(self.dequantize(), dense_dtype)
+        super().__init__(self.dequantize(), dense_dtype, kernels.native_cpu() if native is None else native)
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale[:, None]
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return kernels.quant_linear_native(x, self.q, self.scale)
         return torch._weight_int8pack_mm(x, self.q, self._scale)
 
     def stored_bytes(self) -> int:
@@ -114,37 +128,52 @@ class Int8Weight(QuantizedWeight):
 
 
 class Int4Weight(QuantizedWeight):
-    """4-bit values in groups of ``INT4_GROUP`` along each row, each group with a scale and a
-    zero point, in the CPU kernel's packed layout."""
+    """4-bit codes in groups of ``INT4_GROUP`` along each row, each group with a scale and a
+    minimum, in the chosen kernel's packed layout."""
 
-    # bfloat16: 16 with avx512_bf16; float32: 64 on AVX2 (1 row 11.2 ms against 60 in float32,
-    # 64 rows 257 against 294, 128 rows 594 against 372).
+    # torch's kernel: bfloat16 16 with avx512_bf16; float32 64 on AVX2 (1 row 11.2 ms against 60
+    # in float32, 64 rows 257 against 294, 128 rows 594 against 372). The native one against a
+    # dense 3072x576 matmul (2 threads, avx512 EPYC): 168 us against bfloat16's 149 at 8 rows,
+    # 680 against float32's 1,351 at 32.
     crossover_rows = {torch.bfloat16: 16, torch.float32: 64}
+    native_crossover_rows = {torch.bfloat16: 8, torch.float32: 64}
 
     def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16,
-                 group: int = INT4_GROUP) -> None:
+                 group: int = INT4_GROUP, native: bool | None = None) -> None:
         out_features, in_features = weight.shape
         if in_features % group:
             raise ValueError(f"int4 needs input features divisible by {group}; this weight is {tuple(weight.shape)} "
                              "(quantization \"none\" or \"int8\" runs any model)")
+        native = kernels.native_cpu() if native is None else native
+        if native and group != kernels.QUANT_BLOCK:
+            raise ValueError(f"the native int4 kernel takes groups of {kernels.QUANT_BLOCK}, not {group}")
         w = weight.detach().float().view(out_features, in_features // group, group)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         scale = ((hi - lo) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
         q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15)
-        # The kernel's zero point is the value of the middle code, 8; it reads scales and zeros
-        # as bfloat16, and so does the dense copy, so both compute with the same weights.
-        scale, zero = scale.to(torch.bfloat16), (lo + 8 * scale).to(torch.bfloat16)
         self.group = group
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(out_features, in_features), 1)
-        # [groups, out, 2]: each group's (scale, zero) for every output row.
-        self._scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
-        super().__init__(((q - 8) * scale[..., None].float() + zero[..., None].float()).view(out_features, in_features),
-                         dense_dtype)
+        if native:
+            d, m = scale.half(), lo.half()
+            self.packed = kernels.pack_q4(q.view(out_features, in_features), d, m)
+            dense = q * d[..., None].float() + m[..., None].float()
+        else:
+            # torch's kernel reads its scales and zeros (the value of the middle code, 8) as
+            # bfloat16, and so does the dense copy, so both compute with the same weights.
+            d, zero = scale.to(torch.bfloat16), (lo + 8 * scale).to(torch.bfloat16)
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(out_features, in_features), 1)
+            # [groups, out, 2]: each group's (scale, zero) for every output row.
+            self._scales_zeros = torch.stack((d, zero), dim=-1).transpose(0, 1).contiguous()
+            dense = (q - 8) * d[..., None].float() + zero[..., None].float()
+        super().__init__(dense.view(out_features, in_features), dense_dtype, native)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return kernels.quant_linear_native(x, self.packed)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self._scales_zeros)
 
     def stored_bytes(self) -> int:
+        if self.native:
+            return self.packed.numel()
         return self.packed.numel() + self._scales_zeros.numel() * self._scales_zeros.element_size()
 
 

@@ -1,20 +1,27 @@
 """The one interface through which the engine calls its attention, KV and elementwise ops.
 
 Each op has a Triton kernel (``*_triton``) and a torch twin (``*_torch``) that is its
-specification, both in the op's own file. :mod:`kernels.dispatch` decides per call: Triton for
-CUDA tensors, the twin for CPU tensors, unless ``MOONCAKE_KERNELS`` forces one of them.
+specification, both in the op's own file; some also a native CPU kernel (``*_native``, C++ in
+``kernels/csrc``, built at first use by :mod:`kernels.cpu_ext`). :mod:`kernels.dispatch` decides
+per call: Triton for CUDA tensors, the native kernel or else the twin for CPU tensors, unless
+``MOONCAKE_KERNELS`` forces one of them.
 """
 
 from __future__ import annotations
 
 # dispatch first: it may set TRITON_INTERPRET, which must precede every `import triton`.
-from kernels.dispatch import mode, set_mode, use_triton  # noqa: I001
+from kernels.dispatch import mode, native_cpu, set_mode, use_triton  # noqa: I001
+from kernels.cpu_ext import load as load_native
 from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.decode_attention import DecodeWorkspace, decode_attention_torch, decode_attention_triton
+from kernels.decode_attention import (
+    DecodeWorkspace, decode_attention_native, decode_attention_torch, decode_attention_triton,
+)
+from kernels.decode_layer import native_decode_layer
 from kernels.extend_attention import extend_attention_torch, extend_attention_triton
 from kernels.kv_transfer import LayerSel, gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
 from kernels.norms import rms_norm_torch, rms_norm_triton
 from kernels.paged import DecodeContext
+from kernels.quant_linear import BLOCK as QUANT_BLOCK, pack_q4, quant_linear_native, quant_linear_torch
 from kernels.rope import rotary_embedding_torch, rotary_embedding_triton
 from kernels.store_kv import CacheSlots, store_kv_torch, store_kv_triton
 from torch import Tensor
@@ -45,6 +52,8 @@ def decode_attention(
         return decode_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=workspace
         )
+    if native_cpu():
+        return decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, context)
 
 
@@ -104,13 +113,20 @@ def scatter_kv(
 
 
 __all__ = [
+    "QUANT_BLOCK",
     "CacheSlots",
     "DecodeContext",
     "DecodeWorkspace",
     "decode_attention",
     "extend_attention",
     "gather_kv",
+    "load_native",
     "mode",
+    "native_cpu",
+    "native_decode_layer",
+    "pack_q4",
+    "quant_linear_native",
+    "quant_linear_torch",
     "rms_norm",
     "rotary_embedding",
     "scatter_kv",

@@ -5,8 +5,9 @@ Shapes: ``q [S, Hq, D]``; caches ``[num_blocks, Hkv, block_size, D]``; ``block_t
 including this step's token (whose K/V ``store_kv`` has already written). ``Hq`` is a multiple of
 ``Hkv`` (GQA).
 
-:func:`decode_attention_triton` is the Triton kernel (split-K flash-decoding, see below);
-:func:`decode_attention_torch` its specification.
+:func:`decode_attention_triton` is the Triton kernel (split-K flash-decoding, see below),
+:func:`decode_attention_native` the CPU one (reads K and V through the block table in place,
+no gathered copy); :func:`decode_attention_torch` is their specification.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import cpu_ext
 from kernels._launch import check_paged_attention, output_like
 from kernels.paged import DecodeContext, gather_tiles
 
@@ -55,6 +57,20 @@ def decode_attention_torch(
             return o
         out[g.rows] = o
     return out
+
+
+def decode_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The native CPU kernel: each (sequence, KV head) reads its keys and values tile by tile
+    through the block table, scores all the query heads of its GQA group against each key, and
+    takes an exact softmax in fp32; (sequence, KV head) pairs are split over torch's threads."""
+    return cpu_ext.load().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,11 +2,14 @@
 
 ``MOONCAKE_KERNELS`` (read at import, changeable with :func:`set_mode`):
 
-* ``auto`` (default): Triton for CUDA tensors, the torch twin for CPU tensors.
+* ``auto`` (default): Triton for CUDA tensors; for CPU tensors the native CPU kernels where an op
+  has one (:mod:`kernels.cpu_ext`: decode attention, the quantized linears, a whole decode
+  layer), the torch twin for the rest.
 * ``triton``: Triton everywhere; on a machine without CUDA the kernels run in Triton's
   interpreter, so ``TRITON_INTERPRET=1`` is set here, before any kernel module imports
   ``triton`` (the interpreter is chosen when a kernel is decorated). Slow: for tests.
-* ``torch``: the twins everywhere (e.g. to compare against on a GPU).
+* ``torch``: the twins everywhere (e.g. to compare against on a GPU); on CPU this is also the
+  switch that turns the native kernels off (the quantized linears then run torch's own kernels).
 """
 
 from __future__ import annotations
@@ -47,3 +50,8 @@ def use_triton(t: torch.Tensor) -> bool:
             "(or MOONCAKE_KERNELS=triton) before the kernels are imported"
         )
     return True
+
+
+def native_cpu() -> bool:
+    """True when CPU tensors run the native CPU kernels (mode ``auto``)."""
+    return _mode == "auto"

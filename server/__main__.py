@@ -27,7 +27,7 @@ import stat
 import sys
 import time
 
-from engine.quantization import QUANTIZATIONS
+from engine.config import QUANTIZATIONS
 from server.app import DEFAULT_MAX_BODY_BYTES
 
 SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"

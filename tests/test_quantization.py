@@ -39,10 +39,15 @@ DECODE_TOLERANCE = {"int8": 0.15, "int4": 0.15}
 GREEDY_AGREEMENT = {"float32": 0.6, "bfloat16": 0.5}
 
 
-def test_int8_weights_round_to_their_row_scale():
+# Each format with either kernel: the native one (the CPU default) and torch's (MOONCAKE_KERNELS=torch).
+BACKENDS = pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+
+
+@BACKENDS
+def test_int8_weights_round_to_their_row_scale(native):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g) * torch.linspace(0.01, 3.0, 96)[:, None]  # rows of every scale
-    q = Int8Weight(w)
+    q = Int8Weight(w, native=native)
     assert q.q.dtype == torch.int8 and q.shape == w.shape
     assert ((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-7).all()
     x = torch.randn(5, 64, generator=g)
@@ -51,22 +56,27 @@ def test_int8_weights_round_to_their_row_scale():
     assert linear(x, q).dtype == x.dtype
 
 
-def test_int4_weights_round_to_their_group_grid():
+@BACKENDS
+def test_int4_weights_round_to_their_group_grid(native):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(128, 96, generator=g) * torch.linspace(0.01, 3.0, 128)[:, None]
-    q = Int4Weight(w)
-    assert q.packed.dtype == torch.uint8 and q.packed.numel() == w.numel() // 2 and q.shape == w.shape
+    q = Int4Weight(w, native=native)
+    # 4 bits a weight, and the native layout's fp16 scale and minimum per 32 (5 bits a weight).
+    assert q.packed.dtype == torch.uint8 and q.packed.numel() == w.numel() * (20 if native else 16) // 32
+    assert q.shape == w.shape
     groups = w.view(128, 3, 32)
     step = (groups.amax(-1) - groups.amin(-1)) / 15  # one code of each group's grid
     err = (q.dense.float() - w).view(128, 3, 32).abs()
-    # Half a code of rounding, plus bfloat16's rounding of the scale, zero and the copy.
+    # Half a code of rounding, plus bfloat16's (torch's) or fp16's (native) rounding of the scale,
+    # zero and the copy.
     assert (err <= step[..., None] * 0.6 + w.abs().view(128, 3, 32) * 2**-7).all()
     x = torch.randn(3, 96, generator=g)
     want = torch.nn.functional.linear(x.bfloat16().float(), q.dense.float())
     assert torch.allclose(linear(x, q), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_a_model_from_4_bit_blocks_comes_back_to_its_grid():
+@BACKENDS
+def test_a_model_from_4_bit_blocks_comes_back_to_its_grid(native):
     # Weights that already lie on a 4-bit grid per block of 32 (as GGUF Q4_1's do) lose nothing
     # beyond bfloat16's rounding of the scale and zero.
     g = torch.Generator().manual_seed(3)
@@ -75,7 +85,7 @@ def test_a_model_from_4_bit_blocks_comes_back_to_its_grid():
     d = torch.rand(64, 4, 1, generator=g) * 0.01 + 0.001
     m = -8 * d
     w = (codes * d + m).view(64, 128)
-    q = Int4Weight(w)
+    q = Int4Weight(w, native=native)
     assert torch.allclose(q.dense.float(), w, atol=float(d.max()) * 0.1)
 
 
@@ -119,7 +129,8 @@ def test_the_default_model_quantized_stays_within_the_stated_tolerance(precision
     params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
     # Four prompts at a time: every decode step has at most 4 rows, which the int kernels take
     # (more rows would multiply by the dequantized copy, as prefill does).
-    assert 4 <= min(min(cls.crossover_rows.values()) for cls in (Int8Weight, Int4Weight))
+    assert 4 <= min(min(rows.values()) for cls in (Int8Weight, Int4Weight)
+                    for rows in (cls.crossover_rows, cls.native_crossover_rows))
     runs = [r for i in range(0, len(PROMPTS), 4) for r in llm.generate(PROMPTS[i : i + 4], params)]
 
     prompt_diffs = [abs(a.logprob - b.logprob) for ra, rb in zip(ref, runs)
@@ -152,13 +163,15 @@ def test_quantization_is_refused_where_it_cannot_run():
         Int4Weight(torch.randn(8, 48))
 
 
+@BACKENDS
 @pytest.mark.parametrize("dense_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_many_rows_take_the_dequantized_matmul_and_agree(kind, dense_dtype):
+def test_many_rows_take_the_dequantized_matmul_and_agree(kind, dense_dtype, native):
     cls: type[QuantizedWeight] = KINDS[kind]
     g = torch.Generator().manual_seed(1)
-    q = cls(torch.randn(64, 64, generator=g), dense_dtype)
-    assert q.dense.dtype == dense_dtype and q.max_rows == cls.crossover_rows[dense_dtype]
+    q = cls(torch.randn(64, 64, generator=g), dense_dtype, native=native)
+    rows = cls.native_crossover_rows if native else cls.crossover_rows
+    assert q.dense.dtype == dense_dtype and q.max_rows == rows[dense_dtype]
     x = torch.randn(q.max_rows + 8, 64, generator=g, dtype=dense_dtype)
     few, many = linear(x[: q.max_rows], q), linear(x, q)  # one way each
     assert few.dtype == many.dtype == dense_dtype

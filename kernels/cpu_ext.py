@@ -1,0 +1,94 @@
+"""Build, cache and load the native CPU decode kernels (``kernels/csrc/cpu_decode.cpp``).
+
+The source is compiled once per machine kind with ``-march=native`` (integer dot products on
+AVX2, VNNI where the CPU has it) by torch's C++ extension builder, into
+``<cache root>/cpu-kernels/<key>``, where the key hashes what the binary depends on: the source,
+torch's version and the CPU's instruction-set flags. A first start pays the compile (~30 s on 2
+cores); a later one loads the cached library in well under a second. Processes that start
+together (a cluster's instances) share the build: torch's builder holds a lock in its folder.
+
+``MOONCAKE_KERNELS=torch`` turns the native kernels off (the torch twins everywhere, see
+:mod:`kernels.dispatch`). With them on and no C++ compiler, the engine fails at start and says
+so rather than running slower code silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_ext: ModuleType | None = None
+
+
+def cache_root() -> Path:
+    """The project's on-disk cache (converted checkpoints, built kernels): ``$MOONCAKE_CACHE_DIR``
+    or ``~/.cache/mooncake-py``."""
+    env = os.environ.get("MOONCAKE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mooncake-py"
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (what ``-march=native`` compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_flags().encode(), " ".join(_CFLAGS).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def load() -> ModuleType:
+    """The native kernels, built first if this machine kind has no cached build."""
+    global _ext
+    if _ext is not None:
+        return _ext
+    from torch.utils import cpp_extension
+
+    name = f"mooncake_cpu_decode_{build_key()}"
+    build_dir = cache_root() / "cpu-kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _put_ninja_on_path()
+    started = time.perf_counter()
+    try:
+        _ext = cpp_extension.load(name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(build_dir), verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        raise RuntimeError(
+            f"could not build the native CPU kernels in {build_dir} ({type(e).__name__}: {e}); they need a "
+            "C++ compiler (g++) and ninja. Set MOONCAKE_KERNELS=torch to run the torch twins instead (slower)"
+        ) from e
+    log.info("native CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, build_dir)
+    return _ext
+
+
+def _put_ninja_on_path() -> None:
+    # torch's builder runs `ninja` from PATH; the `ninja` wheel installs it beside the venv's
+    # python, which is not on PATH when the venv is used without being activated.
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

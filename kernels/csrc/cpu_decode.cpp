@@ -1,0 +1,618 @@
+// CPU decode kernels: block-quantized matrix-vector products, paged decode attention, and a whole
+// decoder layer for a step of decodes in one call. Built at first use by kernels/cpu_ext.py
+// (-O3 -march=native -fopenmp); each op is pinned to its torch twin by tests/test_cpu_kernels.py.
+//
+// Why: a decode step at small batch reads every weight once for a few rows. torch's int4 kernel
+// dequantizes to float and is compute-bound on AVX2 (87 us per 3072x576 projection, ~5 GB/s of
+// int4), and the eager layer costs ~200 ATen calls. Here activations are quantized to 8 bits per
+// block of 32 (with the block's exact float sum) and multiplied with integer dot products, the
+// scheme of GGUF's Q4_1 x Q8_1; and one call runs a layer with the threads kept in one OpenMP
+// region. The OpenMP runtime is torch's own (same soname, loaded first), so torch.set_num_threads
+// sets this code's threads too.
+//
+// Formats (packed by kernels/quant_linear.py):
+// * q4 weight [N, K/32 * 20] uint8: each row its blocks of 32 weights' codes, 16 bytes a block (a
+//   pair of blocks is 32 bytes: the first's codes in the low nibbles, the second's in the high; an
+//   odd last block has codes 0..15 low, 16..31 high), then the blocks' fp16 scales d, then their
+//   fp16 minimums m: w = q * d + m.
+// * q8 weight [N, K] int8 with a float scale per row: w = q * scale[n].
+// * activations, per row and block of 32: int8 codes, a float scale (amax / 127), the float sum.
+
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;
+constexpr int64_t Q4_BYTES = 20;
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// One row of activations quantized per block of 32 in two 8-bit levels: x ~= d * (q + r / 256),
+// where r codes what q rounded off. 8 bits alone were too coarse for this model's activations
+// (outliers set a block's scale): mean |logprob error| of short prompts against float32 went
+// from 0.057 (bfloat16 activations) to 0.18; the second level costs one more integer dot product
+// per block and brings the activations to ~15 bits.
+struct Q8Row {
+  const int8_t* q;
+  const int8_t* r;
+  const float* d;  // the block's scale / 256: the two levels' integer sums combine as (q.w << 8) + r.w
+  const float* s;  // the block's exact float sum (for the weights' minimum term)
+};
+
+void quantize_row(const float* x, int64_t k, int8_t* q, int8_t* r, float* d, float* s) {
+  for (int64_t b = 0; b < k / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f, sum = 0.f;
+    for (int i = 0; i < QK; ++i) {
+      amax = std::max(amax, std::fabs(xb[i]));
+      sum += xb[i];
+    }
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int i = 0; i < QK; ++i) {
+      const float v = xb[i] * inv;
+      const float c = std::nearbyint(v);
+      q[b * QK + i] = static_cast<int8_t>(c);
+      // |v - c| <= 0.5: the remainder's code is within +-128; 128 itself is clamped (an error of
+      // 1/256 of a code at most).
+      r[b * QK + i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint((v - c) * 256.f))));
+    }
+    d[b] = scale / 256.f;
+    s[b] = sum;
+  }
+}
+
+// Activations of M rows, quantized into buffers owned by the caller's scratch.
+struct Q8Batch {
+  std::vector<int8_t> q, r;
+  std::vector<float> d, s;
+  int64_t k = 0;
+  void resize(int64_t m, int64_t k_) {
+    k = k_;
+    q.resize(m * k);
+    r.resize(m * k);
+    d.resize(m * (k / QK));
+    s.resize(m * (k / QK));
+  }
+  void quantize(int64_t row, const float* x) {
+    quantize_row(x, k, q.data() + row * k, r.data() + row * k, d.data() + row * (k / QK), s.data() + row * (k / QK));
+  }
+  Q8Row row(int64_t i) const {
+    return {q.data() + i * k, r.data() + i * k, d.data() + i * (k / QK), s.data() + i * (k / QK)};
+  }
+};
+
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// Sum of u8 x s8 products of 32 bytes, as 8 int32 lanes.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Both activation levels against the same unsigned codes: (u.q << 8) + u.r, 8 int32 lanes.
+inline __m256i dot_two_levels(__m256i u, const int8_t* q, const int8_t* r) {
+  const __m256i hi = dot_u8s8(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const __m256i lo = dot_u8s8(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+  return _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo);
+}
+#endif
+
+// Rows of q4 weights are at most this many blocks long (K <= 16384): the per-row scale products
+// live on the stack.
+constexpr int64_t MAX_BLOCKS = 512;
+
+// out[r] = sum_k w[k] x_r[k] for one q4 weight row and R activation rows r0..r0+R-1: the codes are
+// unpacked once and used for every activation row.
+template <int R>
+inline void dot_q4(const uint8_t* w, const Q8Batch& x, int64_t r0, int64_t nb, float* out, int64_t ldo) {
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(w + nb * 16);
+  const uint16_t* mh = dh + nb;
+  // sc[r][b] = d_w[b] * d_x[b]: one broadcast load per block in the loop below.
+  alignas(32) float sc[R][MAX_BLOCKS];
+  float mterm[R];
+  for (int r = 0; r < R; ++r) {
+    const Q8Row xr = x.row(r0 + r);
+    float mt = 0.f;
+    int64_t b = 0;
+#if defined(__AVX2__)
+    __m256 mv = _mm256_setzero_ps();
+    for (; b + 8 <= nb; b += 8) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b)));
+      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + b)));
+      _mm256_store_ps(&sc[r][b], _mm256_mul_ps(d, _mm256_loadu_ps(xr.d + b)));
+      mv = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xr.s + b), mv);
+    }
+    mt = hsum(mv);
+#endif
+    for (; b < nb; ++b) {
+      sc[r][b] = half_to_float(dh[b]) * xr.d[b];
+      mt += half_to_float(mh[b]) * xr.s[b];
+    }
+    mterm[r] = mt;
+  }
+#if defined(__AVX2__)
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  // A pair of blocks is 32 bytes: the low nibbles are the first block's codes, the high nibbles the
+  // second's, both in order, so one load, one shift and two ands unpack 64 codes. Two
+  // accumulators: consecutive FMAs do not wait on each other.
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
+    const __m256i c0 = _mm256_and_si256(v, low);
+    const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    for (int r = 0; r < R; ++r) {
+      const Q8Row xr = x.row(r0 + r);
+      const __m256i i0 = dot_two_levels(c0, xr.q + b * QK, xr.r + b * QK);
+      const __m256i i1 = dot_two_levels(c1, xr.q + (b + 1) * QK, xr.r + (b + 1) * QK);
+      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&sc[r][b]), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&sc[r][b + 1]), acc1[r]);
+    }
+  }
+  if (b < nb) {  // an odd last block: 16 bytes, codes 0..15 in the low nibbles, 16..31 in the high
+    const __m128i p0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
+    const __m256i c0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p0, 4), p0), low);
+    for (int r = 0; r < R; ++r) {
+      const Q8Row xr = x.row(r0 + r);
+      const __m256i i0 = dot_two_levels(c0, xr.q + b * QK, xr.r + b * QK);
+      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&sc[r][b]), acc0[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + mterm[r];
+#else
+  for (int r = 0; r < R; ++r) {
+    const Q8Row xr = x.row(r0 + r);
+    float total = mterm[r];
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t isum = 0;
+      for (int i = 0; i < QK; ++i) {
+        int32_t code;
+        if (b % 2 == 0 && b + 1 < nb) {  // the first block of a pair: the low nibbles of 32 bytes
+          code = w[b * 16 + i] & 0x0F;
+        } else if (b % 2 == 1) {  // the second: their high nibbles
+          code = w[(b - 1) * 16 + i] >> 4;
+        } else {  // an odd last block
+          code = i < 16 ? (w[b * 16 + i] & 0x0F) : (w[b * 16 + i - 16] >> 4);
+        }
+        isum += code * ((xr.q[b * QK + i] << 8) + xr.r[b * QK + i]);
+      }
+      total += sc[r][b] * isum;
+    }
+    out[r * ldo] = total;
+  }
+#endif
+}
+
+#if defined(__AVX2__)
+// Signed weights against one level of activations: |x| as the unsigned side, the weight given x's
+// sign as the signed one.
+inline __m256i dot_s8s8(__m256i w, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return dot_u8s8(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv));
+}
+#endif
+
+// sum_k q[n, k] x[k] for one q8 row, before the row's scale.
+inline float dot_q8(const int8_t* w, const Q8Row& x, int64_t nb) {
+#if defined(__AVX2__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
+    const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(dot_s8s8(wv, x.q + b * QK), 8), dot_s8s8(wv, x.r + b * QK));
+    if (b & 1) {
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(x.d[b]), acc1);
+    } else {
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(x.d[b]), acc0);
+    }
+  }
+  return hsum(_mm256_add_ps(acc0, acc1));
+#else
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t isum = 0;
+    for (int i = 0; i < QK; ++i) isum += w[b * QK + i] * ((x.q[b * QK + i] << 8) + x.r[b * QK + i]);
+    total += x.d[b] * isum;
+  }
+  return total;
+#endif
+}
+
+// A weight of either format, as the matrix-vector loops read it.
+struct QWeight {
+  const uint8_t* data = nullptr;
+  const float* row_scale = nullptr;  // q8 only
+  int64_t n = 0, k = 0;
+  bool q4 = true;
+
+  static QWeight of(const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale, int64_t k) {
+    QWeight w;
+    w.data = static_cast<const uint8_t*>(packed.data_ptr());
+    w.n = packed.size(0);
+    w.k = k;
+    w.q4 = !scale.has_value();
+    if (!w.q4) w.row_scale = scale->data_ptr<float>();
+    return w;
+  }
+
+  // out[m * ldo + n] (+ bias[n]) for the rows n in [n0, n1) and every activation row m.
+  void rows(const Q8Batch& x, int64_t m, int64_t n0, int64_t n1, float* out, int64_t ldo, const float* bias) const {
+    const int64_t nb = k / QK;
+    for (int64_t n = n0; n < n1; ++n) {
+      if (q4) {
+        const uint8_t* wr = data + n * nb * Q4_BYTES;
+        int64_t r = 0;
+        for (; r + 4 <= m; r += 4) dot_q4<4>(wr, x, r, nb, out + r * ldo + n, ldo);
+        for (; r + 2 <= m; r += 2) dot_q4<2>(wr, x, r, nb, out + r * ldo + n, ldo);
+        for (; r < m; ++r) dot_q4<1>(wr, x, r, nb, out + r * ldo + n, ldo);
+        if (bias) for (r = 0; r < m; ++r) out[r * ldo + n] += bias[n];
+      } else {
+        const int8_t* wr = reinterpret_cast<const int8_t*>(data) + n * k;
+        for (int64_t r = 0; r < m; ++r) out[r * ldo + n] = dot_q8(wr, x.row(r), nb) * row_scale[n] + (bias ? bias[n] : 0.f);
+      }
+    }
+  }
+};
+
+void check_weight(const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale, int64_t k) {
+  TORCH_CHECK(k % QK == 0, "quantized weights need input features divisible by ", QK, ", got ", k);
+  TORCH_CHECK(k / QK <= MAX_BLOCKS, "quantized weights have at most ", MAX_BLOCKS * QK, " input features, got ", k);
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2, "a packed weight is a contiguous 2-D tensor");
+  if (scale.has_value()) {
+    TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.size(1) == k, "q8 weight: int8 [N, K]");
+    TORCH_CHECK(scale->scalar_type() == torch::kFloat && scale->is_contiguous() && scale->numel() == packed.size(0),
+                "q8 weight: a float32 scale per row");
+  } else {
+    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.size(1) == k / QK * Q4_BYTES,
+                "q4 weight: uint8 [N, K/32*20]");
+  }
+}
+
+// Split [0, n) evenly over the threads of the enclosing parallel region (or run it all outside one).
+inline void my_share(int64_t n, int64_t* lo, int64_t* hi) {
+  const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+  *lo = n * t / nt;
+  *hi = n * (t + 1) / nt;
+}
+
+// x [M, K] float32 times a quantized weight: [M, N] float32.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x: float32 [M, K]");
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  check_weight(packed, scale, k);
+  const QWeight w = QWeight::of(packed, scale, k);
+  auto out = torch::empty({m, w.n}, x.options());
+  Q8Batch q;
+  q.resize(m, k);
+  for (int64_t r = 0; r < m; ++r) q.quantize(r, x.data_ptr<float>() + r * k);
+  float* o = out.data_ptr<float>();
+#pragma omp parallel
+  {
+    int64_t lo, hi;
+    my_share(w.n, &lo, &hi);
+    w.rows(q, m, lo, hi, o, w.n, nullptr);
+  }
+  return out;
+}
+
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// Attention of the `group` query heads that share KV head `kvh`, for one sequence, over its
+// `len` tokens read through its block table. q and out: [group, D] float32.
+template <typename T>
+void attend(const float* q, int64_t group, int64_t d, const T* k_cache, const T* v_cache, int64_t hkv, int64_t bs,
+            int64_t kvh, const int32_t* table, int64_t len, float scale, float* out, std::vector<float>& scores) {
+  scores.resize(group * len);
+  const int64_t tile = bs * d;
+  for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    const T* kt = k_cache + (static_cast<int64_t>(table[t0 / bs]) * hkv + kvh) * tile;
+    const int64_t n = std::min(bs, len - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* kr = kt + j * d;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * d;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < d; ++i) s += qg[i] * to_float(kr[i]);
+        scores[g * len + t0 + j] = s * scale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * len;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    std::fill(out + g * d, out + (g + 1) * d, 0.f);
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    const T* vt = v_cache + (static_cast<int64_t>(table[t0 / bs]) * hkv + kvh) * tile;
+    const int64_t n = std::min(bs, len - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = vt + j * d;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * len + t0 + j];
+        float* og = out + g * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) og[i] += p * to_float(vr[i]);
+      }
+    }
+  }
+}
+
+struct PagedKV {
+  torch::Tensor k_cache, v_cache, block_tables, seq_lens;
+  int64_t hkv, bs, d, width;
+  PagedKV(torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor lens)
+      : k_cache(k), v_cache(v), block_tables(tables), seq_lens(lens) {
+    TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous() &&
+                    k.scalar_type() == v.scalar_type(),
+                "caches: contiguous [num_blocks, Hkv, block_size, D], K and V alike");
+    TORCH_CHECK(k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kBFloat16,
+                "the CPU kernels read a float32 or bfloat16 KV cache, got ", k.scalar_type());
+    TORCH_CHECK(tables.scalar_type() == torch::kInt && tables.is_contiguous() && tables.dim() == 2,
+                "block_tables: contiguous int32 [S, max_blocks]");
+    TORCH_CHECK(lens.scalar_type() == torch::kInt && lens.is_contiguous() && lens.numel() == tables.size(0),
+                "seq_lens: contiguous int32 [S]");
+    hkv = k.size(1);
+    bs = k.size(2);
+    d = k.size(3);
+    width = tables.size(1);
+    const int32_t* l = lens.data_ptr<int32_t>();
+    for (int64_t s = 0; s < lens.numel(); ++s) {
+      TORCH_CHECK(l[s] >= 1 && l[s] <= width * bs, "sequence ", s, ": length ", l[s], " beyond its block table");
+    }
+  }
+
+  // out [S, Hq, D] float32 from q [S, Hq, D] float32; (sequence, KV head) pairs split over threads.
+  void attention(const float* q, int64_t hq, float scale, float* out) const {
+    const int64_t group = hq / hkv, s = seq_lens.numel();
+    thread_local std::vector<float> scores;
+    int64_t lo, hi;
+    my_share(s * hkv, &lo, &hi);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t seq = i / hkv, kvh = i % hkv;
+      const int32_t* table = block_tables.data_ptr<int32_t>() + seq * width;
+      const int64_t len = seq_lens.data_ptr<int32_t>()[seq];
+      const int64_t at = (seq * hq + kvh * group) * d;
+      if (k_cache.scalar_type() == torch::kFloat) {
+        attend(q + at, group, d, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), hkv, bs, kvh, table, len,
+               scale, out + at, scores);
+      } else {
+        attend(q + at, group, d, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), hkv, bs, kvh,
+               table, len, scale, out + at, scores);
+      }
+    }
+  }
+};
+
+// Paged decode attention (the twin: kernels.decode_attention.decode_attention_torch).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q: [S, Hq, D]");
+  const PagedKV kv(k_cache, v_cache, block_tables, seq_lens);
+  TORCH_CHECK(q.size(0) == seq_lens.numel() && q.size(2) == kv.d && q.size(1) % kv.hkv == 0,
+              "q [S, Hq, D] with Hq a multiple of the cache's heads");
+  auto qf = q.to(torch::kFloat).contiguous();
+  auto out = torch::empty_like(qf);
+#pragma omp parallel
+  kv.attention(qf.data_ptr<float>(), q.size(1), static_cast<float>(scale), out.data_ptr<float>());
+  return out.to(q.scalar_type());
+}
+
+inline void rms_norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+inline void rotate(float* x, const float* cos_sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = cos_sin[i], s = cos_sin[half + i], a = x[i], b = x[half + i];
+    x[i] = a * c - b * s;
+    x[half + i] = b * c + a * s;
+  }
+}
+
+torch::Tensor f32(const torch::Tensor& t) { return t.to(torch::kFloat).contiguous(); }
+
+c10::optional<torch::Tensor> f32(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() ? c10::optional<torch::Tensor>(f32(*t)) : c10::nullopt;
+}
+
+// A decoder layer (engine.model.DecoderLayer, its twin) for a step whose tokens are all decodes.
+class DecodeLayer {
+ public:
+  DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
+              c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, torch::Tensor o,
+              torch::Tensor gate_up, torch::Tensor down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              double eps)
+      : input_norm_(f32(input_norm)), post_norm_(f32(post_norm)), qkv_bias_(f32(qkv_bias)), q_norm_(f32(q_norm)),
+        k_norm_(f32(k_norm)), qkv_(qkv), o_(o), gate_up_(gate_up), down_(down), hq_(num_heads), hkv_(num_kv_heads),
+        d_(head_dim), eps_(static_cast<float>(eps)) {
+    hidden_ = input_norm_.numel();
+    inter_ = down.size(1) / Q4_BYTES * QK;
+    check_weight(qkv, c10::nullopt, hidden_);
+    check_weight(o, c10::nullopt, hq_ * d_);
+    check_weight(gate_up, c10::nullopt, hidden_);
+    check_weight(down, c10::nullopt, inter_);
+    TORCH_CHECK(qkv.size(0) == (hq_ + 2 * hkv_) * d_ && o.size(0) == hidden_ && gate_up.size(0) == 2 * inter_ &&
+                    down.size(0) == hidden_,
+                "decoder layer: projection shapes do not match the heads and the hidden size");
+  }
+
+  // (hidden states, residual) of the layer, float32 [M, hidden]; residual None on the first layer.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                   torch::Tensor cos_sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                   torch::Tensor slots, torch::Tensor block_tables,
+                                                   torch::Tensor seq_lens, double scale) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == hidden_,
+                "x: contiguous float32 [M, hidden]");
+    const int64_t m = x.size(0);
+    const PagedKV kv(k_cache, v_cache, block_tables, seq_lens);
+    TORCH_CHECK(kv.hkv == hkv_ && kv.d == d_ && seq_lens.numel() == m, "the KV cache does not match the layer");
+    TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == m && slots.is_contiguous(), "slots: int64 [M]");
+    TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat && cos_sin.is_contiguous() && cos_sin.size(0) == m &&
+                    cos_sin.size(1) == d_,
+                "cos_sin: float32 [M, head_dim]");
+    const int64_t num_slots = k_cache.size(0) * kv.bs;
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t s = slots.data_ptr<int64_t>()[r];
+      TORCH_CHECK(s >= 0 && s < num_slots, "slot ", s, " outside the cache");
+    }
+    torch::Tensor res = residual.has_value() ? residual->contiguous() : x;
+    TORCH_CHECK(res.scalar_type() == torch::kFloat && res.sizes() == x.sizes(), "residual: float32 like x");
+    auto new_res = torch::empty_like(x);
+    auto out = torch::empty_like(x);
+    const int64_t nqkv = (hq_ + 2 * hkv_) * d_;
+    h_.resize(m * std::max(hidden_, 2 * inter_));
+    qkv_out_.resize(m * nqkv);
+    attn_.resize(m * hq_ * d_);
+    q_.resize(m * hq_ * d_);
+    xq_.resize(m, hidden_);
+    oq_.resize(m, hq_ * d_);
+    aq_.resize(m, inter_);
+    const QWeight wqkv = QWeight::of(qkv_, c10::nullopt, hidden_), wo = QWeight::of(o_, c10::nullopt, hq_ * d_),
+                  wgu = QWeight::of(gate_up_, c10::nullopt, hidden_), wd = QWeight::of(down_, c10::nullopt, inter_);
+    const float* xin = x.data_ptr<float>();
+    const float* rin = res.data_ptr<float>();
+    float* rout = new_res.data_ptr<float>();
+    float* h = h_.data();
+    const bool first = !residual.has_value();
+    const float* bias = qkv_bias_.has_value() ? qkv_bias_->data_ptr<float>() : nullptr;
+
+#pragma omp parallel
+    {
+      int64_t lo, hi;
+#pragma omp single
+      for (int64_t r = 0; r < m; ++r) {
+        float* rr = rout + r * hidden_;
+        for (int64_t i = 0; i < hidden_; ++i) rr[i] = first ? xin[r * hidden_ + i] : xin[r * hidden_ + i] + rin[r * hidden_ + i];
+        rms_norm_row(rr, input_norm_.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
+        xq_.quantize(r, h + r * hidden_);
+      }
+      my_share(nqkv, &lo, &hi);
+      wqkv.rows(xq_, m, lo, hi, qkv_out_.data(), nqkv, bias);
+#pragma omp barrier
+#pragma omp single
+      for (int64_t r = 0; r < m; ++r) store_and_rotate(r, cos_sin.data_ptr<float>() + r * d_, kv, slots);
+      kv.attention(q_.data(), hq_, static_cast<float>(scale), attn_.data());
+#pragma omp barrier
+#pragma omp single
+      for (int64_t r = 0; r < m; ++r) oq_.quantize(r, attn_.data() + r * hq_ * d_);
+      my_share(hidden_, &lo, &hi);
+      wo.rows(oq_, m, lo, hi, out.data_ptr<float>(), hidden_, nullptr);
+#pragma omp barrier
+#pragma omp single
+      for (int64_t r = 0; r < m; ++r) {
+        float* rr = rout + r * hidden_;
+        const float* o = out.data_ptr<float>() + r * hidden_;
+        for (int64_t i = 0; i < hidden_; ++i) rr[i] += o[i];
+        rms_norm_row(rr, post_norm_.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
+        xq_.quantize(r, h + r * hidden_);
+      }
+      my_share(2 * inter_, &lo, &hi);
+      wgu.rows(xq_, m, lo, hi, h_.data(), 2 * inter_, nullptr);
+#pragma omp barrier
+#pragma omp single
+      for (int64_t r = 0; r < m; ++r) {
+        float* g = h + r * 2 * inter_;
+        for (int64_t i = 0; i < inter_; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter_ + i];
+        aq_.quantize(r, g);
+      }
+      my_share(hidden_, &lo, &hi);
+      wd.rows(aq_, m, lo, hi, out.data_ptr<float>(), hidden_, nullptr);
+    }
+    return {out, new_res};
+  }
+
+ private:
+  // qk-norm (Qwen3) and rotary on q and k, K and V into the cache, q to where attention reads it.
+  void store_and_rotate(int64_t r, const float* cs, const PagedKV& kv, const torch::Tensor& slots) {
+    const int64_t nqkv = (hq_ + 2 * hkv_) * d_;
+    float* row = qkv_out_.data() + r * nqkv;
+    for (int64_t hh = 0; hh < hq_ + hkv_; ++hh) {
+      float* v = row + hh * d_;
+      if (q_norm_.has_value()) rms_norm_row(v, (hh < hq_ ? *q_norm_ : *k_norm_).data_ptr<float>(), d_, eps_, v);
+      rotate(v, cs, d_);
+    }
+    const int64_t slot = slots.data_ptr<int64_t>()[r], blk = slot / kv.bs, off = slot % kv.bs;
+    for (int64_t hh = 0; hh < hkv_; ++hh) {
+      const float* k = row + (hq_ + hh) * d_;
+      const float* v = row + (hq_ + hkv_ + hh) * d_;
+      const int64_t at = ((blk * kv.hkv + hh) * kv.bs + off) * d_;
+      if (kv.k_cache.scalar_type() == torch::kFloat) {
+        std::copy(k, k + d_, kv.k_cache.data_ptr<float>() + at);
+        std::copy(v, v + d_, kv.v_cache.data_ptr<float>() + at);
+      } else {
+        c10::BFloat16* kc = kv.k_cache.data_ptr<c10::BFloat16>() + at;
+        c10::BFloat16* vc = kv.v_cache.data_ptr<c10::BFloat16>() + at;
+        for (int64_t i = 0; i < d_; ++i) {
+          kc[i] = c10::BFloat16(k[i]);
+          vc[i] = c10::BFloat16(v[i]);
+        }
+      }
+    }
+    // Attention reads q as [M, Hq, D]: copy this row's q heads there.
+    std::copy(row, row + hq_ * d_, q_.data() + r * hq_ * d_);
+  }
+
+  torch::Tensor input_norm_, post_norm_;
+  c10::optional<torch::Tensor> qkv_bias_, q_norm_, k_norm_;
+  torch::Tensor qkv_, o_, gate_up_, down_;
+  int64_t hq_, hkv_, d_, hidden_, inter_;
+  float eps_;
+  std::vector<float> h_, qkv_out_, attn_, q_;
+  Q8Batch xq_, oq_, aq_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, "x [M, K] float32 times a q4 or q8 (with row scales) weight");
+  m.def("decode_attention", &decode_attention, "paged decode attention");
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor,
+                          torch::Tensor, int64_t, int64_t, int64_t, double>())
+      .def("forward", &DecodeLayer::forward);
+}

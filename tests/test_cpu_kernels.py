@@ -1,0 +1,180 @@
+"""The native CPU kernels (``kernels/csrc/cpu_decode.cpp``) against the twins that specify them.
+
+* the q4 and q8 block-quantized linears against :func:`kernels.quant_linear_torch` (which
+  quantizes the activations per block as the kernel does and sums in float): equal within
+  float32 rounding, for ragged shapes (an odd last block, 1-9 rows: every row-blocking path);
+* paged decode attention against :func:`kernels.decode_attention_torch`, float32 and bfloat16
+  caches, GQA groups 1-4, block sizes 1-32, ragged lengths, shuffled block tables;
+* a whole native decode layer against the eager layer, over real steps of a tiny Llama, Qwen2
+  (qkv bias) and Qwen3 (q/k norm): the same logits and the same K/V written;
+* bad input is refused with an error that says what is wrong, never read out of bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from engine import LLM, SamplingParams
+from kernels import cpu_ext
+from kernels.quant_linear import pack_q4, unpack_q4
+from tiny_models import make_tiny_model
+
+torch.set_num_threads(2)
+
+
+def _q4_weight(g: torch.Generator, n: int, k: int) -> torch.Tensor:
+    q = torch.randint(0, 16, (n, k), generator=g)
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    m = -torch.rand(n, k // 32, generator=g) * 0.1
+    return pack_q4(q, d, m)
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (40, 96), (33, 32), (130, 288)])
+def test_q4_pack_round_trips(n, k):
+    g = torch.Generator().manual_seed(n * k)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    d, m = torch.rand(n, k // 32, generator=g), torch.randn(n, k // 32, generator=g)
+    q2, d2, m2 = unpack_q4(pack_q4(q, d, m))
+    assert torch.equal(q2.long(), q) and torch.equal(d2, d.half()) and torch.equal(m2, m.half())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(96, 64), (40, 96), (130, 288)])
+def test_quantized_linears_equal_their_twin(rows, n, k):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=g) * 3
+    x[0, :32] = 0  # an all-zero block: scale 0, codes 0
+    packed = _q4_weight(g, n, k)
+    want = kernels.quant_linear_torch(x, packed)
+    got = kernels.quant_linear_native(x, packed)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # The twin is the float product with the activations on their 8-bit grid: close to x @ W.T.
+    q, d, m = unpack_q4(packed)
+    w = q.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
+    exact = x @ w.T
+    assert (want - exact).abs().max() < 0.02 * exact.abs().max()
+
+    w8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    want = kernels.quant_linear_torch(x, w8, scale)
+    got = kernels.quant_linear_native(x, w8, scale)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def _paged_case(g, lens, hkv, group, bs, d, dtype):
+    blocks_needed = [-(-n // bs) for n in lens]
+    num_blocks = sum(blocks_needed) + 3
+    perm = torch.randperm(num_blocks, generator=g)  # blocks of a sequence are scattered
+    width = max(blocks_needed)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    at = 0
+    for s, nb in enumerate(blocks_needed):
+        tables[s, :nb] = perm[at : at + nb].int()
+        at += nb
+    k = torch.randn(num_blocks, hkv, bs, d, generator=g).to(dtype)
+    v = torch.randn(num_blocks, hkv, bs, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), hkv * group, d, generator=g)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv,group,bs,d", [(2, 1, 16, 64), (3, 3, 1, 32), (1, 4, 32, 128), (2, 2, 5, 16)])
+def test_native_decode_attention_equals_its_twin(dtype, hkv, group, bs, d):
+    g = torch.Generator().manual_seed(hkv * 100 + bs)
+    lens = [1, 7, bs * 3, 150, 2]
+    q, k, v, tables, seq_lens = _paged_case(g, lens, hkv, group, bs, d, dtype)
+    want = kernels.decode_attention_torch(q, k, v, tables, seq_lens, d**-0.5)
+    got = kernels.decode_attention_native(q, k, v, tables, seq_lens, d**-0.5)
+    assert got.dtype == q.dtype and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_native_decode_attention_refuses_bad_input():
+    g = torch.Generator().manual_seed(0)
+    q, k, v, tables, seq_lens = _paged_case(g, [5, 20], 2, 2, 4, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        kernels.decode_attention_native(q, k, v, tables, torch.tensor([5, 21], dtype=torch.int32), 0.25)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.decode_attention_native(q, k, v, tables.long(), seq_lens, 0.25)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.decode_attention_native(q, k.half(), v.half(), tables, seq_lens, 0.25)
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernels.decode_attention_native(q[:, :3], k, v, tables, seq_lens, 0.25)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_native_decode_layers_equal_the_eager_layers(tmp_path, arch):
+    """Every step of decodes runs both ways from the same KV cache: the native layers, then the
+    eager ones (the same int4 weights through the same linear kernel, op by op)."""
+    folder = make_tiny_model(tmp_path / "m", arch, tie=False, seed=5)
+    llm = LLM(str(folder), threads=2, kv_cache_gib=0.01, dtype="float32", quantization="int4")
+    model = llm.engine.runner.model
+    assert model.native_rows > 0 and len(model.native_layers) == len(model.layers)
+    forward = model.forward
+    errors, kv_errors = [], []
+
+    def both(input_ids, positions, meta, logits_indices, *rest):
+        if meta.num_prefills:
+            return forward(input_ids, positions, meta, logits_indices, *rest)
+        before = model.kv_cache.clone()
+        native = forward(input_ids, positions, meta, logits_indices, *rest)
+        written = model.kv_cache.clone()
+        model.kv_cache.copy_(before)
+        rows, model.native_rows = model.native_rows, 0
+        try:
+            eager = forward(input_ids, positions, meta, logits_indices, *rest)
+        finally:
+            model.native_rows = rows
+        # Layer 0's K and V come from the same float inputs both ways; deeper layers differ where an
+        # activation rounds to the other side of an 8-bit code (C++ and torch sum the RMSNorm in
+        # different orders), as any two correct orders of summation may.
+        assert torch.allclose(model.kv_cache[0], written[0], rtol=1e-5, atol=1e-5)
+        kv_errors.append(((model.kv_cache - written).abs().max() / written.abs().max()).item())
+        errors.append(((native - eager).abs().max() / eager.abs().max()).item())
+        return native
+
+    model.forward = both
+    prompts = [[(5 * i + j) % 250 + 3 for i in range(n)] for j, n in enumerate((3, 17, 40, 9))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in outs)
+    print(f"native vs eager, relative: logits {max(errors):.2e}, KV {max(kv_errors):.2e}")
+    assert len(errors) >= 5 and max(errors) < 2e-3 and max(kv_errors) < 2e-3, (errors, kv_errors)
+
+
+def test_native_decode_layer_refuses_a_slot_outside_the_cache(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "LlamaForCausalLM", tie=True, seed=1)
+    llm = LLM(str(folder), threads=1, kv_cache_gib=0.01, dtype="float32", quantization="int4")
+    model = llm.engine.runner.model
+    layer, (k_cache, v_cache) = model.native_layers[0], model.kv_cache[0]
+    x = torch.randn(1, model.cfg.hidden_size)
+    cos_sin = model.cos_sin[:1].contiguous()
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    bad = torch.tensor([k_cache.shape[0] * k_cache.shape[2]])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        layer.forward(x, None, cos_sin, k_cache, v_cache, bad, tables, lens, 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        layer.forward(x.double(), None, cos_sin, k_cache, v_cache, torch.zeros(1, dtype=torch.long), tables, lens, 0.25)
+
+
+def test_the_build_is_keyed_by_what_it_depends_on(monkeypatch):
+    key = cpu_ext.build_key()
+    assert key == cpu_ext.build_key()
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: "sse2")
+    assert cpu_ext.build_key() != key
+    monkeypatch.setattr(cpu_ext.torch, "__version__", "0.0")
+    assert cpu_ext.build_key() != key
+
+
+def test_a_failed_build_says_how_to_run_without_it(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: g++: not found")
+
+    monkeypatch.setattr(cpu_ext, "_ext", None)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("MOONCAKE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="MOONCAKE_KERNELS=torch"):
+        cpu_ext.load()
