@@ -322,57 +322,161 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
   return out;
 }
 
+// Rows of the KV cache as float32 vectors of 8 (head_dim is a multiple of 8: checked in PagedKV).
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), 8 at a time: 2^n * p(r) with r = x - n ln 2,
+// p a degree-6 polynomial (relative error ~1e-7, as std::exp's float result).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+#if defined(__AVX2__)
+// The lane sums of eight vectors, as one vector: [sum(a[0]), ..., sum(a[7])].
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
 template <typename T>
 inline float to_float(T v) {
   return static_cast<float>(v);
 }
 
-// Attention of the `group` query heads that share KV head `kvh`, for one sequence, over its
-// `len` tokens read through its block table. q and out: [group, D] float32.
-template <typename T>
-void attend(const float* q, int64_t group, int64_t d, const T* k_cache, const T* v_cache, int64_t hkv, int64_t bs,
-            int64_t kvh, const int32_t* table, int64_t len, float scale, float* out, std::vector<float>& scores) {
-  scores.resize(group * len);
-  const int64_t tile = bs * d;
-  for (int64_t t0 = 0; t0 < len; t0 += bs) {
-    const T* kt = k_cache + (static_cast<int64_t>(table[t0 / bs]) * hkv + kvh) * tile;
-    const int64_t n = std::min(bs, len - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* kr = kt + j * d;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * d;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < d; ++i) s += qg[i] * to_float(kr[i]);
-        scores[g * len + t0 + j] = s * scale;
-      }
+#if defined(__AVX2__)
+// out[0:8*NV] = sum_t p[t - t0] * v_t over tokens [t0, t1): the output in NV registers.
+template <typename T, int NV>
+void accumulate_values(const T* v_cache, int64_t hkv, int64_t bs, int64_t kvh, const int32_t* table, int64_t t0,
+                       int64_t t1, const float* p, float* out) {
+  __m256 acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t d = 8 * NV, tile = bs * d;
+  for (int64_t t = t0; t < t1;) {
+    const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
+    const T* vt = v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
+    for (int64_t j = 0; j < run; ++j) {
+      const __m256 pv = _mm256_set1_ps(p[t - t0 + j]);
+      for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pv, load8(vt + j * d + 8 * i), acc[i]);
     }
+    t += run;
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+#endif
+
+// One (sequence, KV head, span of its context) of decode attention: the `group` query heads that
+// share KV head `kvh` against tokens [t0, t1), read tile by tile through the block table. Writes
+// the span's softmax partial: per query head its max score, its sum of exp(score - max) and its
+// unnormalised output (D values), into part [group, D + 2].
+template <typename T>
+void attend_span(const float* q, int64_t group, int64_t d, const T* k_cache, const T* v_cache, int64_t hkv, int64_t bs,
+                 int64_t kvh, const int32_t* table, int64_t t0, int64_t t1, float scale, float* part,
+                 std::vector<float>& scores) {
+  const int64_t n = t1 - t0, tile = bs * d;
+  scores.resize(group * n);
+  for (int64_t t = t0; t < t1;) {
+    const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
+    const T* kt = k_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      float* sg = scores.data() + g * n + t - t0;
+      int64_t j = 0;
+#if defined(__AVX2__)
+      // Eight keys at a time: eight accumulators summed across their lanes together.
+      for (; j + 8 <= run; j += 8) {
+        __m256 a[8];
+        for (int jj = 0; jj < 8; ++jj) a[jj] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + i);
+          for (int jj = 0; jj < 8; ++jj) a[jj] = _mm256_fmadd_ps(qv, load8(kt + (j + jj) * d + i), a[jj]);
+        }
+        _mm256_storeu_ps(sg + j, _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale)));
+      }
+      for (; j < run; ++j) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load8(kt + j * d + i), acc);
+        sg[j] = hsum(acc) * scale;
+      }
+#else
+      for (; j < run; ++j) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < d; ++i) acc += qg[i] * to_float(kt[j * d + i]);
+        sg[j] = acc * scale;
+      }
+#endif
+    }
+    t += run;
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * len;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
+    float* sg = scores.data() + g * n;
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+    int64_t t = 0;
+#if defined(__AVX2__)
+    __m256 vs = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(sg + t, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    sum = hsum(vs);
+#endif
+    for (; t < n; ++t) {
       sg[t] = std::exp(sg[t] - mx);
       sum += sg[t];
     }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-    std::fill(out + g * d, out + (g + 1) * d, 0.f);
+    float* pg = part + g * (d + 2);
+    pg[0] = mx;
+    pg[1] = sum;
+    std::fill(pg + 2, pg + 2 + d, 0.f);
   }
-  for (int64_t t0 = 0; t0 < len; t0 += bs) {
-    const T* vt = v_cache + (static_cast<int64_t>(table[t0 / bs]) * hkv + kvh) * tile;
-    const int64_t n = std::min(bs, len - t0);
-    for (int64_t j = 0; j < n; ++j) {
+#if defined(__AVX2__)
+  if (d == 64) {  // the common head size: each query head's output stays in 8 registers
+    for (int64_t g = 0; g < group; ++g) accumulate_values<T, 8>(v_cache, hkv, bs, kvh, table, t0, t1, scores.data() + g * n, part + g * (d + 2) + 2);
+    return;
+  }
+  if (d == 128) {
+    for (int64_t g = 0; g < group; ++g) accumulate_values<T, 16>(v_cache, hkv, bs, kvh, table, t0, t1, scores.data() + g * n, part + g * (d + 2) + 2);
+    return;
+  }
+#endif
+  for (int64_t t = t0; t < t1;) {
+    const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
+    const T* vt = v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
+    for (int64_t j = 0; j < run; ++j) {
       const T* vr = vt + j * d;
       for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * len + t0 + j];
-        float* og = out + g * d;
-#pragma omp simd
+        const float p = scores[g * n + t - t0 + j];
+        float* og = part + g * (d + 2) + 2;
+#if defined(__AVX2__)
+        const __m256 pv = _mm256_set1_ps(p);
+        for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(og + i, _mm256_fmadd_ps(pv, load8(vr + i), _mm256_loadu_ps(og + i)));
+#else
         for (int64_t i = 0; i < d; ++i) og[i] += p * to_float(vr[i]);
+#endif
       }
     }
+    t += run;
   }
 }
 
@@ -386,6 +490,7 @@ struct PagedKV {
                 "caches: contiguous [num_blocks, Hkv, block_size, D], K and V alike");
     TORCH_CHECK(k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kBFloat16,
                 "the CPU kernels read a float32 or bfloat16 KV cache, got ", k.scalar_type());
+    TORCH_CHECK(k.size(3) % 8 == 0, "the CPU kernels take a head_dim that is a multiple of 8, got ", k.size(3));
     TORCH_CHECK(tables.scalar_type() == torch::kInt && tables.is_contiguous() && tables.dim() == 2,
                 "block_tables: contiguous int32 [S, max_blocks]");
     TORCH_CHECK(lens.scalar_type() == torch::kInt && lens.is_contiguous() && lens.numel() == tables.size(0),
@@ -395,31 +500,70 @@ struct PagedKV {
     d = k.size(3);
     width = tables.size(1);
     const int32_t* l = lens.data_ptr<int32_t>();
+    const int32_t* t = tables.data_ptr<int32_t>();
     for (int64_t s = 0; s < lens.numel(); ++s) {
       TORCH_CHECK(l[s] >= 1 && l[s] <= width * bs, "sequence ", s, ": length ", l[s], " beyond its block table");
-    }
-  }
-
-  // out [S, Hq, D] float32 from q [S, Hq, D] float32; (sequence, KV head) pairs split over threads.
-  void attention(const float* q, int64_t hq, float scale, float* out) const {
-    const int64_t group = hq / hkv, s = seq_lens.numel();
-    thread_local std::vector<float> scores;
-    int64_t lo, hi;
-    my_share(s * hkv, &lo, &hi);
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t seq = i / hkv, kvh = i % hkv;
-      const int32_t* table = block_tables.data_ptr<int32_t>() + seq * width;
-      const int64_t len = seq_lens.data_ptr<int32_t>()[seq];
-      const int64_t at = (seq * hq + kvh * group) * d;
-      if (k_cache.scalar_type() == torch::kFloat) {
-        attend(q + at, group, d, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), hkv, bs, kvh, table, len,
-               scale, out + at, scores);
-      } else {
-        attend(q + at, group, d, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), hkv, bs, kvh,
-               table, len, scale, out + at, scores);
+      for (int64_t b = 0; b < (l[s] + bs - 1) / bs; ++b) {
+        TORCH_CHECK(t[s * width + b] >= 0 && t[s * width + b] < k.size(0), "sequence ", s, ": block ",
+                    t[s * width + b], " outside the cache");
       }
     }
   }
+
+  // Each (sequence, KV head) pair's context is cut into this many spans, so that a step of few
+  // sequences (one, at batch 1, with 3 KV heads on 2 threads) still splits evenly over the threads.
+  int64_t spans(int64_t threads) const {
+    const int64_t pairs = seq_lens.numel() * hkv;
+    return pairs >= 4 * threads ? 1 : (4 * threads + pairs - 1) / pairs;
+  }
+
+  // out [S, Hq, D] float32 from q [S, Hq, D] float32, inside a parallel region; parts: scratch of
+  // pairs * spans(threads) * group * (D + 2) floats, sized by the caller before the region.
+  void attention(const float* q, int64_t hq, float scale, float* out, float* parts, int64_t nspans) const {
+    const int64_t group = hq / hkv, pairs = seq_lens.numel() * hkv, part = group * (d + 2);
+    thread_local std::vector<float> scores;
+    int64_t lo, hi;
+    my_share(pairs * nspans, &lo, &hi);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t pair = i / nspans, span = i % nspans, seq = pair / hkv, kvh = pair % hkv;
+      const int32_t* table = block_tables.data_ptr<int32_t>() + seq * width;
+      const int64_t len = seq_lens.data_ptr<int32_t>()[seq];
+      const int64_t t0 = len * span / nspans, t1 = len * (span + 1) / nspans;
+      const float* qp = q + (seq * hq + kvh * group) * d;
+      float* pp = parts + i * part;
+      if (t0 == t1) {  // an empty span: no weight in the merge
+        for (int64_t g = 0; g < group; ++g) pp[g * (d + 2)] = -INFINITY, pp[g * (d + 2) + 1] = 0.f;
+      } else if (k_cache.scalar_type() == torch::kFloat) {
+        attend_span(qp, group, d, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), hkv, bs, kvh, table, t0, t1,
+                    scale, pp, scores);
+      } else {
+        attend_span(qp, group, d, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), hkv, bs, kvh,
+                    table, t0, t1, scale, pp, scores);
+      }
+    }
+#pragma omp barrier
+    // Merge each pair's spans: rescale each to the common max, sum, normalise.
+    my_share(pairs * group, &lo, &hi);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t pair = i / group, g = i % group, seq = pair / hkv, kvh = pair % hkv;
+      float mx = -INFINITY;
+      for (int64_t sp = 0; sp < nspans; ++sp) mx = std::max(mx, parts[(pair * nspans + sp) * part + g * (d + 2)]);
+      float* o = out + (seq * hq + kvh * group + g) * d;
+      std::fill(o, o + d, 0.f);
+      float total = 0.f;
+      for (int64_t sp = 0; sp < nspans; ++sp) {
+        const float* pg = parts + (pair * nspans + sp) * part + g * (d + 2);
+        if (pg[1] == 0.f) continue;
+        const float w = std::exp(pg[0] - mx);
+        total += w * pg[1];
+        for (int64_t j = 0; j < d; ++j) o[j] += w * pg[2 + j];
+      }
+      const float inv = 1.f / total;
+      for (int64_t j = 0; j < d; ++j) o[j] *= inv;
+    }
+  }
+
+  int64_t parts_size(int64_t hq, int64_t nspans) const { return seq_lens.numel() * hkv * nspans * (hq / hkv) * (d + 2); }
 };
 
 // Paged decode attention (the twin: kernels.decode_attention.decode_attention_torch).
@@ -431,8 +575,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
               "q [S, Hq, D] with Hq a multiple of the cache's heads");
   auto qf = q.to(torch::kFloat).contiguous();
   auto out = torch::empty_like(qf);
+  const int64_t nspans = kv.spans(omp_get_max_threads());
+  std::vector<float> parts(kv.parts_size(q.size(1), nspans));
 #pragma omp parallel
-  kv.attention(qf.data_ptr<float>(), q.size(1), static_cast<float>(scale), out.data_ptr<float>());
+  kv.attention(qf.data_ptr<float>(), q.size(1), static_cast<float>(scale), out.data_ptr<float>(), parts.data(), nspans);
   return out.to(q.scalar_type());
 }
 
@@ -508,6 +654,8 @@ class DecodeLayer {
     qkv_out_.resize(m * nqkv);
     attn_.resize(m * hq_ * d_);
     q_.resize(m * hq_ * d_);
+    const int64_t nspans = kv.spans(omp_get_max_threads());
+    parts_.resize(kv.parts_size(hq_, nspans));
     xq_.resize(m, hidden_);
     oq_.resize(m, hq_ * d_);
     aq_.resize(m, inter_);
@@ -535,7 +683,7 @@ class DecodeLayer {
 #pragma omp barrier
 #pragma omp single
       for (int64_t r = 0; r < m; ++r) store_and_rotate(r, cos_sin.data_ptr<float>() + r * d_, kv, slots);
-      kv.attention(q_.data(), hq_, static_cast<float>(scale), attn_.data());
+      kv.attention(q_.data(), hq_, static_cast<float>(scale), attn_.data(), parts_.data(), nspans);
 #pragma omp barrier
 #pragma omp single
       for (int64_t r = 0; r < m; ++r) oq_.quantize(r, attn_.data() + r * hq_ * d_);
@@ -601,7 +749,7 @@ class DecodeLayer {
   torch::Tensor qkv_, o_, gate_up_, down_;
   int64_t hq_, hkv_, d_, hidden_, inter_;
   float eps_;
-  std::vector<float> h_, qkv_out_, attn_, q_;
+  std::vector<float> h_, qkv_out_, attn_, q_, parts_;
   Q8Batch xq_, oq_, aq_;
 };
 
