@@ -117,3 +117,13 @@ def test_pyproject_lists_every_package_with_kernels_renamed() -> None:
     folders = {".".join(p.parent.relative_to(ROOT).parts) for top in tops for p in top.rglob("__init__.py")}
     expected = {"mooncake_" + f if f.split(".")[0] == "kernels" else f for f in folders}
     assert sorted(tool["packages"]) == sorted(expected)
+
+
+def test_bench_offline_finds_transformers_requirement_on_the_hub() -> None:
+    from bench.offline import kernels_requirement
+
+    # transformers 5.x's Requires-Dist lines (importlib.metadata.requires), trimmed
+    assert kernels_requirement(["numpy>=1.17", "kernels<0.20,>=0.19.1", 'kernels<0.20,>=0.19.1; extra == "torch"']) \
+        == "kernels<0.20,>=0.19.1"
+    assert kernels_requirement(["numpy>=1.17", 'kernels<0.20,>=0.19.1; extra == "kernels"']) is None  # 4.x
+    assert kernels_requirement(["kernels-extra>=1", "Kernels>=0.19"]) == "Kernels>=0.19"
