@@ -35,13 +35,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_triton
-from kernels.decode_attention import decode_attention_triton
-from kernels.kv_transfer import gather_kv_torch, gather_kv_triton, scatter_kv_triton
-from kernels.norms import rms_norm_triton
-from kernels.paged import gather_context
-from kernels.rope import rotary_embedding_triton
-from kernels.store_kv import store_kv_triton
+from mooncake_kernels.activation import silu_and_mul_triton
+from mooncake_kernels.decode_attention import decode_attention_triton
+from mooncake_kernels.kv_transfer import gather_kv_torch, gather_kv_triton, scatter_kv_triton
+from mooncake_kernels.norms import rms_norm_triton
+from mooncake_kernels.paged import gather_context
+from mooncake_kernels.rope import rotary_embedding_triton
+from mooncake_kernels.store_kv import store_kv_triton
 
 BATCHES = (1, 16, 64, 256)
 CONTEXTS = (512, 2048, 8192, 32768)

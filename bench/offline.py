@@ -49,6 +49,7 @@ import gc
 import json
 import os
 import random
+import re
 import sys
 import time
 
@@ -59,6 +60,35 @@ MIN_TOKEN_ID = 100
 def agreement(ours: list[list[int]], theirs: list[list[int]], out_lens: list[int]) -> int:
     """How many requests have the same first ``AGREE_PREFIX`` tokens (or all, if fewer) in both."""
     return sum(a[:min(AGREE_PREFIX, n)] == b[:min(AGREE_PREFIX, n)] for a, b, n in zip(ours, theirs, out_lens))
+
+
+def kernels_requirement(requirements: list[str]) -> str | None:
+    """The unconditional requirement on PyPI's ``kernels`` among a distribution's, if any."""
+    for r in requirements:
+        name, rest = re.match(r"([A-Za-z0-9._-]+)\s*(.*)", r).groups()
+        if name.lower() == "kernels" and "extra ==" not in rest:
+            return r
+    return None
+
+
+def check_transformers_loads_models() -> None:
+    """transformers 5 loads no model without PyPI's ``kernels`` (it asks for it), which has the
+    import name of our kernels/: say so, rather than its own "Kernels are not available"."""
+    import importlib.metadata
+
+    import transformers
+
+    needed = kernels_requirement(importlib.metadata.requires("transformers") or [])
+    if needed is None:
+        return
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit(
+            f"transformers {transformers.__version__} requires PyPI's `kernels` ({needed}), Hugging Face's "
+            f"kernel hub, which this environment lacks (removed to make way for this project's kernels/?). "
+            f"The two share the import name `kernels` but no longer clash: ours installs as "
+            f"`mooncake_kernels` (docs/engine.md#the-name-kernels). Install it: pip install '{needed}'") from None
 
 
 def build_workload(num_prompts, input_len, output_len, vocab_size, seed):
@@ -232,6 +262,8 @@ def main(argv=None) -> int:
             import transformers  # noqa: F401
         except ImportError:
             hf_note = "transformers is not installed (pip install -e '.[bench]'): HF baseline skipped"
+        else:
+            check_transformers_loads_models()
     report = {
         "workload": {"num_prompts": len(prompts), "input_len": args.input_len, "output_len": args.output_len,
                      "seed": args.seed, "threads": args.threads, "prompt_tokens": n_prompt,

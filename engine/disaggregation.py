@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import mooncake_kernels as kernels
 from engine.kv_layout import pack
 from engine.hooks import KVSink
 from engine.llm_engine import LLMEngine

@@ -60,7 +60,7 @@ def pack(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None, out
     """``kernels.gather_kv`` into ``out`` (host staging), through device memory when the KV is on
     a GPU, and through a packed copy when ``out`` is not contiguous (some of a request's blocks
     in its wire layout: their K pages and V pages lie apart)."""
-    import kernels  # here, not at the top: the Conductor reads KVLayout without loading triton
+    import mooncake_kernels as kernels  # here, not at the top: the Conductor reads KVLayout without loading triton
 
     if kv_cache.device == out.device and out.is_contiguous():
         kernels.gather_kv(kv_cache, block_ids, layers, out=out)
@@ -73,7 +73,7 @@ def unpack_layer(kv_cache: torch.Tensor, layer: int, objects: list[torch.Tensor]
     """Scatter layer ``layer`` of a run of loaded objects (each ``[1, 2, blocks, heads,
     block_size, head_dim]``, in block order) into ``block_ids``, leaving out the run's first
     ``skip`` blocks (cached here already). Objects past the blocks to fill are left out."""
-    import kernels  # see pack
+    import mooncake_kernels as kernels  # see pack
 
     pos = 0
     for obj in objects:

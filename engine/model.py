@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import mooncake_kernels as kernels
 from engine.config import ModelConfig
 from engine.quantization import Int4Weight, linear
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-import kernels
+import mooncake_kernels as kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_layout import KVLayout
 from engine.loader import load_model

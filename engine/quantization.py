@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import mooncake_kernels as kernels
 from engine.config import QUANTIZATIONS
 
 INT4_GROUP = 32

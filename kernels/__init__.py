@@ -1,137 +1,49 @@
-"""The one interface through which the engine calls its attention, KV and elementwise ops.
+"""The engine's attention, KV and elementwise ops: Triton kernels and their torch twins.
 
-Each op has a Triton kernel (``*_triton``) and a torch twin (``*_torch``) that is its
-specification, both in the op's own file; some also a native CPU kernel (``*_native``, C++ in
-``kernels/csrc``, built at first use by :mod:`kernels.cpu_ext`). :mod:`kernels.dispatch` decides
-per call: Triton for CUDA tensors, the native kernel or else the twin for CPU tensors, unless
-``MOONCAKE_KERNELS`` forces one of them.
+The interface is :mod:`ops` (re-exported here). Installed, this folder is the package
+``mooncake_kernels``, the name our code imports: ``kernels`` is also the import name of PyPI's
+``kernels`` (Hugging Face's kernel hub, which transformers 5 requires), and one process can hold
+only one module of a name. Where this folder is found as ``kernels`` all the same (the checkout's
+root on ``sys.path``: ``python -m ...`` or pytest from the checkout), it gives the name away: to
+the other ``kernels`` on ``sys.path`` if one is installed, else to ``mooncake_kernels``
+(submodules included, so both names share one set of modules). docs/engine.md#the-name-kernels.
 """
 
 from __future__ import annotations
 
-# dispatch first: it may set TRITON_INTERPRET, which must precede every `import triton`.
-from kernels.dispatch import mode, native_cpu, set_mode, use_triton  # noqa: I001
-from kernels.cpu_ext import load as load_native
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.decode_attention import (
-    DecodeWorkspace, decode_attention_native, decode_attention_torch, decode_attention_triton,
-)
-from kernels.decode_layer import native_decode_layer
-from kernels.extend_attention import extend_attention_torch, extend_attention_triton
-from kernels.kv_transfer import LayerSel, gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
-from kernels.norms import rms_norm_torch, rms_norm_triton
-from kernels.paged import DecodeContext
-from kernels.quant_linear import BLOCK as QUANT_BLOCK, pack_q4, quant_linear_native, quant_linear_torch
-from kernels.rope import rotary_embedding_torch, rotary_embedding_triton
-from kernels.store_kv import CacheSlots, store_kv_torch, store_kv_triton
-from torch import Tensor
+if __name__ != "kernels":
+    from .ops import *  # noqa: F403 (the interface, ops.__all__)
+    from .ops import __all__  # noqa: F401
+else:
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
+    def _give_the_name_away() -> None:
+        root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+        spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+        if spec is not None:
+            # Load the other package in this module's place, without importing ours (triton): an
+            # import returns what sys.modules holds once the module has run, so `import kernels`
+            # yields it (CPython's import system; the standard "import a source file directly"
+            # recipe). Its own `from kernels.x import ...` then resolve in its folder.
+            other = importlib.util.module_from_spec(spec)
+            sys.modules["kernels"] = other
+            spec.loader.exec_module(other)
+            return
+        try:
+            import mooncake_kernels
+        except ModuleNotFoundError as e:
+            if e.name != "mooncake_kernels":
+                raise
+            raise ImportError(
+                f"{root}/kernels/ was imported as `kernels`, a name it shares with PyPI's `kernels` "
+                f"(Hugging Face's kernel hub); it is the package `mooncake_kernels`, which is not "
+                f"installed: run `pip install -e {root}`") from None
+        for name, module in list(sys.modules.items()):
+            if name == "mooncake_kernels" or name.startswith("mooncake_kernels."):
+                sys.modules["kernels" + name.removeprefix("mooncake_kernels")] = module
 
-def store_kv(
-    k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, slots: CacheSlots | None = None
-) -> None:
-    """``slots`` (torch only): the twin's block and offset of each slot, built once per step."""
-    if use_triton(k_cache):
-        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    return store_kv_torch(k, v, k_cache, v_cache, slot_mapping, slots)
-
-
-def decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-    workspace: DecodeWorkspace | None = None,
-    context: DecodeContext | None = None,
-) -> Tensor:
-    """``workspace`` (Triton only) holds the split-K partials, so the call allocates nothing;
-    ``context`` (torch only) is how the twin reads the contexts, built once per step."""
-    if use_triton(q):
-        return decode_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, workspace=workspace
-        )
-    if native_cpu():
-        return decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, context)
-
-
-def extend_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    scale: float,
-) -> Tensor:
-    if use_triton(q):
-        return extend_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
-        )
-    return extend_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-
-
-def rms_norm(
-    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
-) -> Tensor | tuple[Tensor, Tensor]:
-    if use_triton(x):
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_torch(x, weight, eps, residual)
-
-
-def rotary_embedding(x: Tensor, cos_sin: Tensor) -> Tensor:
-    """``cos_sin [T, D]``: each token's row of the rotary table (gathered once per step)."""
-    if use_triton(x):
-        return rotary_embedding_triton(x, cos_sin)
-    return rotary_embedding_torch(x, cos_sin)
-
-
-def silu_and_mul(x: Tensor) -> Tensor:
-    if use_triton(x):
-        return silu_and_mul_triton(x)
-    return silu_and_mul_torch(x)
-
-
-def gather_kv(
-    kv_cache: Tensor, block_ids: Tensor | list[int], layers: LayerSel = None, out: Tensor | None = None
-) -> Tensor:
-    """Pack ``block_ids`` of ``layers`` (K and V) into ``[n_layers, 2, n_blocks, Hkv, bs, D]``."""
-    if use_triton(kv_cache):
-        return gather_kv_triton(kv_cache, block_ids, layers, out)
-    return gather_kv_torch(kv_cache, block_ids, layers, out)
-
-
-def scatter_kv(
-    buffer: Tensor, kv_cache: Tensor, block_ids: Tensor | list[int], layers: LayerSel = None
-) -> None:
-    """Unpack a :func:`gather_kv` buffer into ``block_ids`` of ``layers`` of ``kv_cache``."""
-    if use_triton(kv_cache):
-        return scatter_kv_triton(buffer, kv_cache, block_ids, layers)
-    return scatter_kv_torch(buffer, kv_cache, block_ids, layers)
-
-
-__all__ = [
-    "QUANT_BLOCK",
-    "CacheSlots",
-    "DecodeContext",
-    "DecodeWorkspace",
-    "decode_attention",
-    "extend_attention",
-    "gather_kv",
-    "load_native",
-    "mode",
-    "native_cpu",
-    "native_decode_layer",
-    "pack_q4",
-    "quant_linear_native",
-    "quant_linear_torch",
-    "rms_norm",
-    "rotary_embedding",
-    "scatter_kv",
-    "set_mode",
-    "silu_and_mul",
-    "store_kv",
-    "use_triton",
-]
+    _give_the_name_away()

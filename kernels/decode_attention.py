@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import cpu_ext
-from kernels._launch import check_paged_attention, output_like
-from kernels.paged import DecodeContext, gather_tiles
+from . import cpu_ext
+from ._launch import check_paged_attention, output_like
+from .paged import DecodeContext, gather_tiles
 
 
 def decode_attention_torch(

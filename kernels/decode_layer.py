@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ext
+from . import cpu_ext
 
 
 def native_decode_layer(

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._launch import check_device, check_int32, check_paged_attention, output_like
-from kernels.paged import gather_context
+from ._launch import check_device, check_int32, check_paged_attention, output_like
+from .paged import gather_context
 
 
 def extend_attention_torch(

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import interpreting
+from ._launch import interpreting
 
 LayerSel = slice | range | None
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._launch import check_device, check_float, check_last_contiguous, tile_cap
+from ._launch import check_device, check_float, check_last_contiguous, tile_cap
 
 
 def rms_norm_torch(

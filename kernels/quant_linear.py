@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_ext
+from . import cpu_ext
 
 BLOCK = 32
 Q4_BLOCK_BYTES = 20

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_device, check_float, check_last_contiguous, tile_cap
+from ._launch import check_device, check_float, check_last_contiguous, tile_cap
 
 
 def rotary_embedding_torch(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

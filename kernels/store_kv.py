@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import check_device, check_float, check_last_contiguous, tile_cap
+from ._launch import check_device, check_float, check_last_contiguous, tile_cap
 
 
 @dataclass(frozen=True)

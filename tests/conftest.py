@@ -5,8 +5,8 @@ without an ``etcd`` binary its tests are skipped, unless ``CI=true``, where they
 ``etcd-server`` and must run them.
 
 Without CUDA, Triton kernels can only run in Triton's interpreter, which is chosen when a kernel
-is decorated: set it before any test module imports :mod:`kernels`. It does not change the torch
-twins the engine runs on CPU.
+is decorated: set it before any test module imports :mod:`mooncake_kernels`. It does not change
+the torch twins the engine runs on CPU.
 
 Instances cache their calibration (``cluster/instance/calibration.py``); tests, and the instance
 processes they start (which inherit the environment), keep theirs in a directory of the session's

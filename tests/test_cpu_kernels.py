@@ -1,9 +1,9 @@
 """The native CPU kernels (``kernels/csrc/cpu_decode.cpp``) against the twins that specify them.
 
-* the q4 and q8 block-quantized linears against :func:`kernels.quant_linear_torch` (which
+* the q4 and q8 block-quantized linears against :func:`quant_linear_torch` (which
   quantizes the activations per block as the kernel does and sums in float): equal within
   float32 rounding, for ragged shapes (an odd last block, 1-9 rows: every row-blocking path);
-* paged decode attention against :func:`kernels.decode_attention_torch`, float32 and bfloat16
+* paged decode attention against :func:`decode_attention_torch`, float32 and bfloat16
   caches, GQA groups 1-4, block sizes 1-32, ragged lengths, shuffled block tables;
 * a whole native decode layer against the eager layer, over real steps of a tiny Llama, Qwen2
   (qkv bias) and Qwen3 (q/k norm): the same logits and the same K/V written;
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from engine import LLM, SamplingParams
-from kernels import cpu_ext
-from kernels.quant_linear import pack_q4, unpack_q4
+from mooncake_kernels import cpu_ext
+from mooncake_kernels.decode_attention import decode_attention_native, decode_attention_torch
+from mooncake_kernels.quant_linear import pack_q4, quant_linear_native, quant_linear_torch, unpack_q4
 from tiny_models import make_tiny_model
 
 torch.set_num_threads(2)
@@ -47,8 +47,8 @@ def test_quantized_linears_equal_their_twin(rows, n, k):
     x = torch.randn(rows, k, generator=g) * 3
     x[0, :32] = 0  # an all-zero block: scale 0, codes 0
     packed = _q4_weight(g, n, k)
-    want = kernels.quant_linear_torch(x, packed)
-    got = kernels.quant_linear_native(x, packed)
+    want = quant_linear_torch(x, packed)
+    got = quant_linear_native(x, packed)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     # The twin is the float product with the activations on their 8-bit grid: close to x @ W.T.
@@ -59,8 +59,8 @@ def test_quantized_linears_equal_their_twin(rows, n, k):
 
     w8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.01
-    want = kernels.quant_linear_torch(x, w8, scale)
-    got = kernels.quant_linear_native(x, w8, scale)
+    want = quant_linear_torch(x, w8, scale)
+    got = quant_linear_native(x, w8, scale)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -86,8 +86,8 @@ def test_native_decode_attention_equals_its_twin(dtype, hkv, group, bs, d):
     g = torch.Generator().manual_seed(hkv * 100 + bs)
     lens = [1, 7, bs * 3, 150, 2]
     q, k, v, tables, seq_lens = _paged_case(g, lens, hkv, group, bs, d, dtype)
-    want = kernels.decode_attention_torch(q, k, v, tables, seq_lens, d**-0.5)
-    got = kernels.decode_attention_native(q, k, v, tables, seq_lens, d**-0.5)
+    want = decode_attention_torch(q, k, v, tables, seq_lens, d**-0.5)
+    got = decode_attention_native(q, k, v, tables, seq_lens, d**-0.5)
     assert got.dtype == q.dtype and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -95,13 +95,13 @@ def test_native_decode_attention_refuses_bad_input():
     g = torch.Generator().manual_seed(0)
     q, k, v, tables, seq_lens = _paged_case(g, [5, 20], 2, 2, 4, 16, torch.float32)
     with pytest.raises(RuntimeError, match="beyond its block table"):
-        kernels.decode_attention_native(q, k, v, tables, torch.tensor([5, 21], dtype=torch.int32), 0.25)
+        decode_attention_native(q, k, v, tables, torch.tensor([5, 21], dtype=torch.int32), 0.25)
     with pytest.raises(RuntimeError, match="int32"):
-        kernels.decode_attention_native(q, k, v, tables.long(), seq_lens, 0.25)
+        decode_attention_native(q, k, v, tables.long(), seq_lens, 0.25)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        kernels.decode_attention_native(q, k.half(), v.half(), tables, seq_lens, 0.25)
+        decode_attention_native(q, k.half(), v.half(), tables, seq_lens, 0.25)
     with pytest.raises(RuntimeError, match="multiple"):
-        kernels.decode_attention_native(q[:, :3], k, v, tables, seq_lens, 0.25)
+        decode_attention_native(q[:, :3], k, v, tables, seq_lens, 0.25)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import kernels
+import mooncake_kernels as kernels
 from engine import LLM, SamplingParams
 from engine.disaggregation import KVHandoff
 from engine.scheduler import ScheduledSeq

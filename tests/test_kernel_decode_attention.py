@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from kernels.decode_attention import (
+from mooncake_kernels.decode_attention import (
     DecodeWorkspace,
     choose_num_splits,
     decode_attention_torch,
@@ -117,7 +117,7 @@ def test_temporary_workspace_and_strided_inputs():
 
 
 def test_dispatch_uses_triton(monkeypatch):
-    import kernels
+    import mooncake_kernels as kernels
 
     monkeypatch.setattr(kernels.dispatch, "_mode", "triton")
     q, k, v, bt, sl = make_case(3, [9, 30], 1, 4, 64, 16, torch.float32)
@@ -173,7 +173,7 @@ def test_error_workspace_and_out():
 
 
 def test_the_twin_reads_a_batch_of_mixed_lengths_in_length_groups():
-    from kernels.paged import LENGTH_GROUP_FACTOR, DecodeContext
+    from mooncake_kernels.paged import LENGTH_GROUP_FACTOR, DecodeContext
 
     lens = [700, 3, 40, 1000, 41, 90, 5]
     q, k, v, bt, sl = make_case(7, lens, hkv=2, group=3, d=32, bs=16, dtype=torch.float32)
@@ -194,7 +194,7 @@ def test_the_twin_reads_a_batch_of_mixed_lengths_in_length_groups():
 
 
 def test_a_batch_of_similar_lengths_is_one_group_read_in_order():
-    from kernels.paged import DecodeContext
+    from mooncake_kernels.paged import DecodeContext
 
     lens = [300, 310, 299, 500]
     _, _, _, bt, sl = make_case(8, lens, hkv=2, group=3, d=32, bs=16, dtype=torch.float32)

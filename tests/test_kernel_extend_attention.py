@@ -7,8 +7,8 @@ import zlib
 import pytest
 import torch
 
-import kernels
-from kernels.extend_attention import extend_attention_torch, extend_attention_triton
+import mooncake_kernels as kernels
+from mooncake_kernels.extend_attention import extend_attention_torch, extend_attention_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HKV = 2

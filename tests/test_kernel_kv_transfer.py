@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import kernels
-from kernels.kv_transfer import gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
+import mooncake_kernels as kernels
+from mooncake_kernels.kv_transfer import gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [

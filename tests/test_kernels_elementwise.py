@@ -7,10 +7,10 @@ arithmetic is unreliable: bf16 cases only run on a GPU.
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.norms import rms_norm_torch, rms_norm_triton
-from kernels.rope import rotary_embedding_torch, rotary_embedding_triton
-from kernels.store_kv import store_kv_torch, store_kv_triton
+from mooncake_kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from mooncake_kernels.norms import rms_norm_torch, rms_norm_triton
+from mooncake_kernels.rope import rotary_embedding_torch, rotary_embedding_triton
+from mooncake_kernels.store_kv import store_kv_torch, store_kv_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [
@@ -73,7 +73,7 @@ def test_store_kv_int32_slots_converts_dtype():
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_store_kv_with_the_steps_slots_worked_out_once_writes_the_same(padded):
-    from kernels.store_kv import CacheSlots
+    from mooncake_kernels.store_kv import CacheSlots
 
     g = _gen(3)
     k, v = _randn(g, 6, 2, 16), _randn(g, 6, 2, 16)

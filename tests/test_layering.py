@@ -26,7 +26,10 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "server": frozenset({"paged_kv", "kernels", "engine", "cluster"}),
     "bench": frozenset({"paged_kv", "kernels", "engine", "cluster", "server"}),
 }
-FIRST_PARTY = frozenset({*ALLOWED, "tests"})
+# Import name -> package folder: kernels/ is imported as `mooncake_kernels` (`kernels` is also the
+# import name of PyPI's kernel hub: docs/engine.md#the-name-kernels).
+FOLDER_OF = {**{p: p for p in ALLOWED if p != "kernels"}, "mooncake_kernels": "kernels", "tests": "tests"}
+FIRST_PARTY = frozenset(FOLDER_OF)
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,8 @@ def violations(root: Path, package: str, allowed: frozenset[str]) -> list[Violat
     for path in sorted((root / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             for module in _imported_modules(node):
-                top = module.partition(".")[0]
-                if top in FIRST_PARTY and top != package and top not in allowed:
+                top = FOLDER_OF.get(module.partition(".")[0])
+                if top is not None and top != package and top not in allowed:
                     found.append(Violation(path, node.lineno, module))
     return sorted(found, key=lambda v: (v.path, v.line))
 
@@ -72,7 +75,7 @@ def test_package_imports_only_lower_layers(package: str) -> None:
 def test_checker_flags_planted_upward_imports(tmp_path: Path) -> None:
     engine = tmp_path / "engine"
     (engine / "sub").mkdir(parents=True)
-    (engine / "__init__.py").write_text("from engine.config import EngineConfig\nimport kernels.paged\n")
+    (engine / "__init__.py").write_text("from engine.config import EngineConfig\nimport mooncake_kernels.paged\n")
     (engine / "sub" / "deep.py").write_text(textwrap.dedent("""\
         from .. import config
         import torch
@@ -175,8 +178,8 @@ def test_conductor_process_loads_no_model_code() -> None:
     import sys
 
     code = ("import sys, cluster.conductor.conductor, cluster.conductor.supervisor, server.app;"
-            "print(' '.join(sorted(m for m in sys.modules if m in ('triton', 'kernels', 'engine.model',"
-            " 'engine.model_runner', 'engine.llm_engine') or m.startswith(('kernels.', 'triton.')))))")
+            "print(' '.join(sorted(m for m in sys.modules if m in ('triton', 'mooncake_kernels', 'engine.model',"
+            " 'engine.model_runner', 'engine.llm_engine') or m.startswith(('mooncake_kernels.', 'triton.')))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == []
