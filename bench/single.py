@@ -41,6 +41,7 @@ class Speed:
     name: str
     prefill_tok_s: float
     decode_tok_s: float
+    profile: str = ""
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -69,7 +70,53 @@ def ours(config: str, prompt_len: int, decode_len: int, threads: int, rounds: in
         if r:
             best_prefill = max(best_prefill, prompt_len / (first - started))
             best_decode = max(best_decode, decode_len / (done - first))
-    return Speed(config, best_prefill, best_decode)
+    return Speed(config, best_prefill, best_decode, decode_profile(engine, prompt_len))
+
+
+def decode_profile(engine: LLMEngine, prompt_len: int, steps: int = 32) -> str:
+    """Where a batch-1 decode step's time goes: ATen calls per step (torch's profiler), and the
+    milliseconds per step of the model's forward without its LM head, the LM head, and the rest
+    of the step (scheduling, metadata, sampling), timed around those calls."""
+    engine.add_request(_prompt(prompt_len, engine.model_config.vocab_size, seed=99),
+                       SamplingParams(temperature=0, max_tokens=2 * steps + 2, ignore_eos=True), request_id="profile")
+    engine.step()  # the prefill
+    model = engine.runner.model
+    head = model.lm_head
+    spent = {"forward": 0.0, "head": 0.0}
+    forward, head_call = model.forward, type(head).__call__ if head is not None else None
+
+    def timed(key: str, fn):
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return run
+
+    # Instance attributes for the forward; the head (a QuantizedWeight, called as one) through its class.
+    model.forward = timed("forward", forward)
+    if head_call is not None:
+        type(head).__call__ = timed("head", head_call)
+    try:
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_s = (time.perf_counter() - started) / steps
+    finally:
+        del model.forward
+        if head_call is not None:
+            type(head).__call__ = head_call
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    calls = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / steps
+    per = {k: v / steps * 1e3 for k, v in spent.items()}
+    return (f"{calls:.0f} ATen calls a decode step; per step {step_s * 1e3:.2f} ms: decoder layers "
+            f"{per['forward'] - per['head']:.2f}, LM head {per['head']:.2f}, "
+            f"the rest (scheduling, metadata, sampling) {step_s * 1e3 - per['forward']:.2f}")
 
 
 def llama_cpp(prompt_len: int, decode_len: int, threads: int, rounds: int) -> Speed | None:
@@ -127,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         speeds.append(ours(config, args.prompt_len, args.decode_len, args.threads, args.rounds))
         print(f"  {config}: {speeds[-1].prefill_tok_s:.0f} / {speeds[-1].decode_tok_s:.1f} tok/s", flush=True)
     print(report(speeds, speeds[0]))
+    for speed in speeds:
+        if speed.profile:
+            print(f"{speed.name}: {speed.profile}")
     return 0
 
 
