@@ -192,8 +192,11 @@ def run_vllm(args, folder, prompts, out_lens):
         job.write_text(json.dumps({"model": str(folder), "dtype": "float32", "threads": args.threads,
                                    "prompts": prompts, "out_lens": out_lens, "warmup_token": MIN_TOKEN_ID + 1}))
         # -P: no script folder on sys.path, where bench/kernels.py would shadow the package
-        # `kernels` that transformers (under vLLM) imports.
-        done = subprocess.run([args.vllm_python, "-P", str(worker), str(job), str(result)], capture_output=True, text=True)
+        # `kernels` that transformers (under vLLM) imports; and run from outside the checkout:
+        # vLLM inspects the model in a child Python whose path starts at its working directory,
+        # where our kernels/ folder would be found as `kernels` (docs/engine.md#the-name-kernels).
+        done = subprocess.run([args.vllm_python, "-P", str(worker), str(job), str(result)], capture_output=True,
+                              text=True, cwd=tmp)
         if done.returncode != 0:
             raise RuntimeError(f"vLLM run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         out = json.loads(result.read_text())
