@@ -50,11 +50,11 @@ def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         etcd.stop(5.0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def colocated():
     """The engine the cluster tests compare answers with: the default model as their clusters
-    run it (float32, where a greedy answer does not depend on its batch; one thread), in this
-    process."""
+    run it (float32, where a greedy answer does not depend on its batch or on what its prefix
+    cache holds; one thread), in this process, loaded once for the session."""
     from engine import LLM
 
     return LLM(threads=1, kv_cache_gib=0.25, dtype="float32")

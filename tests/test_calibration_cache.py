@@ -5,11 +5,14 @@ loading its profile instead of measuring it."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -145,7 +148,8 @@ def test_a_measured_profile_is_saved_and_loaded_back(model: Path, measure: _Meas
     caplog.set_level(logging.INFO, calibration.__name__)
     assert cached_profile(engine) == PROFILE and measure.calls == 1
     path = cache_path(cache_key(engine))
-    assert path.parent == cache and [p.name for p in cache.iterdir()] == [path.name]  # no temporary left
+    # No temporary left; the measuring lock's file stays (removing it could race a waiter).
+    assert path.parent == cache and sorted(p.name for p in cache.iterdir()) == sorted([path.name, f".{path.stem}.lock"])
     saved = json.loads(path.read_text())
     assert saved["key"] == cache_key(engine) and saved["profile"] == PROFILE.to_dict()
     assert "measured in" in caplog.text and str(path) in caplog.text
@@ -154,7 +158,7 @@ def test_a_measured_profile_is_saved_and_loaded_back(model: Path, measure: _Meas
     assert f"loaded from {path}" in caplog.text
     # Another setting is another file, measured for itself.
     assert cached_profile(_engine(model, threads=2)) == PROFILE and measure.calls == 2
-    assert len(list(cache.iterdir())) == 2
+    assert len(list(cache.glob("*.json"))) == 2
 
 
 def test_a_prefill_profile_without_a_decode_model_round_trips(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,6 +206,41 @@ def test_an_unwritable_cache_warns_and_still_serves_the_measured_profile(
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "a file" / "calibration"))
     assert cached_profile(_engine(model)) == PROFILE
     assert "could not save the calibration" in caplog.text
+
+
+def test_instances_measuring_the_same_key_at_once_measure_it_once(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    measuring = threading.Event()
+    calls = []
+
+    def slow_measure(engine, seed: int = 0) -> InstanceProfile:
+        calls.append(engine.config.threads)
+        measuring.set()
+        time.sleep(0.5)  # the others ask meanwhile
+        return PROFILE
+
+    monkeypatch.setattr(calibration, "profile", slow_measure)
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(cached_profile, _engine(model))
+        assert measuring.wait(10)
+        same = [pool.submit(cached_profile, _engine(model)) for _ in range(2)]
+        other = pool.submit(cached_profile, _engine(model, threads=2))  # another key is not held up
+        assert other.result(10) == PROFILE
+        assert first.result(10) == PROFILE and [f.result(10) for f in same] == [PROFILE, PROFILE]
+    assert sorted(calls) == [1, 2], "the same key was measured more than once"
+
+
+def test_a_lock_held_too_long_is_waited_out_and_the_profile_measured(
+        model: Path, measure: _Measure, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    engine = _engine(model)
+    path = cache_path(cache_key(engine))
+    path.parent.mkdir(parents=True)
+    monkeypatch.setattr(calibration, "MEASURING_WAIT_S", 0.3)
+    with open(path.with_name(f".{path.stem}.lock"), "w") as held:  # a stuck instance holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.monotonic()
+        assert cached_profile(engine) == PROFILE and measure.calls == 1
+        assert 0.3 <= time.monotonic() - started < 5
+    assert "measuring here as well" in caplog.text
 
 
 # -- --recalibrate ---------------------------------------------------------------------------------

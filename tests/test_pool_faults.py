@@ -334,15 +334,13 @@ def private_etcd(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
 
 
 @pytest.mark.processes
-def test_a_long_prompt_while_etcd_is_stopped_is_answered_and_counted(private_etcd, tmp_path):
+def test_a_long_prompt_while_etcd_is_stopped_is_answered_and_counted(private_etcd, tmp_path, colocated):
     from clusters import Cluster, words
-
-    from engine import LLM
 
     url, etcd = private_etcd
     greedy = {"temperature": 0, "max_tokens": 8}
     prompt = words("etcdstopped", 300) + " And so?"  # well over one 256-token pool block
-    want = LLM(threads=1, kv_cache_gib=0.25, dtype="float32").generate([prompt], SamplingParams(**greedy))[0].text
+    want = colocated.generate([prompt], SamplingParams(**greedy))[0].text
     cluster = Cluster(["--prefill-instances", "1", "--decode-instances", "1", "--pool-dram-gib", "0.05",
                        "--etcd", url], 2, tmp_path)
     try:

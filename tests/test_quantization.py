@@ -2,7 +2,8 @@
 
 The tolerance is stated on the default model over a fixed prompt set, for each format (with
 float32 activations, and with bfloat16 ones as the engine runs by default on a CPU with
-bfloat16 units; ``default`` is whatever this CPU's default is, see ``EngineConfig``):
+bfloat16 units; ``default``, whatever this CPU's default is (see ``EngineConfig``), runs only
+where it is not one of those already):
 
 * prefill: the prompt tokens' logprobs (every position of every prompt) stay within a mean
   absolute difference of ``PROMPT_TOLERANCE`` nats of float32's;
@@ -116,13 +117,30 @@ def float32_reference():
     return llm, runs, model_bytes(llm.engine.runner.model)
 
 
-@pytest.mark.parametrize("precision", ["float32:int8", "float32:int4", "bfloat16:int4", "default"])
+def _precision_kwargs(precision: str) -> dict[str, str]:
+    return {} if precision == "default" else dict(zip(("dtype", "quantization"), precision.split(":")))
+
+
+def _engine_precision(precision: str) -> tuple[str, str, str | None]:
+    config = EngineConfig(**_precision_kwargs(precision))
+    return config.dtype, config.quantization, config.kv_cache_dtype
+
+
+EXPLICIT_PRECISIONS = ["float32:int8", "float32:int4", "bfloat16:int4"]
+# "default" runs only where it is not one of the explicit ones already: on a CPU it is int4
+# weights with float32 or bfloat16 activations and float32 KV (as
+# test_the_cpu_default_precision_follows_the_cpus_bfloat16_units checks), the very engine of one
+# of them; running that engine twice would check nothing more.
+PRECISIONS = EXPLICIT_PRECISIONS + [
+    p for p in ["default"] if _engine_precision(p) not in {_engine_precision(e) for e in EXPLICIT_PRECISIONS}]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_default_model_quantized_stays_within_the_stated_tolerance(precision, float32_reference):
     ref_llm, ref, float32_bytes = float32_reference
     # "default": what the engine runs on this CPU when not told (int4 weights; bfloat16 or float32
     # activations by the CPU).
-    kwargs = {} if precision == "default" else dict(zip(("dtype", "quantization"), precision.split(":")))
-    llm = LLM(threads=2, kv_cache_gib=0.1, **kwargs)
+    llm = LLM(threads=2, kv_cache_gib=0.1, **_precision_kwargs(precision))
     kind = llm.engine.config.quantization
     assert kind in KINDS
     assert model_bytes(llm.engine.runner.model) < {"int8": 0.5, "int4": 0.4}[kind] * float32_bytes

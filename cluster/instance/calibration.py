@@ -13,11 +13,14 @@ Measuring takes about a minute on a busy CPU, paid again by every restart, so ``
 keeps each measured profile on disk under a key of everything the timings depend on
 (``cache_key``) and loads it when an instance starts with the same key. The cache is a directory
 of one JSON file per key: ``$MOONCAKE_CALIBRATION_CACHE``, else ``calibration/`` under
-``$MOONCAKE_CACHE_DIR``, ``$XDG_CACHE_HOME/mooncake-py`` or ``~/.cache/mooncake-py``.
+``$MOONCAKE_CACHE_DIR``, ``$XDG_CACHE_HOME/mooncake-py`` or ``~/.cache/mooncake-py``. Instances
+that start together with the same key measure once: the first holds a lock file beside the
+profile's, the others wait for it and load what it saved.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -27,6 +30,8 @@ import random
 import struct
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,9 @@ log = logging.getLogger(__name__)
 # profiles then miss.
 CALIBRATION_VERSION = 2
 CACHE_ENV = "MOONCAKE_CALIBRATION_CACHE"
+# How long an instance waits for another one measuring the same key (``_measuring_once``) before
+# it measures for itself: longer than a measurement takes on a busy CPU.
+MEASURING_WAIT_S = 300.0
 
 # /proc/cpuinfo fields naming the core and its instruction sets (x86, then Arm); not the clock
 # or microcode lines, which change without changing what a step costs.
@@ -243,20 +251,61 @@ def _save(path: Path, key: dict[str, Any], prof: InstanceProfile, seconds: float
             os.unlink(tmp)
 
 
+@contextmanager
+def _measuring_once(path: Path) -> Iterator[None]:
+    """Held while this process measures the profile cached at ``path``: an exclusive lock on a file
+    beside it, which other instances with the same key wait for (at most ``MEASURING_WAIT_S``).
+
+    Instances started together on one host with the same key (a Conductor's prefill instances, or
+    its decode instances) would otherwise all measure at once: each measurement slows the others
+    and times a machine busier than it will be. The kernel drops the lock when its holder exits,
+    killed or not; a holder that is stuck is waited out.
+    """
+    lock_path = path.with_name(f".{path.stem}.lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # an unwritable cache: nothing to share with the others anyway
+        log.warning("could not open the calibration lock %s: %s; measuring without it", lock_path, e)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + MEASURING_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning("another instance has been measuring %s for over %.0f s; measuring here as well",
+                                path, MEASURING_WAIT_S)
+                    break
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
 def cached_profile(engine: LLMEngine, seed: int = 0, recalibrate_after: float | None = None) -> InstanceProfile:
-    """The engine's profile from the cache, else measured (``profile``) and cached.
+    """The engine's profile from the cache, else measured (``profile``) and cached; another
+    instance measuring the same key at the time is waited for (``_measuring_once``) and its
+    profile loaded.
 
     ``recalibrate_after``: a Unix time; a profile cached before it is measured again (``--recalibrate``).
     """
     key = cache_key(engine, seed)
     path = cache_path(key)
     prof = _load(path, key, recalibrate_after)
-    if prof is not None:
-        log.info("calibration loaded from %s: %s", path, prof)
-        return prof
-    started = time.perf_counter()
-    prof = profile(engine, seed)
-    seconds = time.perf_counter() - started
-    _save(path, key, prof, seconds)
-    log.info("calibration measured in %.1f s, cached at %s: %s", seconds, path, prof)
+    if prof is None:
+        with _measuring_once(path):
+            # Whoever held the lock before has saved its profile by now.
+            prof = _load(path, key, recalibrate_after)
+            if prof is None:
+                started = time.perf_counter()
+                prof = profile(engine, seed)
+                seconds = time.perf_counter() - started
+                _save(path, key, prof, seconds)
+                log.info("calibration measured in %.1f s, cached at %s: %s", seconds, path, prof)
+                return prof
+    log.info("calibration loaded from %s: %s", path, prof)
     return prof
