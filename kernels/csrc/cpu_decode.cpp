@@ -244,8 +244,6 @@ inline float dot_q8(const int8_t* w, const Q8Row& x, int64_t nb) {
 #endif
 }
 
-constexpr int64_t PREFETCH_ROWS = 2;
-
 // A weight of either format, as the matrix-vector loops read it.
 struct QWeight {
   const uint8_t* data = nullptr;
@@ -266,17 +264,7 @@ struct QWeight {
   // out[m * ldo + n] (+ bias[n]) for the rows n in [n0, n1) and every activation row m.
   void rows(const Q8Batch& x, int64_t m, int64_t n0, int64_t n1, float* out, int64_t ldo, const float* bias) const {
     const int64_t nb = k / QK;
-    const int64_t row_bytes = q4 ? nb * Q4_BYTES : k;
     for (int64_t n = n0; n < n1; ++n) {
-#if defined(__AVX2__)
-      // A step streams every weight from memory once: ask for the row after next while this one
-      // computes (the weights of 30 layers do not fit in the caches; measured 4.2 ms for 30
-      // layers against 3.0 for one layer 30 times, before).
-      if (n + PREFETCH_ROWS < n1) {
-        const char* ahead = reinterpret_cast<const char*>(data) + (n + PREFETCH_ROWS) * row_bytes;
-        for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
-      }
-#endif
       if (q4) {
         const uint8_t* wr = data + n * nb * Q4_BYTES;
         int64_t r = 0;
