@@ -14,6 +14,7 @@ so rather than running slower code silently.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# How long a start waits for another process's build of the same key (one build takes ~30 s of
+# CPU; on 2 busy cores, minutes).
+BUILD_WAIT_S = 900.0
 _ext: ModuleType | None = None
 
 
@@ -70,16 +74,35 @@ def load() -> ModuleType:
     build_dir.mkdir(parents=True, exist_ok=True)
     _put_ninja_on_path()
     started = time.perf_counter()
-    try:
-        _ext = cpp_extension.load(name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(build_dir), verbose=False)
-    except (RuntimeError, OSError, ImportError) as e:
-        raise RuntimeError(
-            f"could not build the native CPU kernels in {build_dir} ({type(e).__name__}: {e}); they need a "
-            "C++ compiler (g++) and ninja. Set MOONCAKE_KERNELS=torch to run the torch twins instead (slower)"
-        ) from e
+    # torch's builder serialises builds with a lock file that a build killed midway leaves behind,
+    # and then waits on it forever. An flock dies with its process: holding it, no build of this
+    # key is running, so a lock file found is stale.
+    with open(build_dir / "build.flock", "w") as held:
+        _lock(held, build_dir)
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            _ext = cpp_extension.load(name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                      build_directory=str(build_dir), verbose=False)
+        except (RuntimeError, OSError, ImportError) as e:
+            raise RuntimeError(
+                f"could not build the native CPU kernels in {build_dir} ({type(e).__name__}: {e}); they need a "
+                "C++ compiler (g++) and ninja. Set MOONCAKE_KERNELS=torch to run the torch twins instead (slower)"
+            ) from e
     log.info("native CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, build_dir)
     return _ext
+
+
+def _lock(held, build_dir: Path) -> None:
+    deadline = time.monotonic() + BUILD_WAIT_S
+    while True:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"another process has been building the native CPU kernels in {build_dir} for "
+                                   f"over {BUILD_WAIT_S:.0f} s; set MOONCAKE_KERNELS=torch to start without them") from None
+            time.sleep(0.2)
 
 
 def _put_ninja_on_path() -> None:

@@ -68,8 +68,10 @@ def decode_attention_native(
     scale: float,
 ) -> torch.Tensor:
     """The native CPU kernel: each (sequence, KV head) reads its keys and values tile by tile
-    through the block table, scores all the query heads of its GQA group against each key, and
-    takes an exact softmax in fp32; (sequence, KV head) pairs are split over torch's threads."""
+    through the block table (no gathered copy), scores the query heads of its GQA group against
+    eight keys at a time and takes an exact softmax in fp32; (sequence, KV head, span of the
+    context) items are split over torch's threads and the spans merged by their softmax partials
+    (docs/kernels.md#native-cpu-kernels)."""
     return cpu_ext.load().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

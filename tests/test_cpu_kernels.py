@@ -179,3 +179,17 @@ def test_a_failed_build_says_how_to_run_without_it(monkeypatch, tmp_path):
     monkeypatch.setenv("MOONCAKE_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="MOONCAKE_KERNELS=torch"):
         cpu_ext.load()
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_start():
+    """torch's builder waits forever on the lock file of a build that died; ours clears it."""
+    import subprocess
+    import sys
+
+    cpu_ext.load()
+    build_dir = cpu_ext.cache_root() / "cpu-kernels" / f"mooncake_cpu_decode_{cpu_ext.build_key()}"
+    (build_dir / "lock").write_text("")  # as a build killed with SIGKILL leaves it
+    code = "import mooncake_kernels.cpu_ext as c; c.load(); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr
+    assert not (build_dir / "lock").exists()
