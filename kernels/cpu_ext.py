@@ -14,7 +14,6 @@ so rather than running slower code silently.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import filelock
 import torch
 
 log = logging.getLogger(__name__)
@@ -75,34 +75,27 @@ def load() -> ModuleType:
     _put_ninja_on_path()
     started = time.perf_counter()
     # torch's builder serialises builds with a lock file that a build killed midway leaves behind,
-    # and then waits on it forever. An flock dies with its process: holding it, no build of this
-    # key is running, so a lock file found is stale.
-    with open(build_dir / "build.flock", "w") as held:
-        _lock(held, build_dir)
+    # and then waits on it forever. filelock's lock (an flock) dies with its process: holding it,
+    # no build of this key is running, so a lock file found is stale.
+    lock = filelock.FileLock(build_dir / "build.flock", preserve_lock_file=True)
+    try:
+        lock.acquire(timeout=BUILD_WAIT_S)
+    except filelock.Timeout:
+        raise RuntimeError(f"another process has been building the native CPU kernels in {build_dir} for over "
+                           f"{BUILD_WAIT_S:.0f} s; set MOONCAKE_KERNELS=torch to start without them") from None
+    try:
         (build_dir / "lock").unlink(missing_ok=True)
-        try:
-            _ext = cpp_extension.load(name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                                      build_directory=str(build_dir), verbose=False)
-        except (RuntimeError, OSError, ImportError) as e:
-            raise RuntimeError(
-                f"could not build the native CPU kernels in {build_dir} ({type(e).__name__}: {e}); they need a "
-                "C++ compiler (g++) and ninja. Set MOONCAKE_KERNELS=torch to run the torch twins instead (slower)"
-            ) from e
+        _ext = cpp_extension.load(name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(build_dir), verbose=False)
+    except (RuntimeError, OSError, ImportError) as e:
+        raise RuntimeError(
+            f"could not build the native CPU kernels in {build_dir} ({type(e).__name__}: {e}); they need a "
+            "C++ compiler (g++) and ninja. Set MOONCAKE_KERNELS=torch to run the torch twins instead (slower)"
+        ) from e
+    finally:
+        lock.release()
     log.info("native CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, build_dir)
     return _ext
-
-
-def _lock(held, build_dir: Path) -> None:
-    deadline = time.monotonic() + BUILD_WAIT_S
-    while True:
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"another process has been building the native CPU kernels in {build_dir} for "
-                                   f"over {BUILD_WAIT_S:.0f} s; set MOONCAKE_KERNELS=torch to start without them") from None
-            time.sleep(0.2)
 
 
 def _put_ninja_on_path() -> None:

@@ -20,7 +20,6 @@ profile's, the others wait for it and load what it saved.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -35,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import filelock
 import numpy as np
 import torch
 
@@ -262,28 +262,20 @@ def _measuring_once(path: Path) -> Iterator[None]:
     killed or not; a holder that is stuck is waited out.
     """
     lock_path = path.with_name(f".{path.stem}.lock")
+    lock = filelock.FileLock(lock_path, preserve_lock_file=True)  # removing it could race a waiter
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        lock.acquire(timeout=MEASURING_WAIT_S, poll_interval=0.1)
+    except filelock.Timeout:
+        log.warning("another instance has been measuring %s for over %.0f s; measuring here as well",
+                    path, MEASURING_WAIT_S)
     except OSError as e:  # an unwritable cache: nothing to share with the others anyway
         log.warning("could not open the calibration lock %s: %s; measuring without it", lock_path, e)
-        yield
-        return
     try:
-        deadline = time.monotonic() + MEASURING_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    log.warning("another instance has been measuring %s for over %.0f s; measuring here as well",
-                                path, MEASURING_WAIT_S)
-                    break
-                time.sleep(0.1)
         yield
     finally:
-        os.close(fd)  # and with it the lock
+        if lock.is_locked:
+            lock.release()
 
 
 def cached_profile(engine: LLMEngine, seed: int = 0, recalibrate_after: float | None = None) -> InstanceProfile:
