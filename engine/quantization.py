@@ -13,9 +13,11 @@ bfloat16, 11.6 ms as int8 and 4.1-5.0 ms as int4 (2 threads, one row).
 
 Two kernels can multiply them, chosen when the weight is built (``native``):
 
-* the native ones (:mod:`kernels.quant_linear`, the default on CPU): activations quantized to 8
-  bits per block of 32 and integer dot products, float32 activations in and out; a 3072x576
-  int4 projection of one row took 58 us against torch's 96 us (1 thread, avx512 EPYC);
+* the native ones (:mod:`kernels.quant_linear`, the default on CPU): activations quantized per
+  block of 32 in two 8-bit levels and integer dot products, float32 activations in and out; a
+  3072x576 int4 projection of one row took 74 us against torch's 78 (1 thread, avx512 EPYC):
+  about even alone, what they buy is accuracy and a decode layer in one native call
+  (:mod:`kernels.decode_layer`);
 * torch's own (``MOONCAKE_KERNELS=torch``): ``torch._weight_int8pack_mm`` and
   ``torch._weight_int4pack_mm_for_cpu``, fast with bfloat16 activations only (int8 with float32
   ones was 9x slower than a float32 matmul here), so activations go in as bfloat16; torch's int4
@@ -102,8 +104,8 @@ class Int8Weight(QuantizedWeight):
 
     # torch's kernel: bfloat16 6 with avx512_bf16; float32 64 on AVX2 (1 row 17.5 ms against 60
     # in float32, 64 rows 263 against 294, all the default model's projections). The native one
-    # reads the same bytes; as an LM head (49152x576) it matched torch's at 1 row (1.74 ms, memory
-    # bound) and took 1.50 ms against 2.77 at 4.
+    # reads the same bytes; as an LM head (49152x576, 2 threads) it matched torch's: 0.80 ms at 1
+    # row (memory bound), 2.93 against 2.96 at 4.
     crossover_rows = {torch.bfloat16: 6, torch.float32: 64}
     native_crossover_rows = {torch.bfloat16: 8, torch.float32: 64}
 
@@ -133,8 +135,11 @@ class Int4Weight(QuantizedWeight):
 
     # torch's kernel: bfloat16 16 with avx512_bf16; float32 64 on AVX2 (1 row 11.2 ms against 60
     # in float32, 64 rows 257 against 294, 128 rows 594 against 372). The native one against a
-    # dense 3072x576 matmul (2 threads, avx512 EPYC): 168 us against bfloat16's 149 at 8 rows,
-    # 680 against float32's 1,351 at 32.
+    # dense 3072x576 matmul (2 threads, avx512 EPYC): 114 us against bfloat16's 116 at 4 rows, 213
+    # against 150 at 8; 1,083 against float32's 1,146 at 32. A step of decodes up to these rows
+    # runs each layer as one native call, which spares the eager layer's ~200 ATen calls; past
+    # 4 (bfloat16) or 32 (float32) rows that is worth less than the dense matmul's lead. The
+    # crossovers were set with one activation level and not retuned for two: issue 30's note.
     crossover_rows = {torch.bfloat16: 16, torch.float32: 64}
     native_crossover_rows = {torch.bfloat16: 8, torch.float32: 64}
 
