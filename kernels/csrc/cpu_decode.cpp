@@ -4,10 +4,10 @@
 //
 // Why: a decode step at small batch reads every weight once for a few rows. torch's int4 kernel
 // dequantizes to float and is compute-bound on AVX2 (87 us per 3072x576 projection, ~5 GB/s of
-// int4), and the eager layer costs ~200 ATen calls. Here activations are quantized to 8 bits per
-// block of 32 (with the block's exact float sum) and multiplied with integer dot products, the
-// scheme of GGUF's Q4_1 x Q8_1; and one call runs a layer with the threads kept in one OpenMP
-// region. The OpenMP runtime is torch's own (same soname, loaded first), so torch.set_num_threads
+// int4), and the eager layer costs ~200 ATen calls. Here activations are quantized per block of
+// 32 in two 8-bit levels (with the block's exact float sum) and multiplied with integer dot
+// products, GGUF's Q4_1 x Q8_1 scheme with a second level for accuracy; and one call runs a layer
+// with the threads kept in one OpenMP region. The OpenMP runtime is torch's own (same soname, loaded first), so torch.set_num_threads
 // sets this code's threads too.
 //
 // Formats (packed by kernels/quant_linear.py):
@@ -16,7 +16,7 @@
 //   odd last block has codes 0..15 low, 16..31 high), then the blocks' fp16 scales d, then their
 //   fp16 minimums m: w = q * d + m.
 // * q8 weight [N, K] int8 with a float scale per row: w = q * scale[n].
-// * activations, per row and block of 32: int8 codes, a float scale (amax / 127), the float sum.
+// * activations, per row and block of 32: two levels of int8 codes, a scale, the float sum (Q8Row).
 
 #include <torch/extension.h>
 #include <omp.h>
