@@ -230,14 +230,14 @@ class ServerProcess:
 
 
 def start_server(name: str, cmd: Sequence[str], base_url: str, log_path: Path,
-                 env: dict[str, str] | None = None) -> ServerProcess:
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> ServerProcess:
     """Run ``cmd`` (a server listening at ``base_url``) as a new process group, output to ``log_path``;
-    ``env`` is added to this process's environment."""
+    ``env`` is added to this process's environment; ``cwd``: where it runs (default: here)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=full_env)
+                                start_new_session=True, env=full_env, cwd=cwd)
     return ServerProcess(name, list(cmd), proc, log_path, base_url)
 
 

@@ -153,6 +153,57 @@ def test_unloaded_and_workload_against_fake_server(fake_server):  # noqa: F811
     json.dumps(serving.result_records(res))
 
 
+def test_slo_scales_repeats_and_best_peer():
+    slos = disagg.derive_slos({"ttft_ms": 50.0, "tbt_ms": 20.0})  # 500 / 100 ms
+    ok, slow = _res(0.1, [0.07] * 5), _res(0.7, [0.07] * 5)  # TTFT 100 / 700 ms, TBT 70 ms
+    by_scale = disagg.judge([ok, slow, _res(0, [], ok=False, status=429)], 10.0, slos, [0.5, 1.0, 2.0])
+    assert [by_scale[k]["goodput"] for k in ("0.5", "1.0", "2.0")] == pytest.approx([0.0, 0.1, 0.2])
+
+    runs = [{"1.0": {"goodput": g}} for g in (0.3, 0.1, 0.2)]
+    assert disagg.goodput_spread(runs) == {"1.0": {"median": 0.2, "min": 0.1, "max": 0.3}}
+    med = disagg.median_summary([by_scale["1.0"], by_scale["2.0"], by_scale["2.0"]])
+    assert med["goodput"] == pytest.approx(0.2) and med["completed"] == 2
+    assert isinstance(med["rejected"], int)
+
+    spread = lambda g: {"0.5": {"median": g / 2, "min": 0.0, "max": g}, "1.0": {"median": g, "min": g, "max": g}}
+    spreads = {"colocated": {"trace": spread(0.4)}, "disaggregated": {"trace": spread(0.6)},
+               "vllm": {"trace": spread(0.2)}, "llama-server": {"trace": spread(0.3)}}
+    v = disagg.versus_best_peer(spreads, "trace", "1.0")
+    assert v["peer"] == "llama-server" and v["ratio"] == pytest.approx(2.0)
+    assert disagg.versus_best_peer({"disaggregated": spreads["disaggregated"]}, "trace", "1.0") is None
+    table = disagg.format_goodput_table(spreads, [0.5, 1.0], 3)
+    assert "| trace | vllm | 0.100 (0.000-0.200) | 0.200 (0.200-0.200) |" in table
+    assert "trace @ 1x SLOs: disaggregated / best peer (llama-server) goodput = 2.00x" in table
+    assert "over 3 run(s)" in table
+
+    parse = disagg.build_parser().parse_args
+    assert parse(["--slo-scales", "2,0.5"]).slo_scales == [0.5, 1.0, 2.0]  # 1 always in
+    for bad in ("0", "-1", "x", "inf"):
+        with pytest.raises(SystemExit):
+            parse(["--slo-scales", bad])
+
+
+def test_peer_commands_and_missing_peers(tmp_path):
+    from bench import peers
+
+    v = peers.vllm_command("/v/python", 8001, model_dir=tmp_path, served_name="m", dtype="float32", threads=2)
+    assert v.cmd[:3] == ["/v/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert v.cmd[v.cmd.index("--port") + 1] == "8001" and v.cmd[v.cmd.index("--dtype") + 1] == "float32"
+    assert v.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and v.env["HF_HUB_OFFLINE"] == "1"
+    binary = tmp_path / "bin" / "llama-server"
+    ls = peers.llama_server_command(binary, 8002, gguf=tmp_path / "m.gguf", served_name="m", threads=2,
+                                    slots=8, ctx=65536)
+    assert ls.cmd[0] == str(binary) and ls.cmd[ls.cmd.index("-np") + 1] == "8"
+    assert ls.env["LD_LIBRARY_PATH"].split(":")[0] == str(binary.parent)
+
+    args = disagg.build_parser().parse_args(["--deployments", "colocated,vllm,llama-server",
+                                             "--llama-server", str(binary)])
+    args.vllm_python = None
+    with pytest.raises(SystemExit, match="--vllm-python.*llama-server: .* does not exist"):
+        peers.check_peers(["vllm", "llama-server"], args)
+    peers.check_peers([], args)  # no peer asked for: nothing to check
+
+
 def test_help():
     out = subprocess.run([sys.executable, "-m", "bench.disagg", "--help"], capture_output=True,
                          text=True, timeout=60)
