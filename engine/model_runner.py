@@ -16,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_layout import KVLayout
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
-from engine.quantization import model_bytes, prefill_copy_bytes, quantize_model
+from engine.quantization import model_bytes, pack_model, prefill_copy_bytes, quantize_model
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
@@ -102,6 +102,8 @@ class ModelRunner:
             kernels.load_native()
         if config.quantization != "none":
             quantize_model(self.model, config.quantization)
+        # A float model's matmuls through oneDNN on weights packed once (kernels/dense_linear.py).
+        packed = self.native and config.quantization == "none" and pack_model(self.model)
         native_layers = self.native and self.model.enable_native_decode()
         self.model_config = self.model.cfg
         weight_bytes = model_bytes(self.model)
@@ -124,7 +126,7 @@ class ModelRunner:
         )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); weights %.2f GiB (%s), "
-            "their bfloat16 copy for prefill %.2f GiB; kernels: %s",
+            "their dense copy for prefill %.2f GiB; kernels: %s%s",
             self.num_blocks, config.block_size, self.num_blocks * config.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.kv_cache_dtype,
             weight_bytes / _GIB, config.quantization if config.quantization != "none" else config.dtype,
@@ -132,6 +134,7 @@ class ModelRunner:
             "triton" if self.triton else
             f"native CPU (decode layers: {'up to %d rows' % self.model.native_rows if native_layers else 'eager'})"
             if self.native else "torch twins",
+            "; projections packed for oneDNN" if packed else "",
         )
 
     @property

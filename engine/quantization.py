@@ -33,6 +33,10 @@ slower than a float32 one, so there the CPU default is a float32 model
 float table (a tied LM head gets its own quantized copy, int8 under int4 too), as do the norms.
 ``quantize_model`` replaces the weights after loading; ``linear`` is what the model calls for
 every projection, whichever kind of weight it holds.
+
+With the native kernels on, every dense matmul on CPU is oneDNN's on a weight packed once
+(:class:`PackedWeight`, :mod:`kernels.dense_linear`): the quantized weights' dequantized copies,
+and, through ``pack_model``, every projection of a model that is not quantized.
 """
 
 from __future__ import annotations
@@ -64,13 +68,25 @@ class QuantizedWeight:
             raise ValueError(f"a dequantized copy in {dense_dtype} is not supported "
                              f"(supported: {sorted(str(d) for d in self.crossover_rows)})")
         self.native = native
-        self.dense = dense.to(dense_dtype).contiguous()
+        # With the native kernels, the dense copy is kept only packed for oneDNN.
+        self._dense_copy: torch.Tensor | PackedWeight = dense.to(dense_dtype).contiguous()
+        if native and kernels.dense_native_available(dense_dtype):
+            self._dense_copy = PackedWeight(self._dense_copy)
         self.max_rows = (self.native_crossover_rows if native else self.crossover_rows)[dense_dtype]
         self.kernel_dtype = torch.float32 if native else torch.bfloat16
 
     @property
+    def dense(self) -> torch.Tensor:
+        """The dequantized copy, plain (a new tensor when it is kept packed)."""
+        c = self._dense_copy
+        return c.packed.to_dense() if isinstance(c, PackedWeight) else c
+
+    @property
     def shape(self) -> torch.Size:
-        return self.dense.shape
+        return self._dense_copy.shape
+
+    def dense_bytes(self) -> int:
+        return self._dense_copy.numel() * self._dense_copy.element_size()
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -86,17 +102,40 @@ class QuantizedWeight:
             want = self.kernel_dtype
             run = self.kernel
         else:
-            want = self.dense.dtype
+            want = self._dense_copy.dtype
             run = self._dense
         if flat.dtype != want:
             flat = flat.to(want)
         out = run(flat if flat.is_contiguous() else flat.contiguous())
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.dense.shape[0])
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.shape[0])
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense)
+        c = self._dense_copy
+        return c(x) if isinstance(c, PackedWeight) else F.linear(x, c)
+
+
+class PackedWeight:
+    """A float ``[out, in]`` weight packed once for oneDNN's matmul (:mod:`kernels.dense_linear`):
+    the projections of a CPU model that is not quantized, and the quantized weights' dense
+    copies. Activations must come in the weight's dtype."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = kernels.pack_dense(weight)
+        self.shape, self.dtype = weight.shape, weight.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.dense_linear_native(x, self.packed)
+
+    def numel(self) -> int:
+        return self.packed.numel()
+
+    def element_size(self) -> int:
+        return self.packed.element_size()
+
+    def stored_bytes(self) -> int:
+        return self.numel() * self.element_size()
 
 
 class Int8Weight(QuantizedWeight):
@@ -185,8 +224,9 @@ class Int4Weight(QuantizedWeight):
 _KINDS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a float weight or a ``QuantizedWeight``."""
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight | PackedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a float weight, a ``QuantizedWeight`` or a ``PackedWeight``."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     out = weight(x)
@@ -198,24 +238,34 @@ def model_bytes(model: nn.Module) -> int:
     the quantized weights (not their dequantized copies for prefill, counted apart by
     ``prefill_copy_bytes``)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total + sum(w.stored_bytes() for w in _quantized(model))
+    return total + sum(w.stored_bytes() for w in _held(model, (QuantizedWeight, PackedWeight)))
 
 
 def prefill_copy_bytes(model: nn.Module) -> int:
     """The bytes of the dequantized copies the quantized weights keep for prefill chunks."""
-    return sum(w.dense.numel() * w.dense.element_size() for w in _quantized(model))
+    return sum(w.dense_bytes() for w in _held(model, QuantizedWeight))
 
 
-def _quantized(model: nn.Module) -> list[QuantizedWeight]:
-    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, QuantizedWeight)]
+def _held(model: nn.Module, kinds) -> list:
+    return [v for m in model.modules() for v in vars(m).values() if isinstance(v, kinds)]
 
 
-def _replace(module: nn.Module, name: str, weight: torch.Tensor, method: str) -> None:
-    # The float parameter goes (its memory with it); the quantized weight is a plain attribute.
-    # Its dequantized copy is in the weight's own dtype, the model's.
+def _replace(module: nn.Module, name: str, weight: QuantizedWeight | PackedWeight) -> None:
+    # The float parameter goes (its memory with it); its replacement is a plain attribute.
     if name in module._parameters:
         del module._parameters[name]
-    setattr(module, name, _KINDS[method](weight, weight.dtype))
+    setattr(module, name, weight)
+
+
+def _projections(model: nn.Module):
+    """(module, attribute, weight) of every decoder layer's projections, then the LM head (the
+    embedding when tied)."""
+    for layer in model.layers:
+        for module, name in ((layer.attn, "qkv_weight"), (layer.attn, "o_weight"),
+                             (layer, "gate_up_weight"), (layer, "down_weight")):
+            yield module, name, getattr(module, name)
+    if model.last:
+        yield model, "lm_head", model.embed if model.lm_head is None else model.lm_head
 
 
 def quantize_model(model: nn.Module, method: str) -> None:
@@ -224,13 +274,21 @@ def quantize_model(model: nn.Module, method: str) -> None:
         raise ValueError(f"unknown quantization {method!r}; expected one of {QUANTIZATIONS}")
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"{method} weight-only runs on CPU (torch's CPU kernels)")
-    for layer in model.layers:
-        _replace(layer.attn, "qkv_weight", layer.attn.qkv_weight, method)
-        _replace(layer.attn, "o_weight", layer.attn.o_weight, method)
-        _replace(layer, "gate_up_weight", layer.gate_up_weight, method)
-        _replace(layer, "down_weight", layer.down_weight, method)
-    if model.last:
+    for module, name, weight in list(_projections(model)):
         # The LM head's errors go straight into the logits: under int4 it stays 8-bit, as GGUF's
         # 4-bit files keep their output tensor at 6 or 8 bits (the default model's is Q8_0).
-        head = model.embed if model.lm_head is None else model.lm_head
-        _replace(model, "lm_head", head, "int8" if method == "int4" else method)
+        kind = "int8" if name == "lm_head" and method == "int4" else method
+        # The dequantized copy is in the weight's own dtype, the model's.
+        _replace(module, name, _KINDS[kind](weight, weight.dtype))
+
+
+def pack_model(model: nn.Module) -> bool:
+    """Pack every projection and the LM head of a CPU model that is not quantized for oneDNN
+    (:class:`PackedWeight`), when the native CPU kernels are on and this torch can; returns
+    whether it did. A tied LM head gets its own packed copy: the embedding stays a table."""
+    p = next(model.parameters())
+    if p.device.type != "cpu" or not kernels.native_cpu() or not kernels.dense_native_available(p.dtype):
+        return False
+    for module, name, weight in list(_projections(model)):
+        _replace(module, name, PackedWeight(weight))
+    return True

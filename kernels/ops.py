@@ -17,6 +17,7 @@ from .decode_attention import (
     DecodeWorkspace, decode_attention_native, decode_attention_torch, decode_attention_triton,
 )
 from .decode_layer import native_decode_layer
+from .dense_linear import dense_linear_native, dense_linear_torch, dense_native_available, pack_dense
 from .extend_attention import extend_attention_torch, extend_attention_triton
 from .kv_transfer import LayerSel, gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
 from .norms import rms_norm_torch, rms_norm_triton
@@ -118,12 +119,16 @@ __all__ = [
     "DecodeContext",
     "DecodeWorkspace",
     "decode_attention",
+    "dense_linear_native",
+    "dense_linear_torch",
+    "dense_native_available",
     "extend_attention",
     "gather_kv",
     "load_native",
     "mode",
     "native_cpu",
     "native_decode_layer",
+    "pack_dense",
     "pack_q4",
     "quant_linear_native",
     "quant_linear_torch",

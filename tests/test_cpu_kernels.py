@@ -18,6 +18,7 @@ import torch
 from engine import LLM, SamplingParams
 from mooncake_kernels import cpu_ext
 from mooncake_kernels.decode_attention import decode_attention_native, decode_attention_torch
+from mooncake_kernels.dense_linear import dense_linear_native, dense_linear_torch, pack_dense
 from mooncake_kernels.quant_linear import pack_q4, quant_linear_native, quant_linear_torch, unpack_q4
 from tiny_models import make_tiny_model
 
@@ -102,6 +103,31 @@ def test_native_decode_attention_refuses_bad_input():
         decode_attention_native(q, k.half(), v.half(), tables, seq_lens, 0.25)
     with pytest.raises(RuntimeError, match="multiple"):
         decode_attention_native(q[:, :3], k, v, tables, seq_lens, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 33, 300])
+def test_packed_dense_linear_equals_its_twin(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype)
+    packed = pack_dense(w)  # tuned for 32 rows; any number runs on it
+    for b in (None, bias):
+        got, want = dense_linear_native(x, packed, b), dense_linear_torch(x, w, b)
+        assert got.dtype == dtype and got.shape == want.shape
+        # Summation order only: float32 to its rounding, bfloat16 to one step of its output.
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.15)
+        torch.testing.assert_close(got, want, **tol)
+    three_d = dense_linear_native(x.view(1, rows, 64), packed)
+    assert three_d.shape == (1, rows, 96)
+    torch.testing.assert_close(three_d[0], dense_linear_native(x, packed))
+
+
+def test_pack_dense_refuses_what_onednn_cannot_take():
+    for bad in (torch.randn(4, 8).half(), torch.randn(2, 4, 8), torch.ones(4, 8, dtype=torch.int8)):
+        with pytest.raises(ValueError, match="oneDNN packs 2-D CPU weights"):
+            pack_dense(bad)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])

@@ -22,7 +22,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.quantization import Int4Weight, Int8Weight, QuantizedWeight, linear, model_bytes, quantize_model
+from engine.quantization import (
+    Int4Weight, Int8Weight, PackedWeight, QuantizedWeight, linear, model_bytes, quantize_model,
+)
+import mooncake_kernels as kernels
 from prompts import PROMPTS
 from tiny_models import make_tiny_model
 
@@ -107,6 +110,37 @@ def test_a_quantized_tiny_model_keeps_its_logits_close(tmp_path, kind):
     diff = torch.tensor(got[None]) - torch.tensor(got[kind])
     # Random Gaussian weights (no trained structure) are the hard case for 4 bits.
     assert diff.abs().mean() < {"int8": 0.05, "int4": 0.3}[kind]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_float_model_packs_its_projections_for_onednn(tmp_path, dtype):
+    """With the native kernels on (the CPU default), a model that is not quantized multiplies by
+    packed weights, a tied head by its own packed copy; the logits equal those of the plain
+    weights (MOONCAKE_KERNELS=torch) up to summation order."""
+    model = make_tiny_model(tmp_path / "m", "LlamaForCausalLM", tie=True, seed=6)
+    prompts = [[(11 * i + j) % 200 + 3 for i in range(30)] for j in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    got, weight_bytes = {}, {}
+    for mode in ("auto", "torch"):
+        before = kernels.mode()
+        kernels.set_mode(mode)
+        try:
+            llm = LLM(str(model), threads=2, kv_cache_gib=0.01, dtype=dtype)
+            got[mode] = [[lp.logprob for lp in r.prompt_logprobs[1:]] for r in llm.generate(prompts, params)]
+        finally:
+            kernels.set_mode(before)
+        m = llm.engine.runner.model
+        packed = mode == "auto"
+        assert isinstance(m.layers[0].gate_up_weight, PackedWeight) is packed
+        assert isinstance(m.lm_head, PackedWeight) is packed and isinstance(m.embed, torch.Tensor)
+        if packed:
+            assert "down_weight" not in dict(m.layers[0].named_parameters())
+            head_copy = m.lm_head.stored_bytes()
+        weight_bytes[mode] = model_bytes(m)
+    # The packed weights replace the plain ones byte for byte; the tied head's copy comes on top.
+    assert weight_bytes["auto"] == weight_bytes["torch"] + head_copy
+    diff = (torch.tensor(got["auto"]) - torch.tensor(got["torch"])).abs().max().item()
+    assert diff < (1e-4 if dtype == "float32" else 0.1), diff
 
 
 @pytest.fixture(scope="module")
