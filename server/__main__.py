@@ -29,6 +29,7 @@ import time
 
 from engine.config import QUANTIZATIONS
 from server.app import DEFAULT_MAX_BODY_BYTES
+from server.front_door import RESERVED_FDS, FrontDoor, serve
 
 SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
 MIN_SECRET_CHARS = 16
@@ -122,6 +123,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest request body accepted; beyond it: HTTP 413")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--header-timeout-s", type=_positive_float, default=FrontDoor.header_timeout_s,
+                   help="a request's headers must arrive within this many seconds of the connection "
+                   "being ready for it, else it is closed (every HTTP port, instances' too)")
+    p.add_argument("--body-timeout-s", type=_positive_float, default=FrontDoor.body_timeout_s,
+                   help="a request's body must arrive within this many seconds of its headers")
+    p.add_argument("--max-connections", type=_positive_int, default=None,
+                   help="open connections per HTTP port; past it new ones are closed at once "
+                   f"(default: the open-file limit less {RESERVED_FDS})")
     c = p.add_argument_group("cluster")
     c.add_argument("--mode", choices=["disaggregated", "colocated"], default=_env("MOONCAKE_MODE", "disaggregated"),
                    help="disaggregated: Conductor + prefill and decode instances; colocated: one engine (env MOONCAKE_MODE)")
@@ -277,9 +286,15 @@ def _engine_config(args: argparse.Namespace, role: str = "both"):
     return EngineConfig(**kwargs)
 
 
+def _front_door(args: argparse.Namespace) -> FrontDoor:
+    return FrontDoor(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                     max_connections=args.max_connections)
+
+
 def _instance_args(args: argparse.Namespace) -> list[str]:
     """Flags a started instance inherits from this command line."""
     out = ["--log-level", args.log_level, "--max-num-seqs", str(args.max_num_seqs),
+           "--header-timeout-s", str(args.header_timeout_s), "--body-timeout-s", str(args.body_timeout_s),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--staging-gib", str(args.staging_gib),
            "--transfer-timeout-s", str(args.transfer_timeout_s),
            "--reservation-lease-s", str(args.reservation_lease_s), "--max-waiting", str(args.max_waiting),
@@ -294,6 +309,7 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
         out += ["--pool-dram-gib", str(args.pool_dram_gib), "--pool-ssd-gib", str(args.pool_ssd_gib),
                 "--pool-block-tokens", str(args.pool_block_tokens)]
     for flag, value in (("--model", args.model), ("--kv-cache-gib", args.kv_cache_gib),
+                        ("--max-connections", args.max_connections),
                         ("--dtype", args.dtype), ("--quantization", args.quantization),
                         ("--kv-cache-dtype", args.kv_cache_dtype),
                         ("--max-model-len", args.max_model_len), ("--device", args.device),
@@ -366,8 +382,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control or metadata call otherwise
     log = logging.getLogger(__name__)
 
-    import uvicorn
-
     from server.app import ServerSettings, build_app
 
     try:
@@ -410,8 +424,8 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             sys.exit(f"error: {e}")
         log.info("%s instance on %s (conductor: %s)", args.role, config.url, args.conductor or "none")
-        uvicorn.run(build_instance_app(InstanceService(config)), host=args.host, port=args.port,
-                    log_level="warning", timeout_graceful_shutdown=5)
+        serve(build_instance_app(InstanceService(config)), args.host, args.port, _front_door(args),
+              log_level="warning")
         return
 
     if args.mode == "colocated":
@@ -425,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         app = build_app(client, settings)
         log.info("serving %r on http://%s:%d (colocated; /health is 503 until the model is loaded)",
                  client.model_name, args.host, args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        serve(app, args.host, args.port, _front_door(args), log_level=args.log_level)
         return
 
     import secrets
@@ -472,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
              args.prefill_instances, args.decode_instances, threads)
     supervisor.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        serve(app, args.host, args.port, _front_door(args), log_level=args.log_level)
     finally:
         supervisor.stop()
         if metadata_server is not None:

@@ -258,3 +258,39 @@ def test_reconnects_to_a_restarted_peer():
                 engine.write(second.address, [(src, 0, first.handle, 0, MiB)]).wait(10)
         finally:
             second.close()
+
+
+def _peer_maps() -> int:
+    """Mappings of other processes' transfer memory in this one (ours are in it too: count all)."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:mooncake-py-transfer" in line for line in f)
+
+
+def test_a_dead_peers_memory_is_unmapped_and_its_link_forgotten():
+    """Issue 31: a survivor kept every dead peer's shared memory mapped (1 GiB per restart of a
+    decode instance). Now the link closes when the peer dies: its windows are unmapped, its copy
+    thread ends, and the address is forgotten; a peer restarted there is reached afresh."""
+    addresses = []
+    with make_engine(timeout_s=3.0) as engine:
+        src = engine.register(torch.ones(MiB, dtype=torch.uint8))
+        baseline = _peer_maps()
+        for _ in range(3):
+            victim = Peer(16 * MiB)
+            addresses.append(victim.address)
+            try:
+                engine.write(victim.address, [(src, 0, victim.handle, i * MiB, MiB) for i in range(16)],
+                             transport="shm").wait(30)
+                assert _peer_maps() == baseline + 1 and victim.address in engine._links
+            finally:
+                victim.kill()
+            deadline = time.monotonic() + 10
+            while (_peer_maps() > baseline or victim.address in engine._links) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _peer_maps() == baseline, "the dead peer's memory is still mapped"
+            assert victim.address not in engine._links
+        # The links' threads (control send / receive, shm copy) end just after their last act.
+        deadline = time.monotonic() + 5
+        while (left := [t.name for t in threading.enumerate() if any(a in t.name for a in addresses)]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"threads outlived their links: {left}"

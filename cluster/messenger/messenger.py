@@ -275,13 +275,29 @@ class Messenger:
             if link is not None:
                 link.close()  # reconnect on the next request after a failure
             sock, hello = connect(peer, self.config, self._hello)
-            link = _Link(peer, Stream(sock, f"control {peer}", self.config), hello)
+            # A link whose peer dies is closed and forgotten at once, not when (or if) that
+            # address is asked for again: a restarted peer usually comes back elsewhere, and the
+            # dead one's mapped memory and threads would stay with us for ever.
+            made: list[Stream] = []
+            stream = Stream(sock, f"control {peer}", self.config, on_dead=lambda: made and self._forget(peer, made[0]))
+            made.append(stream)
+            link = _Link(peer, stream, hello)
             with self._lock:
                 if self._closed:
                     link.close()
                     raise TransferError("engine is closed")
                 self._links[peer] = link
             return link
+
+    def _forget(self, peer: str, control: Stream) -> None:
+        """Called when ``control`` dies: close the link it belongs to and drop it, if it is still
+        the one held for ``peer``."""
+        with self._lock:
+            link = self._links.get(peer)
+            if link is None or link.control is not control:
+                return
+            del self._links[peer]
+        link.close()
 
     def _choose(self, link: _Link, remote: Sequence[RegionHandle], forced: str | None) -> str:
         name = forced or (None if self.config.transport == "auto" else self.config.transport)

@@ -86,9 +86,16 @@ class Window(NamedTuple):
 
     view: memoryview
     address: int
+    map: mmap.mmap
 
     def __len__(self) -> int:
         return len(self.view)
+
+    def unmap(self) -> None:
+        """Give the mapping back: while it lasts, the peer's memory stays allocated here, even
+        after the peer has died."""
+        self.view.release()
+        self.map.close()
 
 
 def map_window(pid: int, fd: int, offset: int, length: int) -> Window:
@@ -104,7 +111,7 @@ def map_window(pid: int, fd: int, offset: int, length: int) -> Window:
     finally:
         os.close(file)
     view = memoryview(window)[offset - start :]
-    return Window(view, view_address(view))
+    return Window(view, view_address(view), window)
 
 
 class _Span(NamedTuple):
@@ -166,6 +173,8 @@ class ShmTransport:
         self._windows: dict[int, Window] = {}
         self._work: queue.SimpleQueue[tuple[Batch, Op, list[tuple[_Chunk, Future]]] | None] = queue.SimpleQueue()
         self._pool: ThreadPoolExecutor | None = None  # the extra copy threads, started on first need
+        self._closed = False
+        self._close_lock = threading.Lock()
         self._worker = threading.Thread(target=self._run, name=f"{control.name} shm", daemon=True)
         self._worker.start()
 
@@ -182,10 +191,20 @@ class ShmTransport:
         for i in range(0, len(requests), MAX_SLICES_PER_MESSAGE):
             chunk = _plan(requests[i : i + MAX_SLICES_PER_MESSAGE])
             chunks.append((chunk, self._control.request(Op.CHECK, slices=chunk.spans, flags=flags, generation=generation)))
-        self._work.put((batch, op, chunks))
+        with self._close_lock:
+            if not self._closed:
+                self._work.put((batch, op, chunks))
+                return
+        # The link died between handing this transport out and this call: no thread copies any more.
+        batch.fail(PeerError(f"{self._control.name}: the link to the peer is closed"))
 
     def close(self) -> None:
-        self._work.put(None)
+        """Stop after the batches already submitted; then the peer's regions are unmapped."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._work.put(None)
 
     def _run(self) -> None:
         try:
@@ -205,8 +224,13 @@ class ShmTransport:
                 else:
                     fence.add_done_callback(lambda answer, batch=batch: self._fenced(batch, answer))
         finally:
+            # Every copy has finished (a batch waits for its chunks), so nothing reads the
+            # windows any more; unmapped, a dead peer's memory is freed at last.
             if self._pool is not None:
-                self._pool.shutdown(wait=False)
+                self._pool.shutdown(wait=True)
+            windows, self._windows = list(self._windows.values()), {}
+            for window in windows:
+                window.unmap()
 
     def _fenced(self, batch: Batch, answer: Future) -> None:
         exc = answer.exception()

@@ -1,0 +1,163 @@
+"""server/front_door.py: the head and body deadlines and the connection cap of every HTTP port."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from server.__main__ import _front_door, _instance_args, parse_args
+from server.front_door import MIN_CONNECTIONS, RESERVED_FDS, FrontDoor, default_max_connections
+
+
+def _app(seen: dict) -> Starlette:
+    async def echo(request: Request):
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            seen["disconnected"] = seen.get("disconnected", 0) + 1
+            raise
+        return JSONResponse({"bytes": len(body)})
+
+    async def stream(request: Request):
+        async def chunks():
+            for i in range(6):
+                await asyncio.sleep(0.25)
+                yield f"{i}\n"
+        return StreamingResponse(chunks(), media_type="text/plain")
+
+    async def hello(request: Request):
+        return PlainTextResponse("hi")
+
+    return Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream),
+                             Route("/", hello)])
+
+
+@pytest.fixture
+def serve_door():
+    """Start the test app behind a FrontDoor on a free port; yields a starter returning (port, seen)."""
+    servers = []
+
+    def start(door: FrontDoor) -> tuple[int, dict]:
+        seen: dict = {}
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(_app(seen), log_level="warning", lifespan="off",
+                                               http=door.protocol()))
+        th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        th.start()
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.started
+        servers.append((server, th, sock))
+        return sock.getsockname()[1], seen
+
+    yield start
+    for server, th, sock in servers:
+        server.should_exit = True
+        th.join(timeout=10)
+        sock.close()
+
+
+def _closed_within(conn: socket.socket, within_s: float, trickle: bytes = b"", every_s: float = 0.1) -> float:
+    """Seconds until the server closes ``conn`` (sending ``trickle`` a byte at a time meanwhile);
+    fails after ``within_s``."""
+    t0 = time.monotonic()
+    conn.settimeout(every_s)
+    i = 0
+    while time.monotonic() - t0 < within_s:
+        try:
+            if conn.recv(4096) == b"":
+                return time.monotonic() - t0
+        except socket.timeout:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - t0
+        if i < len(trickle):
+            try:
+                conn.sendall(trickle[i:i + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - t0
+            i += 1
+    raise AssertionError(f"still open after {within_s} s")
+
+
+def test_silent_and_slow_header_clients_are_closed_at_the_head_deadline(serve_door):
+    port, _ = serve_door(FrontDoor(header_timeout_s=0.6, body_timeout_s=5))
+    silent = socket.create_connection(("127.0.0.1", port))
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.sendall(b"GET / HTTP/1.1\r\n")
+    assert 0.4 < _closed_within(silent, 5) < 2.5
+    # A header byte every 0.1 s does not extend the deadline.
+    took = _closed_within(slow, 5, trickle=b"Host: x\r\nX-Slow: " + b"a" * 100)
+    assert took < 2.5
+    # A client that sends its request in time is served, and again on the same connection.
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
+        assert c.get("/").text == "hi"
+        time.sleep(0.2)
+        assert c.get("/").text == "hi"
+
+
+def test_a_slow_body_is_cut_at_the_body_deadline_and_responses_are_not(serve_door):
+    port, seen = serve_door(FrontDoor(header_timeout_s=5, body_timeout_s=0.6))
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1000\r\n\r\n")
+    assert _closed_within(conn, 5, trickle=b"b" * 100) < 2.5
+    deadline = time.monotonic() + 5
+    while not seen.get("disconnected") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen.get("disconnected") == 1  # the endpoint saw the client gone
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
+        assert c.post("/echo", content=b"x" * 5000).json() == {"bytes": 5000}
+        # A 1.5 s stream outlives both deadlines: they bound requests, never responses.
+        t0 = time.monotonic()
+        assert c.get("/stream").text == "".join(f"{i}\n" for i in range(6))
+        assert time.monotonic() - t0 > 1.2
+
+
+def test_connections_past_the_cap_are_closed_at_once(serve_door):
+    port, _ = serve_door(FrontDoor(header_timeout_s=30, body_timeout_s=30, max_connections=4))
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    time.sleep(0.2)  # accepted
+    extra = socket.create_connection(("127.0.0.1", port))
+    assert _closed_within(extra, 2) < 1.0
+    for s in held:  # the four under the cap were left alone
+        s.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            s.recv(1)
+        s.close()
+    deadline = time.monotonic() + 5
+    while True:  # the server notices the closes; then there is room again
+        try:
+            assert httpx.get(f"http://127.0.0.1:{port}/", timeout=2).text == "hi"
+            break
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_the_limits_and_their_flags():
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert default_max_connections() == max(MIN_CONNECTIONS, soft - RESERVED_FDS)
+    for bad in (dict(header_timeout_s=0), dict(body_timeout_s=-1), dict(max_connections=0)):
+        with pytest.raises(ValueError):
+            FrontDoor(**bad)
+    args = parse_args(["--header-timeout-s", "3", "--body-timeout-s", "7", "--max-connections", "900"])
+    assert _front_door(args) == FrontDoor(header_timeout_s=3, body_timeout_s=7, max_connections=900)
+    flags = _instance_args(args)  # the instances a Conductor starts get the same limits
+    for flag, value in (("--header-timeout-s", "3.0"), ("--body-timeout-s", "7.0"), ("--max-connections", "900")):
+        assert flags[flags.index(flag) + 1] == value
+    assert "--max-connections" not in _instance_args(parse_args([]))
