@@ -5,19 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from bench import serving
+from threaded_server import serve_in_thread
 from bench.trace import (
     BenchRequest,
     TraceEntry,
@@ -64,21 +61,8 @@ def make_app(state: dict) -> Starlette:
 @pytest.fixture
 def fake_server():
     state = {"count": 0, "reject_first": 0, "payloads": []}
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(make_app(state), log_level="warning", lifespan="off"))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{port}", state
-    server.should_exit = True
-    th.join(timeout=5)
-    sock.close()
+    with serve_in_thread(make_app(state)) as port:
+        yield f"http://127.0.0.1:{port}", state
 
 
 def _ordered(s: dict) -> bool:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -18,6 +17,7 @@ from starlette.routing import Route
 
 from server.__main__ import _front_door, _instance_args, parse_args
 from server.front_door import MIN_CONNECTIONS, RESERVED_FDS, FrontDoor, default_max_connections
+from threaded_server import serve_in_thread
 
 
 def _app(seen: dict) -> Starlette:
@@ -46,29 +46,12 @@ def _app(seen: dict) -> Starlette:
 @pytest.fixture
 def serve_door():
     """Start the test app behind a FrontDoor on a free port; yields a starter returning (port, seen)."""
-    servers = []
+    with contextlib.ExitStack() as stack:
+        def start(door: FrontDoor) -> tuple[int, dict]:
+            seen: dict = {}
+            return stack.enter_context(serve_in_thread(_app(seen), http=door.protocol())), seen
 
-    def start(door: FrontDoor) -> tuple[int, dict]:
-        seen: dict = {}
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(_app(seen), log_level="warning", lifespan="off",
-                                               http=door.protocol()))
-        th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        th.start()
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.started
-        servers.append((server, th, sock))
-        return sock.getsockname()[1], seen
-
-    yield start
-    for server, th, sock in servers:
-        server.should_exit = True
-        th.join(timeout=10)
-        sock.close()
+        yield start
 
 
 def _closed_within(conn: socket.socket, within_s: float, trickle: bytes = b"", every_s: float = 0.1) -> float:
