@@ -105,7 +105,7 @@ def test_killed_instance_restarts_on_the_same_url(caplog):
         wait_until(lambda: by_role(sup, "decode")["alive"])
         after = by_role(sup, "decode")
         assert after["url"] == decode["url"] and after["pid"] != decode["pid"]
-        assert after["restarts"] == 1 and after["last_exit"] == "signal SIGKILL" and not after["given_up"]
+        assert after["restarts"] == 1 and after["last_exit"] == "signal SIGKILL" and not after["crash_looping"]
         wait_until(lambda: listening(after["url"]))  # the new incarnation took the old port
         assert gone(decode["pid"])  # reaped, not left a zombie
         assert by_role(sup, "prefill") == prefill  # untouched
@@ -115,7 +115,9 @@ def test_killed_instance_restarts_on_the_same_url(caplog):
         sup.stop(timeout_s=2)
 
 
-def test_crash_loop_is_given_up(caplog):
+def test_a_crash_loop_is_tried_again_slowly_never_given_up(caplog):
+    """Issue 31: past the crash-loop limit an instance used to be given up on for good; now its
+    next try waits crash_loop_backoff_s, and /health's reason says so."""
     spawns = {"prefill": 0, "decode": 0}
 
     def command(role, port):
@@ -123,19 +125,24 @@ def test_crash_loop_is_given_up(caplog):
         return listener()(role, port) if role == "prefill" else exits(3)
 
     sup = new(["prefill", "decode"], command,
-              RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.02, max_restarts=2, window_s=60))
+              RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.02, max_restarts=2, window_s=60,
+                            crash_loop_backoff_s=0.8))
     sup.start()
     try:
-        wait_until(lambda: by_role(sup, "decode")["given_up"])
+        wait_until(lambda: by_role(sup, "decode")["crash_looping"])
         time.sleep(0.2)  # ten times the longest backoff: a restart would have happened by now
         decode = by_role(sup, "decode")
         assert spawns["decode"] == 3 and decode["restarts"] == 2
-        assert not decode["alive"] and decode["last_exit"] == "exit 3"
+        assert not decode["alive"] and decode["last_exit"] == "exit 3" and 0 < decode["next_restart_s"] <= 0.8
         assert by_role(sup, "prefill")["alive"] and spawns["prefill"] == 1
-        assert sup.missing_roles() == {"decode": "gave up after exit 3"}
-        [error] = logged(caplog, logging.ERROR)
-        assert error.startswith(f"giving up on decode instance {decode['url']} (pid {decode['pid']}): it ended "
-                                "with exit 3 after 2 restarts within 60 s, the crash-loop limit of 2")
+        assert re.fullmatch(r"crash-looping after exit 3; next try in \d+ s", sup.missing_roles()["decode"])
+        assert set(sup.missing_roles()) == {"decode"}
+        error = logged(caplog, logging.ERROR)[0]
+        assert error.startswith(f"decode instance {decode['url']} (pid {decode['pid']}) is crash-looping: it "
+                                "ended with exit 3 after 2 restarts within 60 s, the limit of 2; trying again in 0.8 s")
+        # It is tried again after the long backoff (and, still failing, waits as long again).
+        wait_until(lambda: spawns["decode"] == 4, timeout_s=5)
+        wait_until(lambda: len(logged(caplog, logging.ERROR)) == 2, timeout_s=5)
     finally:
         sup.stop(timeout_s=2)
 
@@ -145,14 +152,14 @@ def test_a_command_that_cannot_start_counts_as_a_crash(caplog):
               RestartPolicy(backoff_initial_s=0.01, backoff_max_s=0.01, max_restarts=1))
     sup.start()
     try:
-        wait_until(lambda: by_role(sup, "prefill")["given_up"])
+        wait_until(lambda: by_role(sup, "prefill")["crash_looping"])
     finally:
         sup.stop()
     entry = by_role(sup, "prefill")
     assert entry["pid"] is None and entry["restarts"] == 1
     assert entry["last_exit"].startswith("failed to start ([Errno 2]")
     [error] = logged(caplog, logging.ERROR)
-    assert error.startswith("giving up on prefill instance http://127.0.0.1:")
+    assert error.startswith("prefill instance http://127.0.0.1:") and "is crash-looping" in error
 
 
 def test_backoff_doubles_up_to_the_cap_and_resets_after_a_stable_run(caplog):
@@ -172,7 +179,7 @@ def test_backoff_doubles_up_to_the_cap_and_resets_after_a_stable_run(caplog):
                                                  max_restarts=4, window_s=60))
     sup.start()
     try:
-        wait_until(lambda: by_role(sup, "decode")["given_up"])
+        wait_until(lambda: by_role(sup, "decode")["crash_looping"])
     finally:
         sup.stop(timeout_s=2)
     waits = [float(re.search(r"restarting it in (\S+) s", line)[1]) for line in logged(caplog, logging.WARNING)]

@@ -4,8 +4,12 @@ checksum mismatches in both directions, batches as futures and awaitables."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import resource
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -249,3 +253,55 @@ def test_empty_batch_completes_and_foreign_local_handles_are_refused():
             a.write(b.address, [(theirs, 0, theirs, 0, 8)]).wait(5)
         with pytest.raises(TransferError, match="unknown transport"):
             a.write(b.address, [], transport="smoke-signals").wait(5)
+
+
+def test_a_stalled_handshake_is_cut_at_its_deadline(monkeypatch):
+    """Issue 31: a stranger trickling its handshake a byte at a time held a server thread for as
+    long as it kept trickling; now the whole handshake has a deadline."""
+    from cluster.messenger import region_server
+
+    monkeypatch.setattr(region_server, "HANDSHAKE_TIMEOUT_S", 0.5)
+    with Messenger(config()) as engine:
+        host, port = engine.address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=5)
+        assert len(sock.recv(64)) > 0  # the challenge
+        sock.settimeout(0.1)
+        start, closed = time.monotonic(), False
+        while time.monotonic() - start < 5 and not closed:
+            try:
+                sock.sendall(b"x")  # one byte of a nonce every 0.1 s
+                closed = sock.recv(1) == b""
+            except socket.timeout:
+                pass
+            except OSError:  # reset: closed as well
+                closed = True
+        assert closed and time.monotonic() - start < 2.0
+        sock.close()
+        # A peer with the secret is still served.
+        _raw_stream(engine).close()
+
+
+def test_the_acceptor_survives_running_out_of_descriptors(caplog):
+    """Issue 31: the first failed accept() (EMFILE here) ended the acceptor, and with it every
+    later transfer to this instance."""
+    with Messenger(config()) as engine:
+        host, port = engine.address.rsplit(":", 1)
+        client = socket.socket()  # made while there are descriptors
+        client.settimeout(5)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        fillers: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+            with contextlib.suppress(OSError):
+                while True:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            client.connect((host, int(port)))  # queued by the kernel; the server's accept() fails
+            time.sleep(0.5)
+        finally:
+            for fd in fillers:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert any("accept() on" in r.getMessage() for r in caplog.records), "accept() never failed"
+        hello = client_handshake(client, SECRET, {"engine_id": "raw", "host": "elsewhere", "rdma": False})
+        assert hello["engine_id"] == engine.engine_id
+        client.close()

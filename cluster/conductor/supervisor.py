@@ -5,7 +5,10 @@
 cores, the cluster secret in its environment, and the kernel's parent-death signal set, so no
 instance outlives the Conductor even if that is killed. An instance that dies is started again on
 the same port after a backoff, so the Conductor, which keeps polling that URL, sees a new
-incarnation there; one that keeps dying (a crash loop) is given up on with an ERROR log line.
+incarnation there. One that keeps dying (a crash loop) is never given up on for good: past the
+crash-loop limit it is tried again only every ``crash_loop_backoff_s``, with an ERROR log line
+each time, and ``/health`` says so; a cause that goes away (a full disk, a port held by a
+process that has since ended) then costs minutes, not the cluster.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class RestartPolicy:
 
     The n-th restart in a row waits ``backoff_initial_s * 2**n`` (at most ``backoff_max_s``); a run
     that lasted ``stable_after_s`` starts the series over. An instance that dies after
-    ``max_restarts`` restarts within ``window_s`` is given up on (0: never restarted).
+    ``max_restarts`` restarts within ``window_s`` is crash-looping: its next restart waits
+    ``crash_loop_backoff_s`` (0 restarts allowed: every restart waits that long).
     """
 
     backoff_initial_s: float = 0.5
@@ -73,9 +77,10 @@ class RestartPolicy:
     stable_after_s: float = 60.0
     max_restarts: int = 5
     window_s: float = 300.0
+    crash_loop_backoff_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("backoff_initial_s", "backoff_max_s", "window_s"):
+        for name in ("backoff_initial_s", "backoff_max_s", "window_s", "crash_loop_backoff_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -108,7 +113,7 @@ class _Managed:
     pid: int | None = None
     started_at: float = 0.0
     restarts: int = 0
-    given_up: bool = False
+    crash_looping: bool = False
     last_exit: str | None = None
     restart_at: float | None = None  # monotonic time the pending restart is due
     failures: int = 0  # short-lived runs in a row: the backoff's exponent
@@ -202,16 +207,21 @@ class Supervisor:
             thread.join()
 
     def status(self) -> list[dict[str, Any]]:
-        """One dict per instance: role, url, pid (current or last), alive, restarts, given_up,
-        last_exit (how its last process ended, e.g. ``"signal SIGKILL"``; None if none has).
-        ``alive`` lags a death by at most the poll interval."""
+        """One dict per instance: role, url, pid (current or last), alive, restarts, crash_looping,
+        last_exit (how its last process ended, e.g. ``"signal SIGKILL"``; None if none has),
+        next_restart_s (seconds until a pending restart, else None). ``alive`` lags a death by
+        at most the poll interval."""
+        now = time.monotonic()
         with self._lock:
             return [dict(role=m.role, url=m.url, pid=m.pid, alive=m.process is not None, restarts=m.restarts,
-                         given_up=m.given_up, last_exit=m.last_exit) for m in self._managed]
+                         crash_looping=m.crash_looping, last_exit=m.last_exit,
+                         next_restart_s=None if m.restart_at is None else max(0.0, m.restart_at - now))
+                    for m in self._managed]
 
     def missing_roles(self) -> dict[str, str]:
         """Roles none of whose instances has a live process, each with why, e.g.
         ``{"decode": "restarting after signal SIGKILL"}``; empty when every role is served."""
+        now = time.monotonic()
         with self._lock:
             stopped = self._stopping.is_set()
             reasons: dict[str, list[str]] = {}
@@ -221,8 +231,9 @@ class Supervisor:
                     live.add(m.role)
                 elif stopped:
                     reasons.setdefault(m.role, []).append("stopped")
-                elif m.given_up:
-                    reasons.setdefault(m.role, []).append(f"gave up after {m.last_exit}")
+                elif m.crash_looping:
+                    wait = "" if m.restart_at is None else f"; next try in {max(0.0, m.restart_at - now):.0f} s"
+                    reasons.setdefault(m.role, []).append(f"crash-looping after {m.last_exit}{wait}")
                 elif m.last_exit is not None:
                     reasons.setdefault(m.role, []).append(f"restarting after {m.last_exit}")
                 else:
@@ -285,15 +296,15 @@ class Supervisor:
             while m.restart_times and m.restart_times[0] <= now - policy.window_s:
                 m.restart_times.popleft()
             recent = len(m.restart_times)
-            m.given_up = recent >= policy.max_restarts
-            delay = policy.backoff_s(m.failures)
-            if not m.given_up:
+            m.crash_looping = recent >= policy.max_restarts
+            delay = policy.crash_loop_backoff_s if m.crash_looping else policy.backoff_s(m.failures)
+            if not m.crash_looping:
                 m.failures += 1
-                m.restart_at = now + delay
+            m.restart_at = now + delay
         who = f"{m.role} instance {m.url}" + (f" (pid {dead_pid})" if dead_pid is not None else "")
-        if m.given_up:
-            log.error("giving up on %s: it ended with %s after %d restarts within %g s, the crash-loop limit "
-                      "of %d; it will not be restarted", who, how, recent, policy.window_s, policy.max_restarts)
+        if m.crash_looping:
+            log.error("%s is crash-looping: it ended with %s after %d restarts within %g s, the limit of %d; "
+                      "trying again in %g s", who, how, recent, policy.window_s, policy.max_restarts, delay)
         else:
             log.warning("%s ended with %s; restarting it in %g s", who, how, delay)
 

@@ -13,6 +13,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 
 from .errors import AuthenticationError
 from .wire import decode_json, encode_json, recv_exact
@@ -28,18 +29,32 @@ def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
+def _recv(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; with a ``deadline`` (``time.monotonic()``), all of them by then, however the
+    peer spaces them, else ``socket.timeout``."""
     buf = bytearray(n)
-    if not recv_exact(sock, memoryview(buf)):
-        raise ConnectionError("connection closed during the handshake")
+    if deadline is None:
+        if not recv_exact(sock, memoryview(buf)):
+            raise ConnectionError("connection closed during the handshake")
+        return bytes(buf)
+    view, got = memoryview(buf), 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the handshake did not finish in time")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed during the handshake")
+        got += k
     return bytes(buf)
 
 
-def _recv_hello(sock: socket.socket) -> bytes:
-    (n,) = _LEN.unpack(_recv(sock, _LEN.size))
+def _recv_hello(sock: socket.socket, deadline: float | None = None) -> bytes:
+    (n,) = _LEN.unpack(_recv(sock, _LEN.size, deadline))
     if n > _MAX_HELLO:
         raise AuthenticationError(f"hello of {n} bytes is too large")
-    return _recv(sock, n)
+    return _recv(sock, n, deadline)
 
 
 def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
@@ -63,13 +78,16 @@ def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
     return decode_json(server_body)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
-    """Challenge a connecting peer; returns its hello. Raises AuthenticationError on a bad proof."""
+def server_handshake(sock: socket.socket, secret: bytes, hello: dict, timeout_s: float | None = None) -> dict:
+    """Challenge a connecting peer; returns its hello. Raises AuthenticationError on a bad proof,
+    and ``socket.timeout`` when the peer's answer is not all in within ``timeout_s``: a stranger
+    trickling bytes cannot hold the thread that serves it (the socket keeps the timeout left)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     server_nonce = os.urandom(NONCE_BYTES)
     sock.sendall(MAGIC + server_nonce)
-    client_nonce = _recv(sock, NONCE_BYTES)
-    client_mac = _recv(sock, MAC_BYTES)
-    client_body = _recv_hello(sock)
+    client_nonce = _recv(sock, NONCE_BYTES, deadline)
+    client_mac = _recv(sock, MAC_BYTES, deadline)
+    client_body = _recv_hello(sock, deadline)
     if not hmac.compare_digest(client_mac, _mac(secret, b"client", server_nonce, client_nonce, client_body)):
         raise AuthenticationError("peer's proof does not match the cluster secret")
     body = encode_json(hello)

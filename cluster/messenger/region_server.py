@@ -49,6 +49,16 @@ log = logging.getLogger(__name__)
 ControlHandler = Callable[[dict, dict], tuple[Status, dict]]
 
 
+# A connecting peer must finish the handshake within this many seconds; at most this many
+# connections may be in their handshake at once (more are closed as they come): strangers cannot
+# tie up threads, while peers that hold the secret finish in a round trip.
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKES = 64
+# After a failed accept() (out of descriptors, a connection reset while queued), how long the
+# acceptor waits before the next one: the listener stays open, the next peer is served.
+ACCEPT_RETRY_S = 0.1
+
+
 class RegionServer:
     """Listens for peers and serves their reads, writes and control requests."""
 
@@ -62,6 +72,8 @@ class RegionServer:
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._handshakes = 0
+        self._accept_errors = 0
         self._lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"messenger {self.address}", daemon=True)
         self._acceptor.start()
@@ -87,23 +99,54 @@ class RegionServer:
         while not self._closed.is_set():
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._config.socket_buffer_bytes)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._config.socket_buffer_bytes)
-            conn.settimeout(self._config.timeout_s)
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                # EMFILE and the like cost the connection waiting in the queue, never the listener.
+                self._accept_errors += 1
+                if self._accept_errors & (self._accept_errors - 1) == 0:  # the 1st, 2nd, 4th, 8th, ...
+                    log.warning("transfer: accept() on %s failed (%d so far): %s", self.address,
+                                self._accept_errors, exc)
+                self._closed.wait(ACCEPT_RETRY_S)
+                continue
             with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"messenger conn {peer}", daemon=True).start()
+                crowded = self._handshakes >= MAX_HANDSHAKES
+                if not crowded:
+                    self._handshakes += 1
+                    self._conns.add(conn)
+            if crowded:
+                conn.close()
+                continue
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._config.socket_buffer_bytes)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._config.socket_buffer_bytes)
+                conn.settimeout(self._config.timeout_s)  # the handshake then shortens it to its deadline
+                threading.Thread(target=self._serve, args=(conn, peer), name=f"messenger conn {peer}", daemon=True).start()
+            except (OSError, RuntimeError) as exc:  # a peer gone already; no thread to be had
+                log.debug("transfer: connection from %s dropped before serving: %s", peer, exc)
+                self._forget(conn, handshaking=True)
+
+    def _forget(self, conn: socket.socket, handshaking: bool) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+            if handshaking:
+                self._handshakes -= 1
+        conn.close()
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        handshaking = True
         try:
             try:
-                peer_hello = server_handshake(conn, self._config.secret, self._hello)
+                peer_hello = server_handshake(conn, self._config.secret, self._hello,
+                                              timeout_s=min(HANDSHAKE_TIMEOUT_S, self._config.timeout_s))
             except AuthenticationError as exc:
                 log.warning("transfer: refused peer %s:%s: %s", peer[0], peer[1], exc)
                 return
+            with self._lock:
+                self._handshakes -= 1
+            handshaking = False
+            conn.settimeout(self._config.timeout_s)
             while not self._closed.is_set():
                 header = recv_struct(conn, REQUEST, idle_ok=lambda: True)
                 if header is None:
@@ -111,12 +154,11 @@ class RegionServer:
                 if not self._handle(conn, peer_hello, *header):
                     return
         except (OSError, ConnectionError, ValueError) as exc:
-            # A peer that vanished mid-message only costs its own connection.
+            # A peer that vanished mid-message (or stalled in its handshake) only costs its own
+            # connection.
             log.debug("transfer: connection from %s closed: %s", peer, exc)
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
+            self._forget(conn, handshaking)
 
     def _handle(self, conn: socket.socket, peer_hello: dict, op: int, flags: int, count: int, msg_id: int, payload: int) -> bool:
         """Serve one request; False when the stream can no longer be trusted and must close."""
