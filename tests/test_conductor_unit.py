@@ -155,3 +155,46 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_local_out_of_descriptors_marks_no_instance_down(caplog):
+    """Issue 31: an EMFILE in the Conductor's own process made every poll fail, and so every
+    instance was marked down. Now a call that fails for want of our own descriptors or memory is
+    our fault: the instance keeps its state, and a request gets 503 with Retry-After."""
+    import asyncio
+    import errno
+
+    import httpx
+
+    from cluster.conductor.client import OwnResourcesExhausted
+
+    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
+    layout = KVLayout(2, 2, 16, 8, "float32")
+    fail = {"with": None}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if fail["with"] is not None:
+            raise httpx.ConnectError("could not connect") from fail["with"]
+        if request.url.path == "/instance/info":
+            return httpx.Response(200, json=InstanceInfo("one", "prefill", 1, 64, layout.to_dict(), profile.to_dict()).to_dict())
+        return httpx.Response(200, json=InstanceState("one", CacheDelta(1, []), {}).to_dict())
+
+    async def scenario():
+        client = InstanceClient(SECRET, 1, transport=httpx.MockTransport(handler))
+        reg = Registry(client)
+        rec = reg.add("http://inst:1")
+        await reg.poll(rec)
+        assert rec.up
+        fail["with"] = OSError(errno.EMFILE, "Too many open files")
+        await reg.poll(rec)
+        assert rec.up and not rec.lost.is_set()  # not the instance's fault
+        with pytest.raises(OwnResourcesExhausted, match="out of resources") as info:
+            await client.state(rec.url, None, 1.0)
+        assert info.value.retry_after == 1.0
+        fail["with"] = ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        await reg.poll(rec)
+        assert not rec.up and "Unreachable" in rec.last_error  # the instance's: marked down
+        await client.close()
+
+    asyncio.run(scenario())
+    assert any("could not poll instance http://inst:1" in r.getMessage() for r in caplog.records)

@@ -15,6 +15,7 @@ answering polls), so a wedged instance never hangs a request.
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceFailed, InstanceInfo,
     InstanceState, InstanceUnavailable, KVWriteFailed, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
     RenewReply, RenewRequest, ReserveReply, ReserveRequest, TimedOut, Unreachable, error_from, read_stream_line)
+from engine.engine_client import EngineNotReady
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -49,7 +51,30 @@ def _reply(cls: type[R], data: Any, what: str) -> R:
         raise InstanceFailed(f"{what}: malformed answer: {e}") from None
 
 
-def _no_answer(what: str, e: httpx.HTTPError) -> InstanceUnavailable:
+# Failures of this process, not of the instance it called: out of descriptors or memory.
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class OwnResourcesExhausted(EngineNotReady):
+    """The Conductor could not make a call for want of its own descriptors or memory: no
+    instance's fault, so none is marked down; the client gets 503 with ``Retry-After``."""
+
+
+def _local_cause(e: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _LOCAL_ERRNOS:
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _no_answer(what: str, e: httpx.HTTPError) -> InstanceUnavailable | OwnResourcesExhausted:
+    if (local := _local_cause(e)) is not None:
+        return OwnResourcesExhausted(f"{what}: this server is out of resources ({local.strerror}); retry shortly",
+                                     retry_after=1.0)
     cls = TimedOut if isinstance(e, httpx.TimeoutException) else Unreachable
     return cls(f"{what}: {type(e).__name__}: {e}")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from cluster.policies.cost_model import InstanceProfile
-from cluster.conductor.client import InstanceClient
+from cluster.conductor.client import InstanceClient, OwnResourcesExhausted
 from cluster.protocol import CacheDelta, InstanceInfo, InstanceNotReady, InstanceState
 from engine.kv_layout import KVLayout
 
@@ -166,7 +166,9 @@ class Registry:
                 rec.up, rec.last_error, rec.failed_to_start, rec.misfit = True, None, False, None
                 rec.lost = asyncio.Event()
                 log.info("instance %s is up (%s)", rec.url, rec.role)
-        except Exception as e:  # noqa: BLE001 -- any failure to poll means down
+        except OwnResourcesExhausted as e:  # our failure, not the instance's: it stays as it was
+            log.warning("could not poll instance %s: %s", rec.url, e)
+        except Exception as e:  # noqa: BLE001 -- any other failure to poll means down
             self.mark_down(rec, f"{type(e).__name__}: {e}")
 
     def _misfit(self, rec: InstanceRecord) -> str | None:
