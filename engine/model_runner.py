@@ -103,7 +103,7 @@ class ModelRunner:
         if config.quantization != "none":
             quantize_model(self.model, config.quantization)
         # A float model's matmuls through oneDNN on weights packed once (kernels/dense_linear.py).
-        packed = self.native and config.quantization == "none" and pack_model(self.model)
+        packed = config.quantization == "none" and pack_model(self.model)
         native_layers = self.native and self.model.enable_native_decode()
         self.model_config = self.model.cfg
         weight_bytes = model_bytes(self.model)

@@ -30,23 +30,9 @@ def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
 
 
 def _recv(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    """``n`` bytes; with a ``deadline`` (``time.monotonic()``), all of them by then, however the
-    peer spaces them, else ``socket.timeout``."""
     buf = bytearray(n)
-    if deadline is None:
-        if not recv_exact(sock, memoryview(buf)):
-            raise ConnectionError("connection closed during the handshake")
-        return bytes(buf)
-    view, got = memoryview(buf), 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise socket.timeout("the handshake did not finish in time")
-        sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("connection closed during the handshake")
-        got += k
+    if not recv_exact(sock, memoryview(buf), deadline=deadline):
+        raise ConnectionError("connection closed during the handshake")
     return bytes(buf)
 
 

@@ -12,6 +12,7 @@ import enum
 import json
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 
 import xxhash
@@ -60,16 +61,24 @@ def checksum(data: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def recv_exact(sock: socket.socket, view: memoryview, idle_ok: Callable[[], bool] | None = None) -> bool:
+def recv_exact(sock: socket.socket, view: memoryview, idle_ok: Callable[[], bool] | None = None,
+               deadline: float | None = None) -> bool:
     """Fill ``view`` from ``sock``; False on a clean EOF before the first byte.
 
     The socket carries a timeout. A timeout before the first byte is tolerated while ``idle_ok()``
     says nothing is pending (an idle connection is healthy); any other timeout, or an EOF in the
-    middle, raises, because the peer died or stalled with work outstanding.
+    middle, raises, because the peer died or stalled with work outstanding. ``deadline``
+    (``time.monotonic()``): every byte by then, however the peer spaces them, else
+    ``socket.timeout`` (the socket is left with the timeout that remained).
     """
     got = 0
     total = len(view)
     while got < total:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the deadline passed before the message was in")
+            sock.settimeout(left)
         try:
             n = sock.recv_into(view[got:])
         except socket.timeout:
