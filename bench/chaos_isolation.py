@@ -348,9 +348,11 @@ async def stale_epoch(run: Run) -> dict[str, Any]:
     """Control calls signed as the Conductor would sign them, then replayed, re-dated to a newer
     epoch, or signed with an older one: only the first may be taken."""
     from bench.chaos import _progress, conductor_stats
+    from cluster.instance.receiver import REPLACED
     from cluster.protocol import (
         CONTROL,
         EPOCH_HEADER,
+        Fence,
         ReserveRequest,
         audience_of,
         derive_key,
@@ -361,15 +363,16 @@ async def stale_epoch(run: Run) -> dict[str, Any]:
     stats = await conductor_stats(run.client, run.cluster)
     if not stats:
         raise RuntimeError("the Conductor's /stats did not answer")
-    epoch = int(stats["epoch"])
+    epoch, conductor = int(stats["epoch"]), str(stats["conductor_id"])
     victim = await run._instance("decode")
     url = victim["url"]
     key = derive_key(run.cluster.secret.encode(), CONTROL)
-    log_before = run.cluster.server.log().count("conductor epoch")
+    log_before = run.cluster.server.log().count(REPLACED)
 
     def signed(method: str, path: str, body: bytes, ep: int) -> dict[str, str]:
-        headers = sign(key, method, path, body, audience=audience_of(url), epoch=str(ep))
-        headers[EPOCH_HEADER] = str(ep)
+        fence = Fence(conductor, ep).header()  # as the Conductor's own calls carry it
+        headers = sign(key, method, path, body, audience=audience_of(url), epoch=fence)
+        headers[EPOCH_HEADER] = fence
         return headers
 
     calls: dict[str, int | None] = {}
@@ -378,7 +381,7 @@ async def stale_epoch(run: Run) -> dict[str, Any]:
                                                                                  headers=poll)).status_code
     calls["the same poll replayed"] = (await run.client.get(url + "/instance/state", headers=poll)).status_code
     newer = signed("GET", "/instance/state", b"", epoch)
-    newer[EPOCH_HEADER] = str(epoch + 10**9)  # a newer epoch would release all of the Conductor's reservations
+    newer[EPOCH_HEADER] = Fence(conductor, epoch + 10**9).header()  # would release the Conductor's reservations
     calls["a poll with its epoch header made newer"] = (await run.client.get(url + "/instance/state",
                                                                              headers=newer)).status_code
     body = json.dumps(ReserveRequest(f"chaos-stale-{hashlib.sha1(os.urandom(8)).hexdigest()[:8]}", [1, 2, 3],
@@ -387,7 +390,7 @@ async def stale_epoch(run: Run) -> dict[str, Any]:
     r = await run.client.post(url + "/instance/reserve", content=body,
                               headers={**old, "Content-Type": "application/json"})
     calls["a reserve signed with an older epoch"] = r.status_code
-    replaced = run.cluster.server.log().count("conductor epoch") - log_before
+    replaced = run.cluster.server.log().count(REPLACED) - log_before
     accepted = sum(s not in (401, 409) for label, s in calls.items() if "must be 200" not in label) + replaced
     out = {"instance": url, "epoch": epoch, "calls": calls, "epoch_replaced_log_lines": replaced,
            "accepted": accepted, "valid_call_answered": calls["poll signed as the Conductor (must be 200)"] == 200}

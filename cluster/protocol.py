@@ -1108,9 +1108,48 @@ class StagePing:
         return cls()
 
 
-# Every control call carries the Conductor's epoch: its start time in nanoseconds, so a Conductor
-# started later (a restart) is newer, and instances release what an older one reserved.
+# Every control call carries the calling Conductor's fence (``Fence``), signed.
 EPOCH_HEADER = "X-Conductor-Epoch"
+_CONDUCTOR_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-[]")
+MAX_CONDUCTOR_ID = 64
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Which Conductor makes a call, and which incarnation of it: header ``X-Conductor-Epoch`` is
+    ``ID/EPOCH`` (a bare ``EPOCH`` is the Conductor with the empty id).
+
+    Several Conductors front the same instances; each has an id of its own (``--conductor-id``,
+    by default the address it serves at). An instance keeps each id's reservations apart and
+    remembers the newest epoch each id has shown: a newer one (that Conductor restarted) releases
+    only that id's older reservations at once, and a call from an older one is refused
+    (``WrongEpoch``). The epoch is the revision of the Conductor's claim on its id in etcd
+    (``cluster.pool.metadata.membership``), else its start time in nanoseconds: either grows from one
+    incarnation to the next."""
+
+    conductor: str
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if len(self.conductor) > MAX_CONDUCTOR_ID or not set(self.conductor) <= _CONDUCTOR_ID_CHARS:
+            raise ValueError(f"a Conductor id is at most {MAX_CONDUCTOR_ID} of the characters A-Z a-z 0-9 . _ : - "
+                             f"[ ], got {self.conductor!r}")
+        if self.epoch < 0:
+            raise ValueError(f"an epoch is >= 0, got {self.epoch}")
+
+    def header(self) -> str:
+        return f"{self.conductor}/{self.epoch}" if self.conductor else str(self.epoch)
+
+    @classmethod
+    def parse(cls, value: str) -> Fence:
+        """The fence a header names; ``BadRequest`` when it is malformed."""
+        conductor, _, epoch = value.rpartition("/")
+        try:
+            if not (epoch.isascii() and epoch.isdigit()):
+                raise ValueError("the epoch must be a non-negative integer")
+            return cls(conductor, int(epoch))
+        except ValueError as e:
+            raise BadRequest(f"malformed {EPOCH_HEADER} {value[:100]!r}: {e}") from None
 
 
 CONTROL = "control"
@@ -1264,7 +1303,7 @@ class ControlVerifier:
             raise ControlAuthError(f"malformed {NONCE_HEADER}: expected {2 * _NONCE_BYTES} hex digits")
         if not _is_hex(digest, 64) or not _is_hex(signature, 64):
             raise ControlAuthError("malformed body digest or signature: expected 64 hex digits")
-        if len(audience) > _MAX_AUDIENCE or len(epoch) > 40:
+        if len(audience) > _MAX_AUDIENCE or len(epoch) > MAX_CONDUCTOR_ID + 30:
             raise ControlAuthError(f"malformed {AUDIENCE_HEADER} or {EPOCH_HEADER}: too long")
         if not _no_newline(method, path_with_query, audience, epoch):
             raise ControlAuthError("a method, request target, audience or epoch cannot contain a newline")

@@ -14,6 +14,11 @@ Failures never leave a stream hanging: a rejected ``add_request`` (``ValueError`
 exception in ``step()`` are delivered into the affected requests' queues and raised by their
 ``generate`` iterators; after a failed step every live request is aborted so its KV is freed.
 
+An abort can overtake its request (the caller gave up while the request was still on its way,
+or waiting for something before it entered the engine): an abort of an id the engine does not
+hold is remembered for ``ABORT_MEMORY_S``, and a request that arrives with that id is answered
+at once as aborted, without computing anything.
+
 Overload control: requests that have not produced their first output yet (in the inbox, the
 engine's waiting queue, or mid-prefill) are counted; past ``max_waiting`` new requests are
 refused with ``EngineOverloaded`` (HTTP 429) instead of queueing without bound.
@@ -25,7 +30,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -42,6 +47,9 @@ from engine.engine_client import EngineClient, EngineError, EngineNotReady, Engi
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+ABORT_MEMORY_S = 60.0  # how long an abort that overtook its request is remembered
+MAX_EARLY_ABORTS = 65536  # and how many at most
 
 
 class _Request:
@@ -99,6 +107,7 @@ class AsyncLLMEngine(EngineClient):
         self._max_batch_seen = 0
         self._num_steps = 0
         self._num_step_errors = 0
+        self._early_aborts: OrderedDict[str, float] = OrderedDict()  # engine thread only
         self._observers: list[Callable[[LLMEngine], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -297,6 +306,9 @@ class AsyncLLMEngine(EngineClient):
             future.set_exception(e)
 
     def _add(self, engine, live, outbox, req: _Request, start) -> None:
+        if self._early_aborts.pop(req.request_id, None) is not None:
+            outbox.append((req, RequestOutput(req.request_id, [], "", True, "abort", 0, 0, 0)))
+            return
         try:
             start(engine)
         except ValueError as e:
@@ -312,8 +324,9 @@ class AsyncLLMEngine(EngineClient):
 
     def _abort(self, engine, live, outbox, request_id: str) -> None:
         req = live.pop(request_id, None)
-        if req is None:
-            return  # unknown or already finished
+        if req is None:  # already finished, or not here yet: then it is refused when it comes
+            self._remember_abort(request_id)
+            return
         seq = engine.seqs.get(request_id)
         counts = (
             (seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens) if seq else (0, 0, 0)
@@ -322,6 +335,15 @@ class AsyncLLMEngine(EngineClient):
         outbox.append(
             (req, RequestOutput(request_id, [], "", True, "abort", *counts))
         )
+
+    def _remember_abort(self, request_id: str) -> None:
+        """Engine thread only. Bounded in time and in count (the oldest go first)."""
+        now = time.monotonic()
+        early = self._early_aborts
+        early[request_id] = now
+        early.move_to_end(request_id)
+        while early and (len(early) > MAX_EARLY_ABORTS or now - next(iter(early.values())) > ABORT_MEMORY_S):
+            early.popitem(last=False)
 
     @staticmethod
     def _safe_abort(engine: LLMEngine, request_id: str) -> None:

@@ -25,6 +25,8 @@ def _raise_exception(message: str) -> None:
 class Tokenizer:
     def __init__(self, folder: str | Path, eos_token_ids: tuple[int, ...] = ()):
         folder = Path(folder)
+        # What loads this tokenizer again in another process (server.parse_worker).
+        self.source = (str(folder), tuple(eos_token_ids))
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"model folder {folder} has no tokenizer.json")

@@ -136,8 +136,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="disaggregated: Conductor + prefill and decode instances; colocated: one engine (env MOONCAKE_MODE)")
     c.add_argument("--role", choices=["prefill", "decode", "both"], default=None,
                    help="run one instance process of this role instead of a front end")
-    c.add_argument("--conductor", default=_env("MOONCAKE_CONDUCTOR"),
-                   help="(instance) the Conductor's URL to register with (env MOONCAKE_CONDUCTOR)")
+    c.add_argument("--conductor", action="append",
+                   default=[u for u in (_env("MOONCAKE_CONDUCTOR") or "").split(",") if u],
+                   help="(instance) a Conductor's URL to register with; repeatable (env MOONCAKE_CONDUCTOR, "
+                   "comma-separated). With --etcd it needs none: every Conductor finds it there")
+    c.add_argument("--conductor-id", default=_env("MOONCAKE_CONDUCTOR_ID"),
+                   help="(Conductor) this Conductor's name to the instances, which keep each Conductor's "
+                   "reservations apart; Conductors fronting the same instances need different ones, and a "
+                   "restarted one its old one. Default: the host:port it is reached at (env MOONCAKE_CONDUCTOR_ID)")
+    c.add_argument("--listen-fd", type=_non_negative_int,
+                   default=int(v) if (v := _env("MOONCAKE_LISTEN_FD")) else None,
+                   help="(instance) serve on this inherited listening socket instead of binding --port; the "
+                   "Supervisor sets it (env MOONCAKE_LISTEN_FD) to keep a restarted instance's port its own")
     c.add_argument("--url", default=None,
                    help="(instance) the URL the Conductor reaches this instance at; default http://HOST:PORT. "
                    "(Conductor) the URL other hosts reach the Conductor at: its host is the address the embedded "
@@ -214,8 +224,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pool.add_argument("--no-pool", action="store_true",
                       help="(Conductor) run without the pool: each instance has only its own prefix cache")
     pool.add_argument("--etcd", metavar="URL", default=_env("MOONCAKE_ETCD"),
-                      help="(every process) keep the pool's metadata in etcd at URL (http://HOST:2379); "
-                           "default: the Conductor's embedded metadata server")
+                      help="(every process) etcd at URL (http://HOST:2379) holds the cluster's membership "
+                           "(instances announce themselves there; several Conductors can front them) and the pool's "
+                           "metadata; default: instances register with --conductor, and the pool's metadata is in "
+                           "the Conductor's embedded server")
     pool.add_argument("--pool-metadata", metavar="URL", default=None,
                       help="(instance) the Conductor's embedded metadata server (the Conductor passes it "
                            "to the instances it starts)")
@@ -314,15 +326,18 @@ def _instance_args(args: argparse.Namespace) -> list[str]:
                         ("--kv-cache-dtype", args.kv_cache_dtype),
                         ("--max-model-len", args.max_model_len), ("--device", args.device),
                         ("--pool-ssd-dir", None if args.no_pool else args.pool_ssd_dir),
-                        ("--etcd", None if args.no_pool else args.etcd)):
+                        ("--etcd", args.etcd)):
         if value is not None:
             out += [flag, str(value)]
     return out
 
 
 def _pool_config(args: argparse.Namespace, url: str):
-    """An instance's pool settings; no pool unless it was told where the metadata is."""
+    """An instance's pool settings; no pool with --no-pool or unless it was told where the metadata is."""
     from cluster.pool import PoolConfig
+
+    if args.no_pool:
+        return PoolConfig()
 
     ssd_dir = args.pool_ssd_dir
     if ssd_dir is not None:
@@ -376,6 +391,27 @@ def _start_pool(args: argparse.Namespace, secret: str, host: str, advertise_host
     return PoolClient(None, store), server, ["--pool-metadata", server.url]
 
 
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _claim_membership(args: argparse.Namespace, conductor_id: str):
+    """With etcd: the store instances announce themselves in, this Conductor's claim on its id
+    and the epoch the claim gives it (``cluster.pool.metadata.membership``). Raises ``RuntimeError`` when the id
+    is held by a live Conductor or etcd does not answer."""
+    from cluster.pool.metadata.membership import claim_conductor
+    from cluster.pool.metadata import MetadataUnavailable
+    from cluster.pool.metadata.etcd import EtcdMetadata
+
+    store = EtcdMetadata(args.etcd)
+    try:
+        claim, epoch = claim_conductor(store, conductor_id, f"http://{_url_host(_advertised_host(args))}:{args.port}")
+    except MetadataUnavailable as e:
+        raise RuntimeError(f"cannot claim the Conductor id {conductor_id!r} in etcd: {e}") from None
+    logging.getLogger(__name__).info("Conductor %r, epoch %d (its claim's revision in etcd)", conductor_id, epoch)
+    return store, claim, epoch
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -405,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(serve_joined(args.first, args.group, *args.stage, args.host, cluster_secret.encode()))
         except RuntimeError as e:
             sys.exit(f"error: {e}")
+    # Taken: a process this one starts must not think the socket its own (it is not passed on).
+    os.environ.pop("MOONCAKE_LISTEN_FD", None)
     if args.role is not None:
         from cluster.instance.routes import build_instance_app
         from cluster.instance.service import InstanceConfig, InstanceService
@@ -415,7 +453,8 @@ def main(argv: list[str] | None = None) -> None:
             url = args.url or f"http://{args.host}:{args.port}"
             config = InstanceConfig(
                 engine=_engine_config(args, args.role), url=url,
-                secret=cluster_secret.encode(), conductor=args.conductor, staging_gib=args.staging_gib,
+                secret=cluster_secret.encode(), conductors=tuple(args.conductor), members=args.etcd,
+                staging_gib=args.staging_gib,
                 transfer_timeout_s=args.transfer_timeout_s, reservation_lease_s=args.reservation_lease_s,
                 max_waiting=args.max_waiting, pool=_pool_config(args, url),
                 stage_group=args.group if args.stage is not None else None,
@@ -423,9 +462,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         except ValueError as e:
             sys.exit(f"error: {e}")
-        log.info("%s instance on %s (conductor: %s)", args.role, config.url, args.conductor or "none")
+        log.info("%s instance on %s (conductors: %s; membership: %s)", args.role, config.url,
+                 ", ".join(args.conductor) or "none by hand", args.etcd or "none")
         serve(build_instance_app(InstanceService(config)), args.host, args.port, _front_door(args),
-              log_level="warning")
+              log_level="warning", fd=args.listen_fd)
         return
 
     if args.mode == "colocated":
@@ -465,17 +505,19 @@ def main(argv: list[str] | None = None) -> None:
         pool, metadata_server, pool_args = (
             (None, None, []) if args.no_pool else _start_pool(args, secret, args.host, _advertised_host(args)))
         supervisor = Supervisor(roles, f"http://{local}:{args.port}", secret, threads, _instance_args(args) + pool_args)
+        conductor_id = args.conductor_id or f"{_url_host(_advertised_host(args))}:{args.port}"
+        members, claim, epoch = _claim_membership(args, conductor_id) if args.etcd else (None, None, None)
         # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
             instances=tuple(args.instance) + tuple(supervisor.instances), placement=placement,
             renew_interval_s=args.renew_interval_s, renew_timeout_s=args.renew_timeout_s,
-            max_request_moves=args.max_request_moves,
+            max_request_moves=args.max_request_moves, conductor_id=conductor_id, epoch=epoch,
         )
         config.check_lease(args.reservation_lease_s)  # the lease of the instances it starts
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # RuntimeError: the id is held, or etcd does not answer
         sys.exit(f"error: {e}")
-    conductor = Conductor(config, supervisor=supervisor, pool=pool)
+    conductor = Conductor(config, supervisor=supervisor, pool=pool, members=members, claim=claim)
     if metadata_server is not None:
         log.info("KVCache pool metadata at %s (a pool node joins with: python -m cluster.pool --metadata %s)",
                  metadata_server.url, metadata_server.url)
@@ -489,6 +531,8 @@ def main(argv: list[str] | None = None) -> None:
         serve(app, args.host, args.port, _front_door(args), log_level=args.log_level)
     finally:
         supervisor.stop()
+        if claim is not None:
+            claim.close()  # the id is free at once for this Conductor's next start
         if metadata_server is not None:
             metadata_server.close()
 

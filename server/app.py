@@ -14,7 +14,8 @@ short error id, and the server log has the id with the full message.
 How one generation request flows:
 
 1. the body is read with a size cap (413), parsed as JSON (400) and validated into engine
-   requests by ``server/protocol.py`` (400 / 404);
+   requests by ``server/protocol.py`` (400 / 404): a body over 32 KiB in the tokenizer process
+   (``server/parse_worker.py``), so that tokenizing it never stalls the event loop;
 2. every engine request (``prompts x n`` of them) gets a *pump* task that iterates
    ``EngineClient.generate`` and forwards outputs into one queue for the whole HTTP request,
    while a watcher task turns a client disconnect into a queue item as well;
@@ -58,10 +59,9 @@ from server.protocol import (
     chat_logprobs,
     completion_logprobs,
     error_body,
-    parse_chat,
-    parse_completion,
     usage,
 )
+from server.parse_worker import INLINE_BYTES, PARSERS, ParseUnavailable, ParseWorker
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,8 @@ class _Disconnected:
     """Queue item: the client went away."""
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_json(request: Request, limit: int) -> tuple[Any, int]:
+    """The body as JSON, and its size in bytes."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -154,7 +155,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise ProtocolError("the body contains a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ProtocolError(f"malformed JSON body: {e}") from None
-    return body
+    return body, len(raw)
 
 
 class _Generation:
@@ -234,6 +235,7 @@ class OpenAIServer:
         self.settings = settings
         self.metrics = metrics
         self.started = int(time.time())
+        self._parser: ParseWorker | None = None  # started with the first large body
 
     # -- shared checks -----------------------------------------------------------------------------
     def _unauthorized(self, request: Request) -> Response | None:
@@ -300,23 +302,43 @@ class OpenAIServer:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, parse_completion, "cmpl")
+        return await self._generate(request, "completion", "cmpl")
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, parse_chat, "chatcmpl")
+        return await self._generate(request, "chat", "chatcmpl")
 
-    async def _generate(self, request: Request, parse, prefix: str) -> Response:
+    async def _parse(self, kind: str, body: Any, size: int) -> ParsedRequest:
+        """Validate and tokenize: a small body here, a large one in the tokenizer process
+        (``server/parse_worker.py``), so that no prompt stalls the event loop."""
+        limits = self._limits()
+        if size <= INLINE_BYTES:
+            return PARSERS[kind](body, limits)
+        if self._parser is None or self._parser.tokenizer is not limits.tokenizer:
+            if self._parser is not None:
+                self._parser.close()
+            self._parser = ParseWorker(limits.tokenizer)
+        return await self._parser.parse(kind, body, limits)
+
+    def close(self) -> None:
+        if self._parser is not None:
+            self._parser.close()
+
+    async def _generate(self, request: Request, kind: str, prefix: str) -> Response:
         if (denied := self._unauthorized(request)) is not None:
             return denied
         try:
-            body = await _read_json(request, self.settings.max_body_bytes)
+            body, size = await _read_json(request, self.settings.max_body_bytes)
             if not self.client.is_ready:
                 return self._not_ready()
-            parsed = parse(body, self._limits())
+            parsed = await self._parse(kind, body, size)
         except ProtocolError as e:
             return _protocol_error(e)
         except EngineNotReady as e:
             return _engine_error(e)
+        except ParseUnavailable as e:
+            fault = _fault("could not parse a request", e)
+            return _error(503, f"the server could not tokenize the request in time (error id {fault.error_id}); "
+                          "retry shortly", "service_unavailable", headers={"Retry-After": "2"})
 
         gen = _Generation(self.client, self.metrics, parsed, prefix)
         handed_over = False
@@ -480,6 +502,7 @@ def build_app(
         try:
             yield
         finally:
+            await asyncio.get_running_loop().run_in_executor(None, server.close)
             if manage_engine:
                 await client.shutdown()
 

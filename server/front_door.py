@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from dataclasses import dataclass
 
 import h11
@@ -120,7 +121,9 @@ class FrontDoor:
         return GuardedH11Protocol
 
 
-def serve(app, host: str, port: int, door: FrontDoor, *, log_level: str = "info") -> None:
-    """Run ``app`` on ``host:port`` until SIGINT / SIGTERM, behind ``door``."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                http=door.protocol())
+def serve(app, host: str, port: int, door: FrontDoor, *, log_level: str = "info", fd: int | None = None) -> None:
+    """Run ``app`` on ``host:port`` until SIGINT / SIGTERM, behind ``door``; with ``fd``, on that
+    inherited listening socket instead (the Supervisor's, which keeps the port across restarts)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            http=door.protocol())
+    uvicorn.Server(config).run(sockets=None if fd is None else [socket.socket(fileno=fd)])

@@ -11,7 +11,9 @@ bridge addresses (the kernel's counters on their links, their sockets); the pool
 stores arrive there; a decode instance cut off mid-stream (its link taken down) loses the request
 to the other one, which finishes it with the same text, and is up again once its link is; the
 Conductor's embedded metadata server, on ``--host 0.0.0.0``, is reached by a pool node on
-another host at the address it advertises.
+another host at the address it advertises. Last, a second Conductor on host ``ctl2`` (.3) finds the
+instances in etcd, and the first is killed under load and started again
+(docs/serving.md's "Several Conductors").
 
 Without root or network namespaces the module is skipped with the reason, except under
 ``CI=true`` as root, where failing to build the network is a failure.
@@ -23,7 +25,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +35,7 @@ import httpx
 import pytest
 
 from bench.harness import ServerProcess, sse_events, start_etcd, start_server, until
-from clusters import SECRET, STARTUP_S, TEST_FLAGS, words
+from clusters import RELEASE_S, SECRET, STARTUP_S, TEST_FLAGS, words
 from engine import LLM, SamplingParams
 from engine.default_model import resolve_model
 from netns import Hosts, NetnsUnavailable, probe
@@ -39,7 +43,7 @@ from netns import Hosts, NetnsUnavailable, probe
 pytestmark = pytest.mark.processes  # starts real server / instance / pool processes
 
 SUBNET = "10.23.0"
-HOSTS = {"ctl": 2, "p0": 11, "p1": 12, "d0": 21, "d1": 22, "pool": 31}
+HOSTS = {"ctl": 2, "ctl2": 3, "p0": 11, "p1": 12, "d0": 21, "d1": 22, "pool": 31}
 CONDUCTOR_PORT, INSTANCE_PORT, ETCD_PORT, ETCD_PEER_PORT = 8000, 8100, 2379, 2380
 POOL_BLOCK_TOKENS = 64
 ENV = {"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
@@ -113,7 +117,7 @@ class AcrossHosts:
     def close(self) -> None:
         self.http.close()
         # Instances first (they unregister from the pool), etcd last.
-        for name in ("pool", "p0", "p1", "d0", "d1", "conductor", "etcd"):
+        for name in ("pool", "p0", "p1", "d0", "d1", "conductor", "conductor2", "etcd"):
             if name in self.procs:
                 self.procs[name].stop(20.0)
 
@@ -282,3 +286,90 @@ def test_the_embedded_metadata_server_is_reached_from_another_host(cluster: Acro
     until(listed, 30, "the Conductor to list the pool node of another host")
     node.stop(20.0)
     conductor.stop(20.0)
+
+
+def _stream(url: str, prompt: str, max_tokens: int, started: threading.Event | None = None) -> dict:
+    """One streamed completion through the Conductor at ``url``: its text, the error that ended it
+    (an exception's name, or the stream's error event), whether it finished."""
+    text, error = [], None
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, trust_env=False, json={
+                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+            if r.status_code != 200:
+                return {"text": "", "error": f"HTTP {r.status_code}: {r.read()[:200]!r}", "done": False}
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if started is not None and line.startswith("data:"):
+                    started.set()
+            stream = sse_events(lines)
+            text = ["".join(e["choices"][0]["text"] for e in stream.events if e.get("choices"))]
+            return {"text": text[0], "error": stream.error, "done": stream.done}
+    except httpx.HTTPError as e:
+        error = type(e).__name__
+    return {"text": "".join(text), "error": error, "done": False}
+
+
+def test_two_conductors_front_the_instances_and_one_killed_costs_the_other_nothing(
+        cluster: AcrossHosts, colocated: LLM):
+    """A second Conductor on another host finds the four instances in etcd (none registers with
+    it, no --instance names them). kill -9 of the first under load: streams through the second
+    finish with the colocated engine's text, no instance restarts, and what the dead one held on
+    the instances is released within one reservation lease; started again under its id, it
+    claims a newer epoch, adopts the running instances and serves within seconds."""
+    hosts, python = cluster.hosts, sys.executable
+    ctl2 = hosts.address("ctl2")
+    url2 = f"http://{ctl2}:{CONDUCTOR_PORT}"
+    second = cluster.start("ctl2", "conductor2", [
+        python, "-m", "server", "--host", ctl2, "--port", str(CONDUCTOR_PORT), *TEST_FLAGS,
+        "--prefill-instances", "0", "--decode-instances", "0", "--etcd", cluster.etcd], url2)
+    second.wait_instances(4, 60)
+    first = cluster.procs["conductor"]
+    before = {i["url"]: i["instance_id"] for i in first.instances()}
+    epoch1 = first.stats()["epoch"]
+    s2 = second.stats()
+    assert s2["conductor_id"] == f"{ctl2}:{CONDUCTOR_PORT}" and first.stats()["conductor_id"] != s2["conductor_id"]
+    assert {i["url"]: i["instance_id"] for i in second.instances()} == before
+
+    prompt = "Tell me a long story about a dragon."
+    (want,) = colocated.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    results: dict[str, dict] = {}
+    started = [threading.Event() for _ in range(6)]
+    workers = [threading.Thread(target=lambda k=k, u=u, e=e: results.__setitem__(k, _stream(u, prompt, 48, e)))
+               for (k, u), e in zip([(f"first-{i}", cluster.url) for i in range(3)]
+                                    + [(f"second-{i}", url2) for i in range(3)], started)]
+    for w in workers:
+        w.start()
+    for e in started:
+        assert e.wait(60), "a stream did not start"
+    first.stop(5.0, signal.SIGKILL)
+    t_kill = time.monotonic()
+    for w in workers:
+        w.join(120)
+    for k in ("second-0", "second-1", "second-2"):
+        r = results[k]
+        assert r["done"] and r["error"] is None and r["text"] == want.text, (k, r)
+    assert all(not results[f"first-{i}"]["done"] for i in range(3))  # cut: their Conductor is gone
+    # No instance restarted, and the second saw none go down.
+    assert {i["url"]: i["instance_id"] for i in second.instances() if i["up"]} == before
+    # What the dead one held on the instances (its streams' requests, its reservations) is gone
+    # within one lease (30 s here); staging within its own bound.
+    second.assert_clean(RELEASE_S)
+    print(f"instances clean {time.monotonic() - t_kill:.1f} s after the kill")
+
+    # Started again, the same command: a newer epoch from etcd, the same instances, serving.
+    t0 = time.monotonic()
+    again = cluster.start("ctl", "conductor", first.cmd, cluster.url)
+    again.wait_instances(4, 30)
+    serving_s = time.monotonic() - t0
+    stats = again.stats()
+    assert stats["epoch"] > epoch1 and stats["conductor_id"] == f"{hosts.address('ctl')}:{CONDUCTOR_PORT}"
+    assert {i["url"]: i["instance_id"] for i in again.instances()} == before  # adopted, none started afresh
+    # Both serve side by side: the restart fenced off only its own earlier incarnation.
+    out = [_stream(u, prompt, 48) for u in (cluster.url, url2)]
+    assert all(o["done"] and o["error"] is None and o["text"] == want.text for o in out), out
+    assert second.stats()["requests_failed"] == 0
+    print(f"the restarted Conductor served {serving_s:.1f} s after its start")
+    assert serving_s < 20, f"the restarted Conductor took {serving_s:.1f} s to adopt the instances"
+    second.stop(20.0)

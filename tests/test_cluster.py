@@ -156,7 +156,7 @@ def test_early_rejection_answers_429_and_costs_no_prefill(cluster, admission):
     computed = sum(cluster.instance_stats(u)["num_prompt_tokens_computed"] for u in prefills)
     placement = PlacementConfig(admission=admission, slo_ttft_s=1e-4, slo_tbt_s=1e-4)
     conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, placement=placement,
-                                          poll_interval_s=0.1, epoch=cluster.http.get("/stats").json()["epoch"]))
+                                          poll_interval_s=0.1, conductor_id="second"))
     app = build_app(conductor, extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
     with TestClient(app) as client:
         until(lambda: client.get("/health").status_code == 200, 60, "the second Conductor to see its instances")
@@ -172,7 +172,7 @@ def test_early_rejection_answers_429_and_costs_no_prefill(cluster, admission):
 
 
 def _reserve_directly(cluster: Cluster, url: str, rid: str, n_tokens: int) -> httpx.Response:
-    """A reservation made as the Conductor would (its epoch), which the Conductor does not know of."""
+    """A reservation made as a Conductor would, which the cluster's Conductor does not know of."""
     epoch = str(cluster.http.get("/stats").json()["epoch"])
     return httpx.post(url + "/instance/reserve", timeout=30,
                       auth=CONTROL_AUTH, headers={"X-Conductor-Epoch": epoch},

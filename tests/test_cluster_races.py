@@ -78,8 +78,14 @@ def _instance(cluster: Cluster, url: str) -> dict:
     return inst
 
 
-def _signed(epoch: int) -> dict:
-    return {"auth": CONTROL_AUTH, "headers": {"X-Conductor-Epoch": str(epoch)}}
+def _fence(cluster: Cluster, newer_by: int = 0) -> str:
+    """The cluster's Conductor's fence (``ID/EPOCH``), or a later incarnation's."""
+    stats = _conductor_stats(cluster)
+    return f"{stats['conductor_id']}/{stats['epoch'] + newer_by}"
+
+
+def _signed(fence: str) -> dict:
+    return {"auth": CONTROL_AUTH, "headers": {"X-Conductor-Epoch": fence}}
 
 
 def _wait_up(cluster: Cluster, url: str, within_s: float = 60) -> None:
@@ -135,7 +141,7 @@ def test_a_burst_is_spread_over_both_prefill_instances(cluster):
 # -- 4. polls are answered while the engine thread is busy -------------------------------------------------
 
 def test_polls_answer_quickly_during_a_long_prefill_and_nothing_is_marked_down(cluster):
-    epoch = _conductor_stats(cluster)["epoch"]
+    fence = _fence(cluster)
     prompt = _words("longpoll", 300)  # > 1000 tokens: several long engine steps on one thread
 
     async def scenario():
@@ -149,7 +155,7 @@ def test_polls_answer_quickly_during_a_long_prefill_and_nothing_is_marked_down(c
             async with httpx.AsyncClient(timeout=30) as poller:
                 while not task.done():
                     t = time.monotonic()
-                    r = await poller.get(url + "/instance/state", **_signed(epoch))
+                    r = await poller.get(url + "/instance/state", **_signed(fence))
                     latencies.append(time.monotonic() - t)
                     assert r.status_code == 200, r.text
                     state = r.json()
@@ -266,13 +272,13 @@ def test_a_client_leaving_during_a_migration_leaks_nothing(cluster):
 # -- 7. the per-instance queue bound ------------------------------------------------------------------------
 
 class _ServedConductor:
-    """A second Conductor over the same instances (the same epoch, so neither releases what the
+    """A second Conductor over the same instances (an id of its own, so neither releases what the
     other reserved), served by uvicorn in a thread on a loopback port."""
 
     def __init__(self, cluster: Cluster, placement: PlacementConfig) -> None:
         urls = tuple(i["url"] for i in cluster.instances())
         self.conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, placement=placement,
-                                                   poll_interval_s=0.1, epoch=_conductor_stats(cluster)["epoch"]))
+                                                   poll_interval_s=0.1, conductor_id="second"))
         app = build_app(self.conductor,
                         extra_routes=[Route("/cluster/register", self.conductor.register_route, methods=["POST"])])
         port = free_port()
@@ -383,21 +389,21 @@ def test_a_newer_conductor_epoch_releases_reservations_of_the_older_one(cluster)
     cluster.assert_clean()  # what earlier scenarios cut off is released (its staging is held back a while)
     (decode, other) = cluster.instances("decode")
     url = decode["url"]
-    epoch = _conductor_stats(cluster)["epoch"]
+    fence, newer = _fence(cluster), _fence(cluster, newer_by=1)
     ids = [(i * 7) % 5000 + 10 for i in range(100)]
-    r = httpx.post(url + "/instance/reserve", timeout=30, **_signed(epoch),
+    r = httpx.post(url + "/instance/reserve", timeout=30, **_signed(fence),
                    json={"request_id": "old-epoch", "prompt_token_ids": ids, "params": {"max_tokens": 1}})
     assert r.status_code == 200, r.text
     s = cluster.instance_stats(url)
     assert s["num_reservations"] == 1 and s["staging_recv_ranges"] == 1
     # Any signed call from a newer Conductor (here a poll) releases what the older one reserved.
-    assert httpx.get(url + "/instance/state", timeout=30, **_signed(epoch + 1)).status_code == 200
+    assert httpx.get(url + "/instance/state", timeout=30, **_signed(newer)).status_code == 200
     # The staging is held back twice the transfer timeout.
     until(lambda: not any(cluster.instance_stats(url)[k] for k in ("num_reservations", "num_used_blocks",
                                                                    "staging_recv_ranges")),
           RELEASE_S, "the older epoch's reservation to be released", every_s=0.1)
     # The older Conductor is refused from now on (409), and holds nothing there.
-    r = httpx.post(url + "/instance/reserve", timeout=30, **_signed(epoch),
+    r = httpx.post(url + "/instance/reserve", timeout=30, **_signed(fence),
                    json={"request_id": "old-epoch-2", "prompt_token_ids": ids, "params": {"max_tokens": 1}})
     assert r.status_code == 409, r.text
     assert cluster.instance_stats(url)["num_reservations"] == 0

@@ -35,7 +35,7 @@ from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
 from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.receiver import Receiver
-from cluster.protocol import CacheDelta, InstanceInfo, InstanceState, WrongEpoch
+from cluster.protocol import CacheDelta, Fence, InstanceInfo, InstanceState, WrongEpoch
 from cluster.policies.snapshot import RequestInfo
 from cluster.protocol import output_to_dict
 from engine.disaggregation import KVHandoff
@@ -294,6 +294,11 @@ async def _assert_nothing_held(d, r: Receiver, within_s: float = 2.0) -> None:
 
 
 PROMPT = list(range(10, 10 + 40))  # 3 blocks of 16: 2 full and a partial one
+
+
+def _a(epoch: int) -> Fence:
+    """Conductor "a" at ``epoch``."""
+    return Fence("a", epoch)
 PARAMS = SamplingParams(max_tokens=4)
 
 
@@ -305,7 +310,7 @@ def test_an_unrenewed_lease_is_released_with_its_blocks_and_staging(decode_engin
         expiry = asyncio.create_task(r.expire_forever())
         try:
             start = time.monotonic()
-            dest = await r.reserve("lease-1", PROMPT, PARAMS, epoch=1)
+            dest = await r.reserve("lease-1", PROMPT, PARAMS, _a(1))
             assert dest.num_blocks == 3 and "lease-1" in r and d.staging.num_allocated == 1
             assert (await _engine_holds(d))[0] == 3
             while "lease-1" in r:
@@ -327,19 +332,19 @@ def test_renewing_keeps_a_lease_and_only_for_its_own_epoch(decode_engine):
         r = _receiver(d, lease_s=0.4)
         expiry = asyncio.create_task(r.expire_forever())
         try:
-            await r.reserve("lease-2", PROMPT, PARAMS, epoch=1)
+            await r.reserve("lease-2", PROMPT, PARAMS, _a(1))
             until = time.monotonic() + 1.5  # almost four leases
             while time.monotonic() < until:
-                assert r.renew(["lease-2", "unknown"], epoch=1) == ["unknown"]
+                assert r.renew(["lease-2", "unknown"], _a(1)) == ["unknown"]
                 await asyncio.sleep(0.1)
             assert "lease-2" in r and (await _engine_holds(d))[0] == 3
             # A renewal under another epoch does not extend it, and says it is not held for that one.
-            assert r.renew(["lease-2"], epoch=2) == ["lease-2"]
+            assert r.renew(["lease-2"], _a(2)) == ["lease-2"]
             start = time.monotonic()
             while "lease-2" in r:
                 assert time.monotonic() - start < 0.4 + 1.0
                 await asyncio.sleep(0.02)
-            assert r.renew(["lease-2"], epoch=1) == ["lease-2"]  # gone now
+            assert r.renew(["lease-2"], _a(1)) == ["lease-2"]  # gone now
             await _assert_nothing_held(d, r)
         finally:
             expiry.cancel()
@@ -347,25 +352,33 @@ def test_renewing_keeps_a_lease_and_only_for_its_own_epoch(decode_engine):
     asyncio.run(scenario())
 
 
-def test_a_newer_epoch_releases_older_reservations_and_refuses_older_reserves(decode_engine):
+def test_a_newer_epoch_releases_that_conductors_older_reservations_only(decode_engine):
     d = decode_engine
 
     async def scenario():
         r = _receiver(d, lease_s=30.0)  # no expiry here: only the epoch can release them
-        await r.reserve("old-a", PROMPT, PARAMS, epoch=5)
-        await r.reserve("old-b", PROMPT[:20], PARAMS, epoch=5)
+        await r.reserve("old-a", PROMPT, PARAMS, _a(5))
+        await r.reserve("old-b", PROMPT[:20], PARAMS, _a(5))
         assert len(r) == 2
-        await r.observe_epoch(6)  # any call from a newer Conductor
-        assert len(r) == 0 and r.epoch == 6
+        await r.reserve("other-conductor", PROMPT[:20], PARAMS, Fence("b", 3))
+        assert len(r) == 3
+        await r.observe(_a(6))  # any call from a newer incarnation of Conductor "a"
+        # Only a's: b's reservation and its renewals stand, and b's epoch is b's own.
+        assert len(r) == 1 and "other-conductor" in r and r.epochs == {"a": 6, "b": 3}
+        assert r.renew(["other-conductor"], Fence("b", 3)) == []
+        assert r.renew(["other-conductor"], _a(6)) == ["other-conductor"]  # not a's to renew
+        with pytest.raises(WrongEpoch):
+            await r.reserve("b-old", PROMPT, PARAMS, Fence("b", 2))
+        assert await r.release("other-conductor", settled=True) is True
         await _assert_nothing_held(d, r)
         with pytest.raises(WrongEpoch):
-            await r.reserve("old-c", PROMPT, PARAMS, epoch=5)
+            await r.reserve("old-c", PROMPT, PARAMS, _a(5))
         await _assert_nothing_held(d, r)
         # The newer Conductor reserves; a reserve from a still newer one releases it on arrival.
-        await r.reserve("new-d", PROMPT, PARAMS, epoch=6)
-        await r.observe_epoch(6)  # the same epoch again changes nothing
+        await r.reserve("new-d", PROMPT, PARAMS, _a(6))
+        await r.observe(_a(6))  # the same epoch again changes nothing
         assert "new-d" in r
-        await r.reserve("newer-e", PROMPT, PARAMS, epoch=7)
+        await r.reserve("newer-e", PROMPT, PARAMS, _a(7))
         assert "new-d" not in r and "newer-e" in r
         assert await r.release("newer-e", settled=True) is True
         await _assert_nothing_held(d, r)
@@ -380,7 +393,7 @@ def test_an_abort_before_its_reserve_leaves_a_tombstone(decode_engine):
         r = _receiver(d, lease_s=30.0)
         assert await r.release("early", settled=True) is False  # nothing to release yet
         with pytest.raises(LookupError):
-            await r.reserve("early", PROMPT, PARAMS, epoch=1)
+            await r.reserve("early", PROMPT, PARAMS, _a(1))
         await _assert_nothing_held(d, r)
 
     asyncio.run(scenario())
@@ -399,7 +412,7 @@ def test_an_abort_while_its_reserve_is_on_the_engine_thread_leaves_nothing(decod
     async def scenario():
         r = _receiver(d, lease_s=30.0)
         gate, busy = _hold_engine_thread(d)
-        reserve = asyncio.create_task(r.reserve("racing", PROMPT, PARAMS, epoch=1))
+        reserve = asyncio.create_task(r.reserve("racing", PROMPT, PARAMS, _a(1)))
         # One turn of the loop runs the reserve up to its engine call, queued behind the busy thread.
         await asyncio.sleep(0)
         assert not reserve.done()
@@ -423,9 +436,9 @@ def test_a_reserve_in_flight_when_a_newer_epoch_arrives_is_not_granted_to_the_ol
     async def scenario():
         r = _receiver(d, lease_s=30.0)
         gate, busy = _hold_engine_thread(d)
-        reserve = asyncio.create_task(r.reserve("in-flight", PROMPT, PARAMS, epoch=8))
+        reserve = asyncio.create_task(r.reserve("in-flight", PROMPT, PARAMS, _a(8)))
         await asyncio.sleep(0)  # one turn of the loop: the reserve is queued behind the busy thread
-        await r.observe_epoch(9)
+        await r.observe(_a(9))
         gate.set()
         await busy
         try:
@@ -434,7 +447,7 @@ def test_a_reserve_in_flight_when_a_newer_epoch_arrives_is_not_granted_to_the_ol
         except WrongEpoch:
             granted = False
         held = "in-flight" in r
-        renewable_by_old = r.renew(["in-flight"], epoch=8) == []
+        renewable_by_old = r.renew(["in-flight"], _a(8)) == []
         await r.release("in-flight", settled=True)  # clean up either way
         await _assert_nothing_held(d, r)
         assert not held and not granted, (

@@ -15,7 +15,8 @@ from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
 from cluster.instance.kv_stream import KVDestination
 from cluster.messenger import RegionHandle
-from cluster.protocol import CacheDelta, InstanceInfo, InstanceState, ReserveRequest, output_from_dict, output_to_dict
+from cluster.protocol import (CacheDelta, Fence, InstanceInfo, InstanceState, ReserveRequest, output_from_dict,
+                              output_to_dict)
 from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
 from engine.outputs import Logprobs
@@ -133,7 +134,7 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
 
     async def scenario():
         ledger = Ledger()
-        client = InstanceClient(SECRET, 1, transport=httpx.MockTransport(handler))
+        client = InstanceClient(SECRET, Fence("", 1), transport=httpx.MockTransport(handler))
         reg = Registry(client, on_new_incarnation=ledger.forget)
         rec = reg.add("http://inst:1/")
         assert reg.add("http://inst:1") is rec and rec.url == "http://inst:1"
@@ -180,7 +181,7 @@ def test_a_local_out_of_descriptors_marks_no_instance_down(caplog):
         return httpx.Response(200, json=InstanceState("one", CacheDelta(1, []), {}).to_dict())
 
     async def scenario():
-        client = InstanceClient(SECRET, 1, transport=httpx.MockTransport(handler))
+        client = InstanceClient(SECRET, Fence("", 1), transport=httpx.MockTransport(handler))
         reg = Registry(client)
         rec = reg.add("http://inst:1")
         await reg.poll(rec)

@@ -36,6 +36,7 @@ from cluster.instance.routes import InstanceRoutes
 from cluster.protocol import (
     CONTROL,
     EPOCH_HEADER,
+    Fence,
     CacheDelta,
     ControlAuth,
     InstanceInfo,
@@ -222,13 +223,13 @@ def _instance(url: str) -> tuple[Starlette, list[int]]:
     observed."""
     epochs: list[int] = []
 
-    async def observe_epoch(epoch: int) -> None:
-        epochs.append(epoch)
+    async def observe(fence: Fence) -> None:
+        epochs.append(fence.epoch)
 
     info = InstanceInfo("i-" + url, "prefill", 1, 64, LAYOUT, {}, None, "w" * 32, "float32", "none")
     service = SimpleNamespace(
         config=SimpleNamespace(secret=SECRET, url=url, role="prefill"), ready=True, error=None,
-        receiver=SimpleNamespace(observe_epoch=observe_epoch), info=lambda: info,
+        receiver=SimpleNamespace(observe=observe), info=lambda: info,
         state=lambda since: InstanceState(info.instance_id, CacheDelta(0, [])))
     return Starlette(routes=InstanceRoutes(service).routes()), epochs
 

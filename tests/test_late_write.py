@@ -28,7 +28,7 @@ from cluster.instance.prefill import Prefiller
 from cluster.instance.receiver import Receiver
 from cluster.messenger import Messenger, MessengerConfig, StaleWrite
 from cluster.messenger.staging import StagingArea
-from cluster.protocol import KVWriteFailed, UnknownReservation
+from cluster.protocol import Fence, KVWriteFailed, UnknownReservation
 from engine.hooks import PromptChunk
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams
@@ -131,13 +131,13 @@ def test_a_late_write_after_release_and_reuse_is_refused(decode):
 
     async def scenario():
         r = _receiver(d)
-        first = await r.reserve("late-1", PROMPT, PARAMS, epoch=1)
+        first = await r.reserve("late-1", PROMPT, PARAMS, Fence("c", 1))
         assert first.generation is not None and first.sums
         # Released while its prefill still runs (the Conductor gave up): the range is reused
         # after twice the transfer timeout.
         await r.release("late-1", settled=False)
         await asyncio.sleep(0.3)
-        second = await r.reserve("late-2", PROMPT, PARAMS, epoch=1)
+        second = await r.reserve("late-2", PROMPT, PARAMS, Fence("c", 1))
         assert second.offset == first.offset, "the test wants the range reused"
         kv = await asyncio.to_thread(_send_all, d, second)
         with pytest.raises(StaleWrite):
@@ -156,7 +156,7 @@ def test_a_corrupted_layer_is_refused_and_its_blocks_are_not_cached(decode):
 
     async def scenario():
         r = _receiver(d)
-        dest = await r.reserve("corrupt-1", prompt, PARAMS, epoch=1)
+        dest = await r.reserve("corrupt-1", prompt, PARAMS, Fence("c", 1))
         await asyncio.to_thread(_send_all, d, dest)
         before = await d.client.call(lambda e: len(e.block_manager.pool.cached_keys()))
         # One byte of layer 1 changes after it landed (a write that slipped past the check).
@@ -168,7 +168,7 @@ def test_a_corrupted_layer_is_refused_and_its_blocks_are_not_cached(decode):
         assert after == before, "blocks of a corrupt KV joined the prefix cache"
         await _nothing_held(d, r)
         # The same prompt, intact, is taken.
-        dest = await r.reserve("corrupt-2", prompt, PARAMS, epoch=1)
+        dest = await r.reserve("corrupt-2", prompt, PARAMS, Fence("c", 1))
         await asyncio.to_thread(_send_all, d, dest)
         assert await d.client.call(r.take_over(lambda h, kv: h.adopt("corrupt-2", kv), "corrupt-2")) == 2
         await _nothing_held(d, r)

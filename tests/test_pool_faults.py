@@ -5,6 +5,7 @@ it costs a recompute or a store, never an answer, and a slow part of it slows no
   counted (``metadata_unavailable``), on the pool's own threads, never the default executor's;
   end to end, a prompt of more than one pool block served while etcd is stopped gets its right
   answer (the ``processes`` test at the end).
+* A frozen node costs the prompts that want it about a second, once; then it is passed over.
 * A node's lease keepalive does not wait for its hot-object replication.
 * The SSD tier's reads and writes run outside the segment lock that every request and the
   owner's ``/poll`` take; a promotion forgets the SSD copy only once the DRAM copy is in place;
@@ -57,6 +58,56 @@ def _within(fn, seconds: float):
 def engine():
     with Messenger(MessengerConfig(secret=SECRET)) as e:
         yield e
+
+
+# -- a frozen pool node ----------------------------------------------------------------------------
+
+
+def test_a_frozen_node_costs_a_prompt_about_a_second_once_then_is_passed_over():
+    """A node that stops answering (SIGSTOP, a partition: here its lease and alloc handlers hang)
+    holds the prompts that want its objects for the call timeout (1 s), not for a transfer
+    timeout each; for a while after, it is not asked at all: its objects are misses, and stores
+    go to the node that answers."""
+    metadata = LocalMetadata()
+    with Messenger(MessengerConfig(secret=SECRET)) as frozen_engine, \
+            Messenger(MessengerConfig(secret=SECRET)) as healthy_engine, \
+            Messenger(MessengerConfig(secret=SECRET)) as reader_engine:
+        frozen = SegmentService(Segment(frozen_engine, SegmentConfig(dram_bytes=8 * OBJ)), frozen_engine, metadata,
+                                PoolClient(frozen_engine, metadata), "frozen", lease_ttl_s=30.0, heartbeat_s=0.2)
+        healthy = SegmentService(Segment(healthy_engine, SegmentConfig(dram_bytes=8 * OBJ)), healthy_engine,
+                                 metadata, PoolClient(healthy_engine, metadata), "healthy", lease_ttl_s=30.0,
+                                 heartbeat_s=0.2)
+        reader = PoolClient(reader_engine, metadata, segments_ttl_s=0.0, transfer_timeout_s=30.0)
+        buf = reader_engine.alloc_shared(2 * OBJ)
+        handle = reader_engine.register(buf)
+        sums = part_checksums(memoryview(buf.numpy())[:OBJ], PART)
+        assert reader.put("ns/0", handle, 0, OBJ, PART, sums, exclude=[healthy.segment_id]) == frozen.segment_id
+        until(lambda: reader.lookup(["ns/0"]) == [[frozen.segment_id]], 5, "the object in the index")
+
+        thaw = threading.Event()
+        for op in ("lease", "alloc"):
+            real = getattr(frozen.segment, {"lease": "lease", "alloc": "allocate"}[op])
+            setattr(frozen.segment, {"lease": "lease", "alloc": "allocate"}[op],
+                    lambda *a, real=real, **k: (thaw.wait(60), real(*a, **k))[1])
+        try:
+            mem = memoryview(buf.numpy())
+            t0 = time.monotonic()
+            assert reader.get(["ns/0"], handle, [OBJ], mem) == 0  # a miss ...
+            first = time.monotonic() - t0
+            assert 0.9 <= first < 3.0, f"the first prompt waited {first:.1f} s"  # ... after about a second
+            t0 = time.monotonic()
+            for _ in range(5):
+                assert reader.get(["ns/0"], handle, [OBJ], mem) == 0
+            assert time.monotonic() - t0 < 0.5, "a node that just failed to answer was asked again"
+            assert reader.counters["segment_timeouts"] == 1 and reader.counters["segments_passed_over"] >= 5
+            # A store goes to the node that answers, at once.
+            t0 = time.monotonic()
+            assert reader.put("ns/1", handle, 0, OBJ, PART, sums) == healthy.segment_id
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            thaw.set()
+            frozen.close()
+            healthy.close()
 
 
 # -- the metadata down or slow, as an instance's PoolIO meets it ------------------------------------
@@ -228,6 +279,26 @@ def test_a_slow_ssd_read_does_not_hold_the_segment_lock(engine, tmp_path):
         ssd.read_gate.set()
         (grant,) = promoting.result(5)
     assert grant is not None and leased_bytes(seg, grant) == data["a"]
+    seg.check()
+
+
+def test_a_corrupt_ssd_copy_is_dropped_not_promoted(engine, tmp_path):
+    """Issue 31: an object read back from SSD is checked before it is promoted; a copy whose bytes
+    changed on disk is dropped (a miss, and unpublished), the others come back intact."""
+    seg, _ = _ssd_segment(engine, tmp_path)
+    originals = {key: write_object(seg, key, 30 + i) for i, key in enumerate("abcd")}
+    assert seg.stats()["objects_ssd"] == 2  # "a" and "b" went down
+    (victim,) = [p for p in (tmp_path / "ssd").glob("*.kv") if p.stat().st_size == OBJ and p.read_bytes()
+                 == originals["a"]]
+    raw = bytearray(victim.read_bytes())
+    raw[OBJ // 2] ^= 0xFF  # one flipped byte in the middle of a part
+    victim.write_bytes(bytes(raw))
+    assert seg.lease(["a"]) == [None]
+    s = seg.stats()
+    assert s["corrupt_ssd_reads"] == 1 and s["promotions"] == 0 and s["objects"] == 3
+    assert seg.lease(["a"]) == [None]  # gone for good, not read again
+    grant = seg.lease(["b"])[0]  # an intact copy still comes back
+    assert grant is not None and leased_bytes(seg, grant) == originals["b"]
     seg.check()
 
 

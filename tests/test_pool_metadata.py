@@ -193,6 +193,22 @@ def test_a_key_belongs_to_the_lease_it_was_last_put_under(backend: Backend) -> N
     assert store.get_prefix("k/") == {"k/freed": "2"}
 
 
+def test_create_claims_an_absent_key_and_answers_a_growing_revision(backend: Backend) -> None:
+    store = backend.store
+    lease = store.grant_lease(30.0)
+    first = store.create("claim/a", "one", lease=lease)
+    assert isinstance(first, int) and first > 0
+    assert store.create("claim/a", "two") is None  # held: nothing written
+    assert store.get("claim/a") == "one"
+    store.put("other", "x")  # any write moves the revision on
+    store.revoke(lease)  # the claim goes with its lease, and can be made again, later
+    second = store.create("claim/a", "three")
+    assert second is not None and second > first and store.get("claim/a") == "three"
+    with pytest.raises(LeaseGone):
+        store.create("claim/b", "x", lease=lease)
+    assert store.get("claim/b") is None
+
+
 def test_bad_ttl_is_refused(backend: Backend) -> None:
     for ttl_s in (0.0, -1.0, math.nan, math.inf):
         with pytest.raises(ValueError):

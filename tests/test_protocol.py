@@ -19,7 +19,7 @@ from cluster.instance.routes import _as_protocol_error
 from cluster.messenger import TransferError
 from cluster.policies.cost_model import InstanceProfile, PrefillCostModel
 from cluster.protocol import (
-    CONTROL, ERRORS, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, CacheDelta, ControlAuth,
+    CONTROL, ERRORS, Fence, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, CacheDelta, ControlAuth,
     GenerateRequest, InstanceBusy, InstanceFailed, InstanceInfo, InstanceNotReady, InstanceState, InstanceUnavailable,
     KVWriteFailed, NoKVRoom, PoolNaming, Prefilled, PrefillReply, PrefillRequest, PrefixNotCached, PushReply,
     PushRequest, RegisterReply, RegisterRequest, RenewReply, RenewRequest, RequestError, ReserveReply, ReserveRequest,
@@ -170,7 +170,7 @@ def test_stream_lines_carry_outputs_and_the_error_that_ended_the_stream():
 
 
 def _client(handler) -> InstanceClient:
-    return InstanceClient(b"s" * 16, epoch=1, control_timeout_s=1.0, transport=httpx.MockTransport(handler))
+    return InstanceClient(b"s" * 16, Fence("", 1), control_timeout_s=1.0, transport=httpx.MockTransport(handler))
 
 
 @pytest.mark.parametrize("answer, expected", [

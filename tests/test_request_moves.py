@@ -49,8 +49,11 @@ class Instances:
     ``("cut", n)`` breaks the stream after n tokens, ``("gone", 0)`` answers that the reservation
     is unknown (it lapsed)."""
 
-    def __init__(self, decode_fault: Callable[[str, int], tuple[str, int] | None] = lambda url, n: None) -> None:
+    def __init__(self, decode_fault: Callable[[str, int], tuple[str, int] | None] = lambda url, n: None,
+                 full_reserves: int = 0) -> None:
         self.decode_fault = decode_fault
+        self.full_reserves = full_reserves  # reserves after the first answered 507 (no room now)
+        self.reserves = 0
         self.calls: list[tuple[str, str, dict]] = []
         self.generates = 0
         self.renew_gate: dict[str, asyncio.Event] = {}
@@ -68,6 +71,9 @@ class Instances:
         if path == "/instance/state":
             return httpx.Response(200, json=InstanceState(url, CacheDelta(0, [])).to_dict())
         if path == "/instance/reserve":
+            self.reserves += 1
+            if 1 < self.reserves <= 1 + self.full_reserves:
+                return httpx.Response(507, json={"error": "no room for the KV", "code": "no_kv_room"})
             return httpx.Response(200, json={"dest": {"skip_blocks": 0, "num_blocks": 3}})
         if path == "/instance/renew":
             if url in self.renew_gate:
@@ -110,6 +116,9 @@ class Instances:
     def prompts_prefilled(self) -> list[tuple[str, list[int], int]]:
         return [(b["request_id"], b["prompt_token_ids"], b["params"]["max_tokens"])
                 for _, path, b in self.calls if path == "/instance/prefill"]
+
+    def params_prefilled(self) -> list[dict]:
+        return [b["params"] for _, path, b in self.calls if path == "/instance/prefill"]
 
 
 async def _conductor(instances: Instances, monkeypatch, **config) -> Conductor:
@@ -164,6 +173,53 @@ def test_a_lapsed_reservation_moves_the_request_without_marking_the_instance_dow
         assert [t for o in outs for t in o.new_token_ids] == list(range(PROMPT[-1] + 1, PROMPT[-1] + 6))
         assert all(_up(c).values()), "a request's failure marked an instance down"
         assert c.stats()["requests_moved"] == 1
+        await c.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_moved_request_waits_for_room_instead_of_a_429_mid_stream(monkeypatch):
+    """After the move no decode instance has room at first (507 on the next four reserves): the
+    request waits and goes on once there is room; the client sees one stream, no refusal."""
+    instances = Instances(lambda url, attempt: ("cut", 3) if attempt == 0 else None, full_reserves=4)
+
+    async def scenario():
+        c = await _conductor(instances, monkeypatch)
+        outs = await _collect(c, max_tokens=8)
+        assert [t for o in outs for t in o.new_token_ids] == list(range(PROMPT[-1] + 1, PROMPT[-1] + 9))
+        stats = c.stats()
+        assert (stats["requests_moved"], stats["moved_requests_waiting_for_room"]) == (1, 4)
+        assert stats["requests_failed"] == 0 and stats["requests_rejected"] == 0  # no 429 reached the client
+        # Each try for room under an id of its own (the instances may still hold the last one's).
+        assert [rid for rid, _, _ in instances.prompts_prefilled()] == ["req", "req~5"]
+        await c.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_moved_request_that_finds_no_room_in_time_gets_a_503(monkeypatch):
+    instances = Instances(lambda url, attempt: ("cut", 3) if attempt == 0 else None, full_reserves=10**6)
+
+    async def scenario():
+        c = await _conductor(instances, monkeypatch, move_wait_s=0.5)
+        with pytest.raises(EngineNotReady, match="no room for the moved request within 0.5 s"):
+            await _collect(c, max_tokens=8)
+        assert c.stats()["requests_failed"] == 1
+        await c.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_scoring_request_moved_before_its_first_token_keeps_its_prompt_logprobs(monkeypatch):
+    """The prompt's logprobs travel with the first token: a request moved before it (its decode
+    instance lost while the prefill ran) still asks for them; one moved after, not again."""
+    instances = Instances(lambda url, attempt: ("gone", 0) if attempt == 0 else None)
+
+    async def scenario():
+        c = await _conductor(instances, monkeypatch)
+        params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
+        [o async for o in c.generate("req", list(PROMPT), params)]
+        assert [p.get("prompt_logprobs") for p in instances.params_prefilled()] == [1, None]
         await c.shutdown()
 
     asyncio.run(scenario())

@@ -493,6 +493,51 @@ def test_overload_429(servers, url):
         client.max_waiting = old
 
 
+def test_an_abort_that_overtakes_its_request_is_remembered(servers):
+    """An abort for an id the engine does not hold yet (the caller gave up while the request was
+    on its way): the request, when it comes, is answered as aborted without computing anything;
+    another id is served as usual."""
+    client = servers.client
+
+    async def run() -> tuple[list, list]:
+        computed = client.stats()["num_prompt_tokens_computed"]
+        await client.abort("overtaken")
+        late = [out async for out in client.generate("overtaken", PROMPT, SamplingParams(max_tokens=4))]
+        assert client.stats()["num_prompt_tokens_computed"] == computed
+        other = [out async for out in client.generate("served", PROMPT, SamplingParams(max_tokens=2))]
+        return late, other
+
+    late, other = asyncio.run(run())
+    assert [(o.finished, o.finish_reason, o.new_token_ids) for o in late] == [(True, "abort", [])]
+    assert other[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in other) == 2
+
+
+def _parse_workers() -> list[int]:
+    """Pids of this process's tokenizer processes (``server/parse_worker.py``)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"server.parse_worker" in cmdline and ppid == os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def test_a_large_body_is_tokenized_in_the_tokenizer_process(url, tokenizer):
+    """A body over 32 KiB (here a 40 kB "user" field) is parsed by the tokenizer process, and
+    answered as any other; its errors are the client's, as inline."""
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "user": "u" * 40000}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(" Paris")
+    assert len(_parse_workers()) == 1
+    r = post(url, "/v1/chat/completions", {**body, "prompt": None, "messages": [{"role": "user", "content": 5}]})
+    assert_error(r, 400, "messages[0].content")
+
+
 PLANTED = "http://10.1.2.3:7001"
 
 

@@ -17,17 +17,20 @@ from cluster.conductor.supervisor import RestartPolicy, Supervisor, describe_exi
 
 pytestmark = pytest.mark.processes  # starts real server / instance / peer processes
 
-# A fake instance: optionally ignores SIGTERM, then listens on its port (so a connection tells the
-# test it is up and has set its signal handling) until killed.
+# A fake instance: optionally ignores SIGTERM, then answers "up" to every connection on the port's
+# socket the Supervisor hands it (so an answer tells the test it is up and has set its signal
+# handling) until killed.
 LISTENER = """
-import signal, socket, sys, time
+import os, signal, socket, sys
 if sys.argv[2] == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", int(sys.argv[1])))
-s.listen()
-time.sleep(60)
+s = socket.socket(fileno=int(os.environ["MOONCAKE_LISTEN_FD"]))
+assert s.getsockname()[1] == int(sys.argv[1])
+s.setblocking(True)
+while True:
+    c, _ = s.accept()
+    c.sendall(b"up")
+    c.close()
 """
 FAST = dict(poll_interval_s=0.01)
 
@@ -49,13 +52,22 @@ def wait_until(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def listening(url: str) -> bool:
+def answer(url: str) -> bytes | None:
+    """What a connection to ``url`` reads before it is closed (b"" when the Supervisor turned it
+    away); None when nothing listens there."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     try:
-        socket.create_connection((host, int(port)), timeout=1).close()
-        return True
+        with socket.create_connection((host, int(port)), timeout=2) as c:
+            return c.recv(16)
+    except ConnectionRefusedError:
+        return None
     except OSError:
-        return False
+        return b""
+
+
+def listening(url: str) -> bool:
+    """An instance serves there."""
+    return answer(url) == b"up"
 
 
 def gone(pid: int) -> bool:
@@ -102,6 +114,15 @@ def test_killed_instance_restarts_on_the_same_url(caplog):
         # Between the death and the restart (the 0.3 s backoff) the role is reported missing.
         wait_until(lambda: "decode" in sup.missing_roles())
         assert sup.missing_roles() == {"decode": "restarting after signal SIGKILL"}
+        # Meanwhile the port stays the instance's: no other process can bind it (SO_REUSEADDR
+        # included, as uvicorn binds), and a connection there is closed at once, not left waiting.
+        port = int(decode["url"].rsplit(":", 1)[1])
+        intruder = socket.socket()
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with intruder, pytest.raises(OSError, match="Address already in use"):
+            intruder.bind(("127.0.0.1", port))
+        t0 = time.monotonic()
+        assert answer(decode["url"]) == b"" and time.monotonic() - t0 < 1.0
         wait_until(lambda: by_role(sup, "decode")["alive"])
         after = by_role(sup, "decode")
         assert after["url"] == decode["url"] and after["pid"] != decode["pid"]

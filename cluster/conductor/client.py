@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from cluster.protocol import CONTROL, EPOCH_HEADER, ControlAuth, derive_key
+from cluster.protocol import CONTROL, EPOCH_HEADER, ControlAuth, Fence, derive_key
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceFailed, InstanceInfo,
     InstanceState, InstanceUnavailable, KVWriteFailed, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
@@ -80,7 +80,7 @@ def _no_answer(what: str, e: httpx.HTTPError) -> InstanceUnavailable | OwnResour
 
 
 class InstanceClient:
-    def __init__(self, secret: bytes, epoch: int, control_timeout_s: float = 10.0,
+    def __init__(self, secret: bytes, fence: Fence, control_timeout_s: float = 10.0,
                  request_timeout_s: float = 600.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
         """``transport``: where the calls go (tests pass an ``httpx.MockTransport``)."""
         self.control_timeout_s = control_timeout_s
@@ -90,7 +90,7 @@ class InstanceClient:
         # the work lasts, and a bounded pool would make every other call (an abort, a poll)
         # queue behind them until it timed out. Polls get a client of their own all the same,
         # so the health of an instance is never judged by how busy the request path is.
-        kwargs = dict(auth=ControlAuth(derive_key(secret, CONTROL)), headers={EPOCH_HEADER: str(epoch)},
+        kwargs = dict(auth=ControlAuth(derive_key(secret, CONTROL)), headers={EPOCH_HEADER: fence.header()},
                       timeout=httpx.Timeout(control_timeout_s), transport=transport,
                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
         self._http = httpx.AsyncClient(**kwargs)

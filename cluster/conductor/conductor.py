@@ -15,8 +15,12 @@ With a KVCache pool, step 2 first looks up how much of the prompt's prefix the p
 pool's totals (``pool`` in ``/stats``) are read from its metadata every second.
 
 Around requests it keeps the registry polling, renews the leases of the reservations its
-requests hold on instances, and carries an epoch (its start time) on every call, so instances
-release what an older Conductor reserved.
+requests hold on instances, and carries its fence (its id and epoch, ``cluster.protocol.Fence``)
+on every call, so instances keep its reservations apart from other Conductors' and release what
+an earlier incarnation of it reserved. Any number of Conductors can front the same instances:
+with etcd (``cluster.pool.metadata.membership``) each finds the instances there and claims its id (the claim's
+revision is its epoch); each places on its own, and an instance refuses a reservation it cannot
+honour (the Conductor then tries the next instance).
 """
 
 from __future__ import annotations
@@ -39,15 +43,17 @@ from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
+from cluster.pool.metadata.membership import LeasedKey, list_instances
 from cluster.policies.snapshot import RequestInfo
 from cluster.pool.client import CLIENT_COUNTERS, PoolClient
+from cluster.pool.metadata import MetadataStore
 from cluster.pool.objects import object_keys
 from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
-from cluster.protocol import BadRequest, RegisterReply, RegisterRequest, TimedOut, Unauthorized
+from cluster.protocol import BadRequest, Fence, RegisterReply, RegisterRequest, TimedOut, Unauthorized
 from engine.default_model import default_model_name
 from engine.config import ModelConfig
 from engine.default_model import resolve_model
-from engine.engine_client import EngineClient, EngineNotReady
+from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
 from engine.outputs import RequestOutput
 from engine.prompt import check_fits, prompt_token_ids
 from engine.sampling_params import SamplingParams
@@ -55,6 +61,8 @@ from engine.tokenizer import Tokenizer
 from paged_kv.prefix_keys import chain_keys
 
 log = logging.getLogger(__name__)
+
+_FORGET_AFTER_S = 60.0  # an instance down and no longer announced is forgotten after this long
 
 
 @dataclass(frozen=True)
@@ -74,15 +82,19 @@ class ConductorConfig:
     renew_interval_s: float = 1.0
     renew_timeout_s: float = 2.0
     max_request_moves: int = 2  # a request that loses its instance is placed again at most this often
-    # None: this Conductor's start time. Instances release what older epochs reserved, so
-    # Conductors that front the same instances at the same time must share one epoch.
+    move_wait_s: float = 30.0  # a moved request waits this long at most for room (then 503)
+    # Who this Conductor is to the instances (``Fence``): Conductors fronting the same instances
+    # need ids of their own; one restarted keeps its id with a larger epoch (with etcd, its
+    # claim's revision; None: its start time), and instances release what it reserved before.
+    conductor_id: str = ""
     epoch: int | None = None
+    members_interval_s: float = 1.0  # with etcd: how often the announced instances are listed
 
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
         for name in ("poll_interval_s", "poll_timeout_s", "control_timeout_s", "request_timeout_s", "renew_interval_s",
-                     "renew_timeout_s"):
+                     "renew_timeout_s", "members_interval_s", "move_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_request_moves < 0:
@@ -98,13 +110,18 @@ class ConductorConfig:
 
 
 class Conductor(EngineClient):
-    def __init__(self, config: ConductorConfig, supervisor: Any = None, pool: PoolClient | None = None) -> None:
+    def __init__(self, config: ConductorConfig, supervisor: Any = None, pool: PoolClient | None = None,
+                 members: MetadataStore | None = None, claim: LeasedKey | None = None) -> None:
         """``supervisor``: the ``cluster.conductor.supervisor.Supervisor`` of the instances this process
         started, if any; it explains a missing role while they restart. ``pool``: the KVCache
-        pool's metadata, to look prefixes up and report its totals (None: no pool)."""
+        pool's metadata, to look prefixes up and report its totals (None: no pool). ``members``:
+        where instances announce themselves (etcd), listed every ``members_interval_s``; ``claim``:
+        this Conductor's claim on its id there (if another Conductor takes the id, this one stops
+        serving)."""
         self.config = config
-        self.epoch = config.epoch or time.time_ns()  # a Conductor started later is newer
-        self.client = InstanceClient(config.secret, self.epoch, config.control_timeout_s, config.request_timeout_s)
+        self.fence = Fence(config.conductor_id, config.epoch or time.time_ns())  # a Conductor started later is newer
+        self.epoch = self.fence.epoch
+        self.client = InstanceClient(config.secret, self.fence, config.control_timeout_s, config.request_timeout_s)
         self._verifier = ControlVerifier(derive_key(config.secret, CONTROL))  # instances registering
         self.ledger = Ledger()
         self.registry = Registry(self.client, config.poll_interval_s, config.poll_timeout_s,
@@ -115,6 +132,8 @@ class Conductor(EngineClient):
         self.flow = RequestFlow(self.client, self.registry, self.counters, self._spawn)
         self._supervisor = supervisor
         self._pool = pool
+        self._members, self._claim = members, claim
+        self._members_error: str | None = None
         self._pool_stats: dict[str, Any] | None = None
         # Pool metadata calls run on threads of their own: a lookup that outlives its 1 s wait
         # (etcd down: up to its client timeout) must not take the default executor's few threads.
@@ -135,6 +154,8 @@ class Conductor(EngineClient):
             self._tasks = [asyncio.create_task(self._load_tokenizer()), asyncio.create_task(self._renew_forever())]
             if self._pool is not None:
                 self._tasks.append(asyncio.create_task(self._watch_pool()))
+            if self._members is not None:
+                self._tasks.append(asyncio.create_task(self._watch_members()))
             self.registry.start()
 
     async def _load_tokenizer(self) -> None:
@@ -164,6 +185,42 @@ class Conductor(EngineClient):
             except Exception as exc:  # noqa: BLE001 -- reported, retried; the watch must not end
                 log.warning("pool metadata unavailable: %s", exc)
             await asyncio.sleep(1.0)
+
+    async def _watch_members(self) -> None:
+        """Poll every instance announced in the membership; forget one that left it, once it has
+        been down (and held no request of this Conductor) for ``_FORGET_AFTER_S``: till then
+        /stats shows it down, and it comes back by itself if it was only cut off. Instances named
+        by hand stay."""
+        loop = asyncio.get_running_loop()
+        announced: set[str] = set()
+        gone_since: dict[str, float] = {}
+        while True:
+            try:
+                members = await asyncio.wait_for(
+                    loop.run_in_executor(self._pool_threads, list_instances, self._members), 5.0)
+            except Exception as exc:  # noqa: BLE001 -- the instances known stay polled; retried
+                if self._members_error is None:
+                    log.warning("membership unavailable (the instances known are still polled): %s", exc)
+                self._members_error = f"{type(exc).__name__}: {exc}"
+            else:
+                if self._members_error is not None:
+                    log.info("membership available again")
+                self._members_error = None
+                listed = {m.url.rstrip("/") for m in members}
+                for url in sorted(listed - announced):
+                    self.registry.add(url)
+                announced |= listed
+                now = time.monotonic()
+                for rec in list(self.registry.records):
+                    if (rec.url not in announced or rec.url in listed or rec.up
+                            or rec.url in self.config.instances or self.ledger.holds(rec)):
+                        gone_since.pop(rec.url, None)
+                    elif now - gone_since.setdefault(rec.url, now) >= _FORGET_AFTER_S:
+                        self.registry.remove(rec)
+                        self.ledger.forget(rec)
+                        announced.discard(rec.url)
+                        del gone_since[rec.url]
+            await asyncio.sleep(self.config.members_interval_s)
 
     async def _pool_prefix(self, ids: list[int]) -> int:
         """Engine blocks of ``ids``'s prefix the pool holds; 0 without a pool, or when its
@@ -222,6 +279,8 @@ class Conductor(EngineClient):
     # -- readiness ---------------------------------------------------------------------------------
     @property
     def is_ready(self) -> bool:
+        if self._claim is not None and self._claim.lost.is_set():
+            return False
         return self._tokenizer is not None and self._serving_mode() is not None
 
     def _serving_mode(self) -> str | None:
@@ -242,6 +301,9 @@ class Conductor(EngineClient):
         """Why no request can be served now, naming the missing role."""
         if self._tokenizer is None:
             return self._load_error or "loading the tokenizer"
+        if self._claim is not None and self._claim.lost.is_set():
+            return (f"another Conductor took this one's id {self.fence.conductor!r} while it was cut off from etcd; "
+                    "restart it (with another --conductor-id if both are meant to run)")
         up = {role: len(self.registry.up(role)) for role in ("prefill", "decode", "both")}
         if up["both"] or (up["prefill"] and up["decode"]):
             return "ready"
@@ -308,15 +370,18 @@ class Conductor(EngineClient):
     ) -> AsyncIterator[RequestOutput]:
         """Serve one request; when it loses its instance (``RequestMoved``) place it again, at
         most ``max_request_moves`` times, with the tokens already streamed as part of its prompt:
-        the client's stream only pauses."""
+        the client's stream only pauses. A moved request was admitted once: where there is no
+        room for it now, it waits for room (``move_wait_s`` at most) rather than end mid-stream."""
         if not self.is_ready:
             raise self.not_ready()
         ids = prompt_token_ids(prompt, self.tokenizer, self._vocab_size)
         check_fits(len(ids), params.max_tokens, self.max_model_len, "the model's context")
         streamed: list[int] = []  # output tokens the client has
-        moves = 0
+        moves, number = 0, 0
+        waiting_since: float | None = None
         while True:
-            attempt = _Attempt(request_id, ids, tuple(streamed), params, moves)
+            attempt = _Attempt(request_id, ids, tuple(streamed), params, moves, number)
+            number += 1
             try:
                 outs = self._serve(attempt)
                 async with _closing(outs):
@@ -324,6 +389,18 @@ class Conductor(EngineClient):
                         streamed.extend(out.new_token_ids)
                         yield attempt.as_seen_by_client(out)
                 return
+            except EngineOverloaded as e:
+                if not moves:
+                    self.counters.refused(e)
+                    raise  # not admitted yet: the client gets the 429
+                now = time.monotonic()
+                waiting_since = waiting_since or now
+                self.counters.moved_waits += 1
+                if now - waiting_since >= self.config.move_wait_s:
+                    self.counters.failed += 1
+                    raise EngineNotReady(f"no room for the moved request within {self.config.move_wait_s:g} s "
+                                         f"({e}); retry shortly", retry_after=2.0) from None
+                await asyncio.sleep(min(max(e.retry_after, 0.2), 1.0))
             except RequestMoved as e:
                 serving = self._serving_mode() is not None
                 if moves >= self.config.max_request_moves or not serving:
@@ -332,7 +409,7 @@ class Conductor(EngineClient):
                     log.warning("request %s lost its %s instance and cannot move (%s): %s", request_id, e.role, why, e)
                     raise EngineNotReady(f"the {e.role} instance serving the request was lost: {why}",
                                          retry_after=2.0) from None
-                moves += 1
+                moves, waiting_since = moves + 1, None
                 self.counters.moved += 1
                 log.warning("request %s lost its %s instance after %d token(s); placing it again (move %d): %s",
                             request_id, e.role, len(streamed), moves, e)
@@ -410,10 +487,12 @@ class Conductor(EngineClient):
         totals.update({
             "ready": self.is_ready,
             "mode": self._serving_mode() or "none",
-            "epoch": self.epoch,
+            "conductor_id": self.fence.conductor, "epoch": self.epoch,
+            **({"membership_error": self._members_error} if self._members_error else {}),
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,
+            "moved_requests_waiting_for_room": c.moved_waits,
             "migrations": c.migrations, "migrated_blocks": c.migrated_blocks,
             "max_num_running_seen": max(self._max_running_seen, totals.get("max_num_running_seen", 0)),
             "instances": [{**r.describe(), **self.ledger.load(r).describe()} for r in self.registry.records],
@@ -431,18 +510,20 @@ class Conductor(EngineClient):
 @dataclass(frozen=True)
 class _Attempt:
     """One placement of a client's request. After a move (``moves`` > 0) its prompt is the
-    client's prompt plus the tokens already streamed, under an id of its own (the lost instance
-    may still hold the old one until its abort lands), and it asks for what is left."""
+    client's prompt plus the tokens already streamed, and it asks for what is left. Each
+    attempt after the first (``number`` > 0: a move, or a moved request trying again for room)
+    has an id of its own: a lost instance may still hold the old one until its abort lands."""
 
     client_request_id: str
     client_prompt: list[int]
     streamed: tuple[int, ...]  # output tokens the client had when this attempt began
     client_params: SamplingParams
     moves: int
+    number: int = 0
 
     @property
     def request_id(self) -> str:
-        return self.client_request_id if not self.moves else f"{self.client_request_id}~{self.moves}"
+        return self.client_request_id if not self.number else f"{self.client_request_id}~{self.number}"
 
     @property
     def prompt(self) -> list[int]:
@@ -453,9 +534,10 @@ class _Attempt:
         if not self.moves:
             return self.client_params
         # Only the penalties on output tokens and a seeded sampler's state start afresh; a greedy
-        # request continues exactly as it would have. The prompt's logprobs went out already.
+        # request continues exactly as it would have. The prompt's logprobs go out with the first
+        # token: asked again only if the client has none yet (then the prompt is the client's).
         return dataclasses.replace(self.client_params, max_tokens=self.client_params.max_tokens - len(self.streamed),
-                                   prompt_logprobs=None)
+                                   prompt_logprobs=None if self.streamed else self.client_params.prompt_logprobs)
 
     def as_seen_by_client(self, out: RequestOutput) -> RequestOutput:
         """``out`` with the client's id and counts (its prompt, its output so far)."""

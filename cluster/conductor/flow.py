@@ -60,13 +60,19 @@ class Counters:
     migrated_blocks: int = 0
     decode_retries: int = 0  # a decode instance was full (507) and the next one was tried
     moved: int = 0  # requests placed again after they lost their instance or reservation
+    moved_waits: int = 0  # tries of a moved request that found no room (it waited and tried again)
     per_reason: dict[str, int] = field(default_factory=dict)
 
-    def reject(self, reason: str, retry_after_s: float) -> EngineOverloaded:
-        self.rejected += 1
-        kind = reason.split(":")[0]  # "overloaded", not every predicted load figure
-        self.per_reason[kind] = self.per_reason.get(kind, 0) + 1
+    @staticmethod
+    def reject(reason: str, retry_after_s: float) -> EngineOverloaded:
+        """The refusal for ``reason``; counted once it reaches the client (``refused``): a moved
+        request waits instead (``Conductor.generate``)."""
         return EngineOverloaded(reason, retry_after=max(1.0, retry_after_s))
+
+    def refused(self, e: EngineOverloaded) -> None:
+        self.rejected += 1
+        kind = str(e).split(":")[0]  # "overloaded", not every predicted load figure
+        self.per_reason[kind] = self.per_reason.get(kind, 0) + 1
 
 
 class RequestFlow:

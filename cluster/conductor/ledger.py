@@ -72,6 +72,11 @@ class Ledger:
         """A new incarnation of ``rec``: whatever the old one was doing is gone."""
         self._loads.pop(rec, None)
 
+    def holds(self, rec: InstanceRecord) -> bool:
+        """Whether any request of this Conductor is on ``rec`` (placed, running or reserved)."""
+        load = self._loads.get(rec)
+        return load is not None and any(load.describe().values())
+
     def reservations(self) -> dict[InstanceRecord, list[str]]:
         """The reservations held on each instance, to renew."""
         return {rec: list(load.reserved) for rec, load in self._loads.items() if load.reserved}

@@ -99,6 +99,13 @@ class Registry:
         log.info("instance %s added", url)
         return rec
 
+    def remove(self, rec: InstanceRecord) -> None:
+        """Stop polling ``rec`` and forget it (an instance that left the membership for good)."""
+        if rec in self.records:
+            self.records.remove(rec)
+            self.mark_down(rec, "left the cluster")
+            log.info("instance %s removed", rec.url)
+
     def up(self, *roles: str) -> list[InstanceRecord]:
         return [r for r in self.records if r.up and r.role in roles]
 
@@ -125,6 +132,8 @@ class Registry:
                 for rec in self.records:
                     if rec not in loops:
                         loops[rec] = asyncio.create_task(self._poll_one_forever(rec))
+                for rec in [rec for rec in loops if rec not in self.records]:  # removed
+                    loops.pop(rec).cancel()
                 await asyncio.sleep(self.poll_interval_s)
         finally:
             for task in loops.values():

@@ -5,7 +5,10 @@
 cores, the cluster secret in its environment, and the kernel's parent-death signal set, so no
 instance outlives the Conductor even if that is killed. An instance that dies is started again on
 the same port after a backoff, so the Conductor, which keeps polling that URL, sees a new
-incarnation there. One that keeps dying (a crash loop) is never given up on for good: past the
+incarnation there. The port is the Supervisor's for good: it listens on it from the start and
+hands the socket to each incarnation (``LISTEN_FD_ENV``, as systemd's socket activation does), so
+no other process can take it while an instance restarts; meanwhile the Supervisor closes every
+connection that arrives there at once (a poll fails fast, as at a closed port). One that keeps dying (a crash loop) is never given up on for good: past the
 crash-loop limit it is tried again only every ``crash_loop_backoff_s``, with an ERROR log line
 each time, and ``/health`` says so; a cause that goes away (a full disk, a port held by a
 process that has since ended) then costs minutes, not the cluster.
@@ -37,6 +40,9 @@ _PR_SET_PDEATHSIG = 1
 # Resolved once here, not in the child: between fork and exec only the forking thread exists, and
 # a dlopen there could wait forever on a loader lock another thread of the Conductor held.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+LISTEN_FD_ENV = "MOONCAKE_LISTEN_FD"  # an instance serves on this inherited listening socket
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -107,7 +113,7 @@ class _Managed:
     """One supervised instance. The watcher thread alone writes it, under the Supervisor's lock."""
 
     role: str
-    port: int
+    listener: socket.socket  # the port, held across incarnations
     url: str
     process: subprocess.Popen | None = None
     pid: int | None = None
@@ -161,8 +167,9 @@ class Supervisor:
         self._env = dict(os.environ, MOONCAKE_CLUSTER_SECRET=secret)
         self._managed = []
         for role in self._roles:
-            port = free_port(host)
-            self._managed.append(_Managed(role, port, f"http://{host}:{port}"))
+            listener = socket.create_server((host, 0), backlog=1024)
+            port = listener.getsockname()[1]
+            self._managed.append(_Managed(role, listener, f"http://{host}:{port}"))
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._launched = threading.Event()
@@ -259,6 +266,8 @@ class Supervisor:
         for m in self._managed:
             if m.process is not None and m.process.poll() is not None:
                 self._on_exit(m, describe_exit(m.process.returncode), now)
+            if m.process is None:
+                _turn_away(m.listener)
             if m.restart_at is not None and now >= m.restart_at:
                 self._spawn(m)
         due = [m.restart_at - now for m in self._managed if m.restart_at is not None]
@@ -269,7 +278,9 @@ class Supervisor:
         try:
             # A process group of its own: a terminal's Ctrl-C reaches only the Conductor, which then
             # stops the instances, instead of the watcher seeing them all die and restarting them.
-            process = subprocess.Popen(list(self._command(m.role, m.port)), env=self._env, process_group=0,
+            fd = m.listener.fileno()
+            process = subprocess.Popen(list(self._command(m.role, m.listener.getsockname()[1])),
+                                       env={**self._env, LISTEN_FD_ENV: str(fd)}, pass_fds=(fd,), process_group=0,
                                        preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         except OSError as e:
             process, failure = None, f"failed to start ({e})"
@@ -325,3 +336,20 @@ class Supervisor:
                 m.process.wait()
             with self._lock:
                 m.last_exit, m.process, m.restart_at = describe_exit(m.process.returncode), None, None
+        for m in self._managed:
+            m.listener.close()
+
+
+def _turn_away(listener: socket.socket) -> None:
+    """Close every connection waiting on ``listener`` (no instance serves there now)."""
+    # O_NONBLOCK belongs to the socket all incarnations shared, and the last may have cleared it.
+    listener.setblocking(False)
+    while True:
+        try:
+            connection, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:  # e.g. EMFILE: the connections wait; tried again at the next check
+            log.warning("could not turn away a connection on %s: %s", listener.getsockname(), e)
+            return
+        connection.close()

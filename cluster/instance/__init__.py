@@ -6,7 +6,7 @@
   snapshots polls are answered from (``cache_mirror.py``: the prefix keys as changes);
 * ``calibration.py``: the cost models measured on this instance's engine at start;
 * ``kv_stream.py``: a prefill's KV, layer by layer, into a decode instance's reservation;
-* ``receiver.py``: reservations (leases the Conductor renews, epochs, staging held back);
+* ``receiver.py``: reservations (leases the Conductors renew, fenced per Conductor, staging held back);
 * ``prefill.py``: serve a prefill and stream its KV into a decode instance's reservation;
 * ``decode.py``: continue decoding from received KV, and whole (colocated) requests;
 * ``replication.py``: hot-prefix push and adopt;

@@ -4,8 +4,10 @@ A decode instance reserves for a prompt's KV before its prefill starts (a prefil
 a hot prefix pulled from another one). A reservation is a **lease**: the Conductor that made it
 renews it while the request is in flight (``renew``); one that is neither taken over nor renewed
 within ``lease_s`` is released, so a Conductor that died or lost track cannot leak blocks. Each
-reservation carries the epoch of the Conductor that made it; when a newer Conductor shows up
-(``observe_epoch``), the older one's reservations are released at once.
+reservation carries the fence of the Conductor that made it (``cluster.protocol.Fence``: its id
+and epoch); several Conductors reserve here side by side, and when one of them shows up with a
+newer epoch (it restarted, ``observe``), that id's older reservations are released at once, the
+others' untouched.
 
 The record of a reservation is kept until its take-over has run on the engine thread
 (``take_over``): a failure before that (the stream never started, the engine refused) leaves it
@@ -34,7 +36,7 @@ from typing import TypeVar
 import torch
 
 from cluster.instance.kv_stream import KVDestination, sums_bytes, verify_layers
-from cluster.protocol import BadRequest, KVWriteFailed, UnknownReservation, WrongEpoch
+from cluster.protocol import BadRequest, Fence, KVWriteFailed, UnknownReservation, WrongEpoch
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVCapacityError, KVHandoff
@@ -45,12 +47,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+REPLACED = "replaced its earlier epoch"  # in the log line of a Conductor's restart (bench.chaos counts them)
+
 
 @dataclass
 class _Lease:
     staging: StagingRange | None
     num_blocks: int  # blocks the sender writes
-    epoch: int
+    fence: Fence
     expires: float
     prompt: list[int]
 
@@ -66,7 +70,7 @@ class Receiver:
         self._layout: KVLayout = handoff.layout
         self.lease_s = lease_s
         self._transfer_timeout_s = transfer_timeout_s
-        self.epoch = 0
+        self.epochs: dict[str, int] = {}  # the newest epoch each Conductor id has shown
         # Touched from the event loop and (take-over) the engine thread.
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
@@ -98,13 +102,13 @@ class Receiver:
             return None if lease is None else lease.prompt
 
     # -- making and keeping -------------------------------------------------------------------------
-    async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams, epoch: int) -> KVDestination:
+    async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      fence: Fence) -> KVDestination:
         """Hold blocks and a staging range; raises ``KVCapacityError`` (no room now),
         ``ValueError`` (never servable, or the id is taken: ``BadRequest``), ``UnknownReservation``
         (aborted meanwhile) or ``WrongEpoch``."""
-        await self.observe_epoch(epoch)
-        if epoch < self.epoch:
-            raise WrongEpoch(f"epoch {epoch} is older than {self.epoch}")
+        await self.observe(fence)
+        self._check_current(fence)
         if request_id in self._leases:
             raise BadRequest(f"request {request_id!r} already holds a reservation")
         if request_id in self._released:
@@ -122,43 +126,56 @@ class Receiver:
             # While the engine thread was reserving, the request may have been aborted or a newer
             # Conductor may have released this one's reservations: then nobody would take it over.
             aborted = request_id in self._released
-            stale = epoch < self.epoch
+            stale = fence.epoch < self.epochs[fence.conductor]
             if not (aborted or stale):
-                self._leases[request_id] = _Lease(staging, n, epoch, time.monotonic() + self.lease_s, token_ids)
+                self._leases[request_id] = _Lease(staging, n, fence, time.monotonic() + self.lease_s, token_ids)
         if aborted or stale:
             await self._client.call(lambda _: self._handoff.drop(request_id))
             if staging is not None:
                 self.staging.release(staging)  # nothing was told where it is: nobody writes there
             if stale:
-                raise WrongEpoch(f"epoch {epoch} was replaced by {self.epoch} while reserving")
+                raise WrongEpoch(f"Conductor {fence.conductor!r}'s epoch {fence.epoch} was replaced by "
+                                 f"{self.epochs[fence.conductor]} while reserving")
             raise UnknownReservation(f"request {request_id!r} was aborted")
         return KVDestination(self._address, self.staging.handle, staging.offset if staging else 0,
                              res.cached_blocks, n, staging.generation if staging else None, sums=True)
 
-    def renew(self, request_ids: list[str], epoch: int) -> list[str]:
-        """Extend the leases of ``request_ids``; returns those this instance does not hold."""
+    def renew(self, request_ids: list[str], fence: Fence) -> list[str]:
+        """Extend the leases of ``request_ids`` that ``fence``'s Conductor holds; returns the
+        others (not held here, or by another Conductor or incarnation)."""
         until = time.monotonic() + self.lease_s
         gone = []
         with self._lock:
             for rid in request_ids:
                 lease = self._leases.get(rid)
-                if lease is None or lease.epoch != epoch:
+                if lease is None or lease.fence != fence:
                     gone.append(rid)
                 else:
                     lease.expires = until
         return gone
 
-    async def observe_epoch(self, epoch: int) -> None:
-        """A newer Conductor took over: the older one's reservations will never be taken over."""
-        if epoch <= self.epoch:
+    async def observe(self, fence: Fence) -> None:
+        """Note a call's fence: a Conductor seen with a newer epoch restarted, and what its
+        earlier incarnation reserved will never be taken over."""
+        old = self.epochs.get(fence.conductor)
+        if old is not None and fence.epoch <= old:
             return
-        old, self.epoch = self.epoch, epoch
+        self.epochs[fence.conductor] = fence.epoch
         with self._lock:
-            stale = [rid for rid, lease in self._leases.items() if lease.epoch < epoch]
+            stale = [rid for rid, lease in self._leases.items()
+                     if lease.fence.conductor == fence.conductor and lease.fence.epoch < fence.epoch]
         if stale:
-            log.warning("conductor epoch %d replaced %d: releasing its %d reservation(s)", epoch, old, len(stale))
+            log.warning("Conductor %r's epoch %d %s %d: releasing its %d reservation(s)", fence.conductor,
+                        fence.epoch, REPLACED, old, len(stale))
         for rid in stale:
             await self.release(rid, settled=False)
+
+    def _check_current(self, fence: Fence) -> None:
+        """``WrongEpoch`` unless ``fence`` is its Conductor's newest incarnation seen here."""
+        newest = self.epochs.get(fence.conductor, fence.epoch)
+        if fence.epoch < newest:
+            raise WrongEpoch(f"Conductor {fence.conductor!r}'s epoch {fence.epoch} is older than {newest}: "
+                             "it was restarted since")
 
     # -- ending -------------------------------------------------------------------------------------
     def take_over(self, engine_side: Callable[[KVHandoff, torch.Tensor | None], T], request_id: str) -> Callable[[object], T]:

@@ -17,9 +17,10 @@ signed requests, ``cluster/protocol.py``), and ``/health`` / ``/stats``:
 * ``POST /instance/stage/join`` (a first pipeline stage whose later stages are started by hand,
   ``cluster.cpp.group``) a later stage takes its ``StageSpec``, then its links
 
-Every call carries the Conductor's epoch (header ``X-Conductor-Epoch``, inside the signed
-material): a newer one makes the instance release the older Conductor's reservations; an older one
-is refused (409, ``WrongEpoch``). A call must be signed for this instance's advertised URL (its
+Every call carries the calling Conductor's id and epoch (``Fence``, header ``X-Conductor-Epoch``,
+inside the signed material): several Conductors call side by side; a newer epoch of one id makes
+the instance release that id's older reservations; a reservation by an older one is refused
+(409, ``WrongEpoch``). A call must be signed for this instance's advertised URL (its
 ``--url``), so one captured on its way to another instance is refused here; its signature is
 checked from the headers before any body is read, and a body is read only up to its route's cap
 (413 ``TooLarge`` beyond: ``NO_BODY`` for polls, ``PROMPT_BODY`` for calls carrying a prompt,
@@ -42,7 +43,7 @@ from cluster.instance.service import InstanceService
 from cluster.instance.kv_stream import KVDestination
 from cluster.cpp.group import peer_from
 from cluster.messenger import TransferError
-from cluster.protocol import CONTROL, EPOCH_HEADER, ControlVerifier, derive_key, verify_request
+from cluster.protocol import CONTROL, EPOCH_HEADER, ControlVerifier, Fence, derive_key, verify_request
 from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
@@ -99,7 +100,7 @@ class InstanceRoutes:
     def _control(self, roles: tuple[str, ...] | None = None, needs_ready: bool = True,
                  max_body: int = SMALL_BODY) -> Callable[[Handler], Handler]:
         """Wrap a control route: authenticate (before reading the body, which is read only up to
-        ``max_body`` bytes), note the Conductor's epoch, check readiness and role, and map the
+        ``max_body`` bytes), note the Conductor's fence, check readiness and role, and map the
         exceptions it raises to status codes."""
 
         def wrap(handler: Handler) -> Handler:
@@ -114,7 +115,7 @@ class InstanceRoutes:
                     return _answer(BadRequest(f"a {s.config.role} instance does not do this"))
                 try:
                     if s.receiver is not None:
-                        await s.receiver.observe_epoch(_epoch(request))
+                        await s.receiver.observe(_fence(request))
                     return await handler(request)
                 except Exception as e:  # noqa: BLE001 -- mapped to a status, or re-raised
                     return _answer(_as_protocol_error(e))
@@ -143,12 +144,12 @@ class InstanceRoutes:
     # -- requests ----------------------------------------------------------------------------------
     async def reserve(self, request: Request) -> Response:
         r = ReserveRequest.from_dict(await _body(request))
-        dest = await self.s.receiver.reserve(r.request_id, r.prompt_token_ids, r.params, _epoch(request))
+        dest = await self.s.receiver.reserve(r.request_id, r.prompt_token_ids, r.params, _fence(request))
         return JSONResponse(ReserveReply(dest.to_dict()).to_dict())
 
     async def renew(self, request: Request) -> Response:
         r = RenewRequest.from_dict(await _body(request))
-        return JSONResponse(RenewReply(self.s.receiver.renew(r.request_ids, _epoch(request))).to_dict())
+        return JSONResponse(RenewReply(self.s.receiver.renew(r.request_ids, _fence(request))).to_dict())
 
     async def prefill(self, request: Request) -> Response:
         r = PrefillRequest.from_dict(await _body(request))
@@ -229,11 +230,8 @@ class InstanceRoutes:
         ]
 
 
-def _epoch(request: Request) -> int:
-    value = request.headers.get(EPOCH_HEADER, "0")
-    if not value.isdigit():
-        raise BadRequest(f"{EPOCH_HEADER} must be a non-negative integer")
-    return int(value)
+def _fence(request: Request) -> Fence:
+    return Fence.parse(request.headers.get(EPOCH_HEADER, "0"))
 
 
 async def _ndjson(first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:

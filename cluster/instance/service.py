@@ -2,9 +2,10 @@
 
 At start the instance loads its engine (``AsyncLLMEngine``: one engine thread), opens its
 Messenger (``Messenger``) and staging (send for a prefill / both instance, receive for
-every role), calibrates its cost models (``cluster/instance/calibration.py``) and registers with the
-Conductor, again whenever the Conductor has not polled it for a while (the Conductor restarted,
-or lost it). Polls (``info``, ``state``) are answered from snapshots the engine thread publishes
+every role), calibrates its cost models (``cluster/instance/calibration.py``), then makes itself known: it
+announces itself in etcd (``cluster.pool.metadata.membership``), where every Conductor finds it, and/or
+registers with each Conductor named by hand, again every few seconds (one that restarted has
+forgotten it). Polls (``info``, ``state``) are answered from snapshots the engine thread publishes
 after each step, never by waiting for the engine thread: one long step must not make a healthy
 instance look dead.
 """
@@ -33,7 +34,8 @@ from cluster.instance.kv_stream import KVSender
 from cluster.cpp.group import StageGroup, StageRendezvous
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity, weights_digest
-from cluster.pool.metadata import connect_metadata
+from cluster.pool.metadata.membership import LeasedKey, announce
+from cluster.pool.metadata import MetadataUnavailable, connect_metadata
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
 from cluster.protocol import CONTROL, MESSENGER, ControlAuth, StageSpec, derive_key
@@ -47,6 +49,7 @@ from engine.llm_engine import LLMEngine
 log = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+_REREGISTER_S = 5.0  # registration again while a Conductor has this instance up
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class InstanceConfig:
     engine: EngineConfig
     url: str  # how the Conductor reaches this instance, e.g. http://127.0.0.1:8101
     secret: bytes  # the cluster secret: Messenger authentication and the control routes
-    conductor: str | None = None  # the Conductor's URL to register with; None: it polls us
+    conductors: tuple[str, ...] = ()  # Conductors' URLs to register with (besides, or instead of, etcd)
+    members: str | None = None  # etcd's URL, to announce this instance in (``cluster.pool.metadata.membership``)
     staging_gib: float = 0.5  # send and receive staging, each (raised to one max-length prompt's KV)
     reservation_lease_s: float = 10.0  # released unless the Conductor renews it within this long
     transfer_timeout_s: float = 30.0
@@ -92,7 +96,7 @@ class InstanceService:
         self.instance_id = secrets.token_hex(6)  # a restarted instance is a new one
         self.ready = False
         self.error: str | None = None
-        self.last_polled = 0.0
+        self._announcement: LeasedKey | None = None
         self.transfer: Messenger | None = None
         self.profile: InstanceProfile | None = None
         self.send: StagingArea | None = None
@@ -119,6 +123,8 @@ class InstanceService:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._announcement is not None:  # Conductors stop polling it within a listing
+            await asyncio.get_running_loop().run_in_executor(None, self._announcement.close)
         if self.pool_service is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.pool_service.close)
         await self.client.shutdown()
@@ -202,8 +208,9 @@ class InstanceService:
             self._publish_cache(loop, handoff)
             self.ready = True
             self._tasks.append(asyncio.create_task(self.receiver.expire_forever()))
-            if cfg.conductor:
-                self._tasks.append(asyncio.create_task(self._register_forever()))
+            self._tasks += [asyncio.create_task(self._register_forever(c)) for c in cfg.conductors]
+            if cfg.members:
+                self._tasks.append(asyncio.create_task(self._announce_forever()))
         except Exception as e:  # noqa: BLE001 -- reported through /health
             self.error = f"instance failed to start: {type(e).__name__}: {e}"
             log.exception("instance failed to start")
@@ -278,33 +285,54 @@ class InstanceService:
         seen[0] = report.version
         self.mirror.apply(report)
 
-    async def _register_forever(self) -> None:
-        url = self.config.conductor.rstrip("/") + "/cluster/register"
+    async def _register_forever(self, conductor: str) -> None:
+        """Register with ``conductor`` until it has this instance up, then every few seconds again
+        (a Conductor that restarted has forgotten it); logs only changes."""
+        url = conductor.rstrip("/") + "/cluster/register"
         body = RegisterRequest(self.config.url, self.instance_id).to_dict()
+        was: str | None = None
         async with httpx.AsyncClient(timeout=5.0, auth=ControlAuth(derive_key(self.config.secret, CONTROL))) as http:
             while True:
-                if time.monotonic() - self.last_polled > 5.0:
-                    try:
-                        r = await http.post(url, json=body)
-                        if r.status_code != 200:
-                            log.warning("conductor refused registration: %s %s", r.status_code, r.text)
-                        else:
-                            reply = RegisterReply.from_dict(r.json())
-                            log.info("registered with the conductor %s (%s)", self.config.conductor,
-                                     "up" if reply.up else "not up yet")
-                    except httpx.HTTPError as e:
-                        log.info("conductor %s not reachable yet (%s)", self.config.conductor, e)
-                    except ValueError as e:  # not JSON, or not a RegisterReply: try again all the same
-                        log.warning("conductor answered registration wrongly: %s", e)
-                await asyncio.sleep(1.0)
+                up = False
+                try:
+                    r = await http.post(url, json=body)
+                    if r.status_code != 200:
+                        now = f"refused registration: {r.status_code} {r.text[:300]}"
+                    else:
+                        up = RegisterReply.from_dict(r.json()).up
+                        now = "registered (up)" if up else "registered (not up yet)"
+                except httpx.HTTPError as e:
+                    now = f"not reachable ({type(e).__name__})"
+                except ValueError as e:  # not JSON, or not a RegisterReply: try again all the same
+                    now = f"answered registration wrongly: {e}"
+                if now != was:
+                    log.log(logging.INFO if now.startswith("registered") or was is None else logging.WARNING,
+                            "conductor %s: %s", conductor, now)
+                    was = now
+                await asyncio.sleep(_REREGISTER_S if up else 1.0)
+
+    async def _announce_forever(self) -> None:
+        """Put this instance in the membership (``cluster.pool.metadata.membership``), retrying until the store
+        answers; the announcement lives until shutdown."""
+        store = connect_metadata(self.config.members, self.config.secret, etcd=True)
+        loop = asyncio.get_running_loop()
+        delay = 1.0
+        while self._announcement is None:
+            try:
+                self._announcement = await loop.run_in_executor(
+                    None, announce, store, self.instance_id, self.config.url, self.config.role)
+                log.info("announced in the membership at %s", self.config.members)
+            except MetadataUnavailable as e:
+                log.warning("cannot announce this instance at %s yet (retrying in %g s): %s",
+                            self.config.members, delay, e)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
 
     # -- what the Conductor polls ------------------------------------------------------------------
     def info(self) -> InstanceInfo:
-        self.last_polled = time.monotonic()
         return self._info
 
     def state(self, since: int | None) -> InstanceState:
-        self.last_polled = time.monotonic()
         return InstanceState(self.instance_id, self.mirror.report(since), self.stats())
 
     def stats(self) -> dict[str, Any]:

@@ -182,12 +182,23 @@ class Messenger:
             return Status.BAD_REQUEST, {"reason": f"no service for {request.get('op')!r}"}
         return handler(request, peer_hello)
 
-    def call(self, peer: str, body: dict) -> tuple[Status, dict]:
+    def call(self, peer: str, body: dict, timeout_s: float | None = None) -> tuple[Status, dict]:
         """One request to the service of the engine at ``peer``, over the authenticated control
-        stream; raises ``TransferError`` when the peer cannot be reached or does not answer."""
+        stream; raises ``TransferError`` when the peer cannot be reached or does not answer.
+        ``timeout_s``: give up waiting after this long (``TransferError``) and leave the link
+        as it is: a peer that is only slow answers later, into nothing. None: the link's own
+        bound, past which a silent peer's link is closed."""
         if self._closed:
             raise TransferError("engine is closed")
-        status, _, payload = self._link(peer).control.call(Op.SERVICE, encode_json(body))
+        control = self._link(peer).control
+        if timeout_s is None:
+            status, _, payload = control.call(Op.SERVICE, encode_json(body))
+        else:
+            reply = control.request(Op.SERVICE, encode_json(body))
+            try:
+                status, _, payload = reply.result(timeout_s)
+            except TimeoutError:
+                raise TransferError(f"{peer}: no answer to {body.get('op')!r} within {timeout_s:g} s") from None
         return Status(status), (decode_json(payload) if payload else {})
 
     def notify(self, peer: str, body: dict) -> None:

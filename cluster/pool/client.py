@@ -15,6 +15,11 @@ and counters, refreshed every heartbeat). The bytes never pass through the metad
   Store's ``free_ratio_first``): allocate, write, seal (the owner checks the checksums and
   publishes), each one round trip for all the objects a segment takes.
 
+A lease or an allocation is on a prompt's way to its first token, so a segment that does not
+answer one within ``call_timeout_s`` (1 s: its node is frozen, or cut off) costs that prompt its
+objects there, and is then passed over for ``suspect_s``: a frozen node costs about a second,
+once, not a transfer timeout per prompt (``segments_passed_over`` counts the calls it missed).
+
 A pipeline group's stages share this work (``cluster.cpp.stage``): the first stage leases a prefix
 and reserves new objects; each stage reads and writes only its layers' parts, the later ones
 under the first stage's leases and reservations (``PoolRead.leases``, ``read_leased``,
@@ -46,7 +51,8 @@ SEGMENTS = "pool/segments/"
 # What a client counts (an instance reports them to the Conductor with its other statistics).
 # ``metadata_unavailable``: pool loads and stores its user gave up because the metadata did not
 # answer (in time); their prompts were computed, their blocks not stored.
-CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed", "metadata_unavailable")
+CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed", "metadata_unavailable",
+                   "segment_timeouts", "segments_passed_over")
 
 
 def object_entry(key: str, segment_id: str) -> str:
@@ -70,13 +76,17 @@ class PoolClient:
     """Thread-safe; blocking calls (run them off the event loop)."""
 
     def __init__(self, transfer: Messenger | None, metadata: MetadataStore | None, *,
-                 segments_ttl_s: float = 1.0, transfer_timeout_s: float = 30.0) -> None:
+                 segments_ttl_s: float = 1.0, transfer_timeout_s: float = 30.0, call_timeout_s: float = 1.0,
+                 suspect_s: float = 10.0) -> None:
         """``metadata`` None: a client that only reads and writes under another client's leases
         and reservations (a later pipeline stage's)."""
         self._transfer = transfer
         self._metadata = metadata
         self._segments_ttl_s = segments_ttl_s
         self._timeout_s = transfer_timeout_s
+        self._call_timeout_s = min(call_timeout_s, transfer_timeout_s)
+        self._suspect_s = suspect_s
+        self._suspect_until: dict[str, float] = {}  # segment -> when it is asked again
         self._lock = threading.Lock()
         self._segments: dict[str, SegmentInfo] = {}
         self._segments_at = float("-inf")
@@ -105,6 +115,26 @@ class PoolClient:
             self._segments, self._segments_at = segments, now
             self._placed.clear()
         return segments
+
+    def _answering(self, segments: dict[str, SegmentInfo]) -> dict[str, SegmentInfo]:
+        """``segments`` less those that did not answer a call lately."""
+        now = time.monotonic()
+        with self._lock:
+            passed = [s for s in segments if self._suspect_until.get(s, 0.0) > now]
+            if passed:
+                self.counters["segments_passed_over"] += len(passed)
+        return {s: info for s, info in segments.items() if s not in passed} if passed else segments
+
+    def _call_segment(self, segment: SegmentInfo, body: dict) -> tuple[Status, dict]:
+        """A lease or an allocation, bounded by ``call_timeout_s``; a segment that does not
+        answer in time is passed over for ``suspect_s``. Raises ``TransferError``."""
+        try:
+            return self._transfer.call(segment.address, body, timeout_s=self._call_timeout_s)
+        except TransferError:
+            with self._lock:
+                self._suspect_until[segment.segment_id] = time.monotonic() + self._suspect_s
+                self.counters["segment_timeouts"] += 1
+            raise
 
     def count(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to one of ``CLIENT_COUNTERS`` (for this client's user)."""
@@ -179,7 +209,7 @@ class PoolClient:
         wanted = len(keys)
         run = (self.lookup(keys) if run is None else run)[: len(offsets)]
         keys = list(keys[: len(run)])
-        segments = self.segments()
+        segments = self._answering(self.segments())
         with self._lock:
             choice = [min((s for s in h if s in segments), key=lambda s: (self._reading[s], self._served[s]),
                           default=None) for h in run]
@@ -190,7 +220,7 @@ class PoolClient:
         grants: dict[int, tuple[str, dict]] = {}
         for s, idx in by_segment.items():
             try:
-                status, answer = self._transfer.call(segments[s].address, {"op": "lease", "keys": [keys[i] for i in idx]})
+                status, answer = self._call_segment(segments[s], {"op": "lease", "keys": [keys[i] for i in idx]})
                 got = answer.get("grants", []) if status == Status.OK else []
             except TransferError as exc:
                 log.info("pool: segment %s unreachable: %s", s, exc)
@@ -264,14 +294,14 @@ class PoolClient:
         segment that does not answer misses it."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
-        segments = self.segments()
+        segments = self._answering(self.segments())
         by_segment: dict[str, list[str]] = {}
         for key, where in zip(keys, holders):
             for s in where:
                 by_segment.setdefault(s, []).append(key)
         for s, held in by_segment.items():
             try:
-                self._transfer.call(segments[s].address, {"op": "touch", "keys": held})
+                self._call_segment(segments[s], {"op": "touch", "keys": held})
             except (TransferError, KeyError) as exc:
                 log.info("pool: touch on segment %s failed: %s", s, exc)
 
@@ -305,7 +335,7 @@ class PoolClient:
         places: list[tuple[SegmentInfo, int] | None] = [None] * len(objects)
         if not objects:
             return PoolWrite(self, src, objects, places, parts)
-        segments = self.segments()
+        segments = self._answering(self.segments())
         largest = max(o.nbytes for o in objects)
         with self._lock:
             free = {s.segment_id: (s.stats.get("dram_free_bytes", 0) - self._placed[s.segment_id])
@@ -318,7 +348,7 @@ class PoolClient:
             if not todo:
                 break
             try:
-                status, answer = self._transfer.call(seg.address, {
+                status, answer = self._call_segment(seg, {
                     "op": "alloc", "objects": [[objects[i].key, objects[i].nbytes, objects[i].part_bytes] for i in todo]})
             except TransferError as exc:
                 log.info("pool: alloc of %d objects on segment %s failed: %s", len(todo), seg.segment_id, exc)

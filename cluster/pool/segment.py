@@ -121,7 +121,7 @@ class Segment:
         self._pending: dict[str, _Object] = {}
         self._lease_ids = itertools.count(1)
         self.counters = dict.fromkeys(("stores", "leases", "evictions", "demotions", "promotions",
-                                       "corrupt_puts", "aborted_puts", "ssd_errors"), 0)
+                                       "corrupt_puts", "corrupt_ssd_reads", "aborted_puts", "ssd_errors"), 0)
         # Publications leave in the order the lock decided them, so an eviction's unpublish can
         # never overtake the publish of the same object.
         self._outbox: queue.SimpleQueue[tuple[str, bool] | None] = queue.SimpleQueue()
@@ -190,11 +190,12 @@ class Segment:
     def lease(self, keys: list[str], ttl_s: float | None = None) -> list[Grant | None]:
         """Leases on the objects present (promoted from SSD if needed), None for the others."""
         grants: list[Grant | None] = []
-        with self._lock:  # what must come up from the SSD, read below without the lock
-            wanted = [(key, o.nbytes) for key in keys if (o := self._objects.get(key)) is not None
-                      and o.sealed and o.range is None and o.spill is None]
+        with self._lock:  # what must come up from the SSD, read and checked below without the lock
+            wanted = [(key, o.nbytes, o.part_bytes, o.checksums) for key in keys
+                      if (o := self._objects.get(key)) is not None and o.sealed and o.range is None
+                      and o.spill is None]
         read: dict[str, bytearray | None] = {}
-        for key, nbytes in wanted:
+        for key, nbytes, part_bytes, checksums in wanted:
             data = bytearray(nbytes)
             try:
                 self.ssd.read_into(key, memoryview(data))
@@ -202,6 +203,14 @@ class Segment:
             except OSError as exc:
                 log.warning("pool: SSD object %s unreadable (%s); dropped", key, exc)
                 read[key] = None
+                continue
+            # A disk can return other bytes than were written (bit rot, a file changed under us):
+            # such a copy never reaches DRAM, where readers would take it for the object.
+            if part_checksums(memoryview(data), part_bytes) != checksums:
+                log.warning("pool: SSD object %s does not match its checksums; dropped", key)
+                read[key] = None
+                with self._lock:
+                    self.counters["corrupt_ssd_reads"] += 1
         spills: list[tuple[str, _Object, bytes]] = []
         try:
             with self._lock:

@@ -6,6 +6,9 @@ entries vanish, so no master has to notice the death. ``MetadataStore`` is that 
 
 * ``grant_lease`` / ``keepalive`` / ``revoke``: a lease lives ``ttl_s`` past its last keepalive
   (or grant); when it expires or is revoked every key put under it is gone, at once for readers.
+* ``create``: ``put`` only if the key is absent, answering the store's revision after it (a
+  number that only grows, over every write) or None when the key is held: a claim on a name, and
+  an epoch that orders the claims (a restarted Conductor's, ``cluster.conductor.membership``).
 * ``put`` / ``get`` / ``get_many`` / ``get_prefix`` / ``delete`` / ``delete_prefix``: string keys
   to string values. A key put under a lease belongs to that lease until it is put again (under
   another lease or none) or deleted.
@@ -22,7 +25,8 @@ Every store is synchronous and safe to share between threads. The backends, one 
   cluster secret for this purpose alone (``cluster.protocol``); anything else gets 401.
 * ``etcd.EtcdMetadata``: a real etcd (>= 3.4) through its HTTP gateway, for clusters that have one.
 
-``connect_metadata`` picks the network backend a URL names.
+``connect_metadata`` picks the network backend a URL names. ``membership`` keeps the cluster's
+members (instances, Conductors) in the same store under keys of their own.
 """
 
 from __future__ import annotations
@@ -63,6 +67,12 @@ class MetadataStore(ABC):
     def put(self, key: str, value: str, lease: int | None = None) -> None:
         """Set ``key``, owned by ``lease`` (or by no lease: it stays until deleted).
         ``LeaseGone`` if the lease expired or was revoked; nothing is written then."""
+
+    @abstractmethod
+    def create(self, key: str, value: str, lease: int | None = None) -> int | None:
+        """Set ``key`` as ``put`` does, but only if it is absent: the store's revision after
+        the write (larger than any revision this store answered before), or None when the key
+        is present (nothing is written). ``LeaseGone`` as ``put``."""
 
     @abstractmethod
     def get(self, key: str) -> str | None:

@@ -74,6 +74,8 @@ _ROUTES: dict[str, Callable[[LocalMetadata, dict[str, Any]], dict[str, Any]]] = 
     "/keepalive": lambda s, b: s.keepalive(_lease_field(b)) or {},
     "/revoke": lambda s, b: s.revoke(_lease_field(b)) or {},
     "/put": lambda s, b: s.put(_field(b, "key", str), _field(b, "value", str), _lease_field(b, optional=True)) or {},
+    "/create": lambda s, b: {"revision": s.create(_field(b, "key", str), _field(b, "value", str),
+                                                  _lease_field(b, optional=True))},
     "/get": lambda s, b: {"value": s.get(_field(b, "key", str))},
     "/get_many": lambda s, b: {"values": s.get_many(_str_list(b, "keys"))},
     "/get_prefix": lambda s, b: {"values": s.get_prefix(_field(b, "prefix", str))},
@@ -317,6 +319,9 @@ class HttpMetadata(MetadataStore):
 
     def put(self, key: str, value: str, lease: int | None = None) -> None:
         self._call("put", {"key": key, "value": value, "lease": lease})
+
+    def create(self, key: str, value: str, lease: int | None = None) -> int | None:
+        return self._call("create", {"key": key, "value": value, "lease": lease})["revision"]
 
     def get(self, key: str) -> str | None:
         return self._call("get", {"key": key})["value"]

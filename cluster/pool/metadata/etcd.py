@@ -106,6 +106,18 @@ class EtcdMetadata(MetadataStore):
         self._call("put", lambda c: c.put(self._key(key), value.encode(),
                                           lease=None if lease is None else EtcdLease(lease, client=c)))
 
+    def create(self, key: str, value: str, lease: int | None = None) -> int | None:
+        stored = _b64(self._key(key))
+        put: dict[str, Any] = {"key": stored, "value": _b64(value.encode())}
+        if lease is not None:
+            put["lease"] = lease
+        # Absent means never created (or deleted since): its create revision compares as 0.
+        txn = {"compare": [{"key": stored, "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
+               "success": [{"request_put": put}], "failure": []}
+        result = self._call("create", lambda c: c.transaction(txn))
+        # The gateway leaves false out: no "succeeded" is a failed compare.
+        return int(result["header"]["revision"]) if result.get("succeeded") else None
+
     def get(self, key: str) -> str | None:
         values = self._call("get", lambda c: c.get(self._key(key)))
         return values[0].decode() if values else None

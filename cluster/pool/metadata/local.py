@@ -42,6 +42,7 @@ class LocalMetadata(MetadataStore):
         # Kept sorted so a prefix query is a bisection, not a scan of the whole object index.
         self._sorted: list[str] = []
         self._leases: dict[int, _Lease] = {}
+        self._revision = 0  # writes so far (``create``'s answer); it starts anew with the process
 
     def grant_lease(self, ttl_s: float) -> int:
         if not (ttl_s > 0 and math.isfinite(ttl_s)):
@@ -73,13 +74,15 @@ class LocalMetadata(MetadataStore):
     def put(self, key: str, value: str, lease: int | None = None) -> None:
         with self._lock:
             self._expire()
-            if lease is not None and lease not in self._leases:
-                raise LeaseGone(f"lease {lease:x} expired or was revoked")
-            self._remove(key)  # detaches it from the lease it had, if any
-            bisect.insort(self._sorted, key)
-            self._values[key] = (value, lease)
-            if lease is not None:
-                self._leases[lease].keys.add(key)
+            self._write(key, value, lease)
+
+    def create(self, key: str, value: str, lease: int | None = None) -> int | None:
+        with self._lock:
+            self._expire()
+            if key in self._values:
+                return None
+            self._write(key, value, lease)
+            return self._revision
 
     def get(self, key: str) -> str | None:
         with self._lock:
@@ -119,6 +122,16 @@ class LocalMetadata(MetadataStore):
         """Nothing to release: the data lives as long as the object."""
 
     # -- under the lock -----------------------------------------------------------------------------
+    def _write(self, key: str, value: str, lease: int | None) -> None:
+        if lease is not None and lease not in self._leases:
+            raise LeaseGone(f"lease {lease:x} expired or was revoked")
+        self._remove(key)  # detaches it from the lease it had, if any
+        bisect.insort(self._sorted, key)
+        self._values[key] = (value, lease)
+        if lease is not None:
+            self._leases[lease].keys.add(key)
+        self._revision += 1
+
     def _expire(self) -> None:
         # A scan over leases, not keys: there is one lease per live node, so this stays small.
         now = self._clock()

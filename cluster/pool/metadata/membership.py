@@ -1,0 +1,163 @@
+"""Who is in the cluster, kept in etcd so that any number of Conductors can front one set of
+instances (Mooncake runs Kimi with many front ends; no home-made consensus: etcd's leases). The
+metadata store's second user, beside the pool's index: the same contract, other keys.
+
+* An instance **announces** itself (``announce``): ``members/instances/<instance id>`` holds its
+  URL and role under a lease it keeps alive. When it dies the lease runs out and the key is gone.
+* Every Conductor **lists** the announced instances (``list_instances``) every second or so and
+  polls each it finds (``cluster.conductor.registry``); instances named by hand (``--instance``,
+  or registering with ``--conductor``) are polled as well, so a cluster without etcd still works.
+* A Conductor **claims** its id (``claim_conductor``): ``members/conductors/<id>`` is created
+  under its own lease, and the store's revision at the creation is its epoch
+  (``cluster.protocol.Fence``). A Conductor started again under the same id claims anew once its
+  dead predecessor's lease has run out, at a larger revision: instances then release what the
+  predecessor reserved, whatever the clocks say. While a live Conductor holds the id, a second
+  one with the same id is refused (two Conductors with one id would fence each other off).
+
+A key is kept by a ``LeasedKey``: a thread that renews the lease every third of its TTL and, if
+the lease was lost all the same (the process was paused or cut off for longer), writes the key
+again under a new one. Every store call is bounded by the store's own timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
+
+log = logging.getLogger(__name__)
+
+INSTANCES = "members/instances/"
+CONDUCTORS = "members/conductors/"
+DEFAULT_TTL_S = 3.0
+
+
+class LeasedKey:
+    """``key`` = ``value`` under a lease of its own, kept alive by a daemon thread until ``close``
+    (which revokes the lease: the key is gone at once). Made by ``hold``, which writes it first.
+    When the lease ran out all the same, the key is written again under a new one; an
+    ``exclusive`` key that another process has created meanwhile is given up (``lost`` is set)."""
+
+    def __init__(self, store: MetadataStore, key: str, value: str, lease: int, ttl_s: float, *,
+                 exclusive: bool) -> None:
+        self.store, self.key, self.value, self.ttl_s = store, key, value, ttl_s
+        self._lease, self._exclusive = lease, exclusive
+        self._stop = threading.Event()
+        self.lost = threading.Event()  # set when the key could not be written again (held by another)
+        self._thread = threading.Thread(target=self._keep, name=f"lease {key}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def hold(cls, store: MetadataStore, key: str, value: str, ttl_s: float, *,
+             exclusive: bool) -> tuple[LeasedKey, int] | None:
+        """Write the key under a new lease and keep it: with ``exclusive``, only if it is absent
+        (None when it is held; the lease is revoked). Also answers the store's revision of the
+        write (0 when not ``exclusive``: ``put`` answers none)."""
+        lease = store.grant_lease(ttl_s)
+        try:
+            if exclusive:
+                revision = store.create(key, value, lease)
+                if revision is None:
+                    store.revoke(lease)
+                    return None
+            else:
+                store.put(key, value, lease)
+                revision = 0
+        except BaseException:
+            store.revoke(lease)
+            raise
+        return cls(store, key, value, lease, ttl_s, exclusive=exclusive), revision
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                try:
+                    self.store.keepalive(self._lease)
+                except LeaseGone:
+                    log.warning("the lease of %s ran out (this process was paused or cut off from the store); "
+                                "writing it again", self.key)
+                    self._lease = self.store.grant_lease(self.ttl_s)
+                    if not self._exclusive:
+                        self.store.put(self.key, self.value, self._lease)
+                    elif self.store.create(self.key, self.value, self._lease) is None:
+                        log.error("%s is held by another process now: giving it up", self.key)
+                        self.store.revoke(self._lease)
+                        self.lost.set()
+                        return
+            except MetadataUnavailable as e:  # retried at the next round; the lease has two more
+                log.warning("keeping %s: %s", self.key, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.ttl_s)  # a store call in flight is bounded by the store's timeout
+        try:
+            self.store.revoke(self._lease)
+        except MetadataUnavailable as e:  # it runs out by itself within the TTL
+            log.warning("could not revoke the lease of %s: %s", self.key, e)
+
+
+# -- instances ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Member:
+    """An announced instance."""
+
+    instance_id: str
+    url: str
+    role: str
+
+
+def announce(store: MetadataStore, instance_id: str, url: str, role: str, ttl_s: float = DEFAULT_TTL_S) -> LeasedKey:
+    """Put this instance in the membership until ``close`` (or its death, plus ``ttl_s``)."""
+    value = json.dumps({"url": url, "role": role})
+    held = LeasedKey.hold(store, INSTANCES + instance_id, value, ttl_s, exclusive=False)
+    assert held is not None  # a put under a fresh lease cannot find the key held
+    return held[0]
+
+
+def list_instances(store: MetadataStore) -> list[Member]:
+    """The instances announced now; an entry that does not parse is skipped (and logged)."""
+    members = []
+    for key, value in store.get_prefix(INSTANCES).items():
+        try:
+            entry = json.loads(value)
+            members.append(Member(key[len(INSTANCES):], str(entry["url"]), str(entry["role"])))
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("skipping the membership entry %s: %s", key, e)
+    return members
+
+
+# -- Conductors -----------------------------------------------------------------------------------
+
+
+class ConductorIdTaken(RuntimeError):
+    """Another live Conductor holds this id."""
+
+
+def claim_conductor(store: MetadataStore, conductor_id: str, url: str, ttl_s: float = DEFAULT_TTL_S,
+                    wait_s: float | None = None) -> tuple[LeasedKey, int]:
+    """Claim ``conductor_id``; answers the claim and the epoch (the store's revision at the
+    claim). An earlier claim is waited for up to ``wait_s`` (default: twice the TTL, by when the
+    lease of a Conductor that died has run out); past that, ``ConductorIdTaken``."""
+    wait_s = 2 * ttl_s + 1 if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    value = json.dumps({"url": url})
+    logged = False
+    while True:
+        held = LeasedKey.hold(store, CONDUCTORS + conductor_id, value, ttl_s, exclusive=True)
+        if held is not None:
+            return held
+        if time.monotonic() >= deadline:
+            holder = store.get(CONDUCTORS + conductor_id)
+            raise ConductorIdTaken(f"Conductor id {conductor_id!r} is held by a live Conductor ({holder}); give "
+                                   "this one another --conductor-id")
+        if not logged:
+            log.info("Conductor id %r is still held (by a Conductor that is alive, or died less than %g s ago); "
+                     "waiting up to %g s", conductor_id, ttl_s, wait_s)
+            logged = True
+        time.sleep(min(0.25, ttl_s / 4))

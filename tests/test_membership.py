@@ -1,0 +1,100 @@
+"""The cluster's membership in the metadata store (``cluster.pool.metadata.membership``): instances
+announce themselves under leases, Conductors claim their ids and take their epochs from the
+claim's revision. On ``LocalMetadata`` with short TTLs (the etcd backend's ``create`` is checked by
+tests/test_pool_metadata.py; the whole, over a real etcd, by tests/test_across_hosts.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster.pool.metadata.local import LocalMetadata
+from cluster.pool.metadata.membership import (
+    CONDUCTORS, ConductorIdTaken, Member, announce, claim_conductor, list_instances)
+
+TTL_S = 0.3
+
+
+def _until(condition, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_an_announced_instance_is_listed_until_it_leaves_and_vanishes_when_it_dies():
+    store = LocalMetadata()
+    a = announce(store, "id-a", "http://10.0.0.1:8100", "prefill", ttl_s=TTL_S)
+    b = announce(store, "id-b", "http://10.0.0.2:8100", "decode", ttl_s=TTL_S)
+    try:
+        time.sleep(3 * TTL_S)  # kept alive past several TTLs
+        assert sorted(list_instances(store), key=lambda m: m.instance_id) == [
+            Member("id-a", "http://10.0.0.1:8100", "prefill"), Member("id-b", "http://10.0.0.2:8100", "decode")]
+        a.close()  # leaving: gone at once
+        assert [m.instance_id for m in list_instances(store)] == ["id-b"]
+        # A death: nobody renews (the thread stops, the lease is not revoked), gone within the TTL.
+        b._stop.set()
+        b._thread.join()
+        _until(lambda: not list_instances(store), 3 * TTL_S)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_malformed_entry_is_skipped():
+    store = LocalMetadata()
+    store.put("members/instances/bad", "not json")
+    store.put("members/instances/partial", '{"url": "http://x:1"}')
+    store.put("members/instances/good", '{"url": "http://x:2", "role": "decode"}')
+    assert list_instances(store) == [Member("good", "http://x:2", "decode")]
+
+
+def test_an_announcement_whose_lease_ran_out_is_written_again():
+    store = LocalMetadata()
+    a = announce(store, "id-a", "http://10.0.0.1:8100", "prefill", ttl_s=TTL_S)
+    try:
+        store.revoke(a._lease)  # as if the process had been paused past its TTL
+        assert list_instances(store) == []
+        _until(lambda: len(list_instances(store)) == 1, 3 * TTL_S)
+    finally:
+        a.close()
+
+
+def test_a_conductor_id_is_claimed_once_and_a_restart_gets_a_larger_epoch():
+    store = LocalMetadata()
+    first, epoch1 = claim_conductor(store, "c1", "http://h:8000", ttl_s=TTL_S)
+    other, epoch_other = claim_conductor(store, "c2", "http://h:8001", ttl_s=TTL_S)
+    try:
+        # A second Conductor with a live one's id is refused once the wait is over.
+        start = time.monotonic()
+        with pytest.raises(ConductorIdTaken, match="c1"):
+            claim_conductor(store, "c1", "http://h2:8000", ttl_s=TTL_S, wait_s=0.5)
+        assert time.monotonic() - start >= 0.5
+        # The first dies (no revoke): its successor waits out the lease and claims anew, newer.
+        first._stop.set()
+        first._thread.join()
+        second, epoch2 = claim_conductor(store, "c1", "http://h:8000", ttl_s=TTL_S)
+        assert epoch2 > max(epoch1, epoch_other)
+        # A clean stop frees the id at once.
+        second.close()
+        assert store.get(CONDUCTORS + "c1") is None
+        third, epoch3 = claim_conductor(store, "c1", "http://h:8000", ttl_s=TTL_S, wait_s=0)
+        assert epoch3 > epoch2
+        third.close()
+    finally:
+        first.close()
+        other.close()
+
+
+def test_a_claim_taken_while_its_holder_was_cut_off_is_given_up():
+    store = LocalMetadata()
+    claim, _ = claim_conductor(store, "c1", "http://h:8000", ttl_s=TTL_S)
+    try:
+        store.revoke(claim._lease)  # its lease ran out while it was paused ...
+        intruder, _ = claim_conductor(store, "c1", "http://other:8000", ttl_s=TTL_S, wait_s=0)  # ... and it was taken
+        _until(claim.lost.is_set, 3 * TTL_S)
+        assert store.get(CONDUCTORS + "c1") == '{"url": "http://other:8000"}'
+        intruder.close()
+    finally:
+        claim.close()
