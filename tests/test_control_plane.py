@@ -32,7 +32,9 @@ from starlette.routing import Route
 import cluster.pool.config as pool_config
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.registry import Registry
+from cluster.instance.kv_stream import KVDestination
 from cluster.instance.routes import InstanceRoutes
+from cluster.messenger import RegionHandle
 from cluster.protocol import (
     CONTROL,
     EPOCH_HEADER,
@@ -42,10 +44,13 @@ from cluster.protocol import (
     InstanceInfo,
     InstanceState,
     PoolNaming,
+    PrefillRequest,
     RegisterRequest,
     derive_key,
 )
+from engine.sampling_params import SamplingParams
 from server.app import build_app
+from threaded_server import serve_in_thread
 
 SECRET = b"control plane test secret 0123456789"
 KEY = derive_key(SECRET, CONTROL)
@@ -397,3 +402,35 @@ def test_the_pool_namespace_follows_the_weights_content_and_precision(tmp_path, 
     assert ident == pool_config.model_identity(same, "float32", "none")
     assert len({ident, pool_config.model_identity(tuned, "float32", "none"), pool_config.model_identity(base, "float32", "int4"),
                 pool_config.model_identity(base, "bfloat16", "none")}) == 4
+
+
+# -- a prefill whose caller hangs up -------------------------------------------------------------
+
+
+def test_a_prefill_whose_caller_hangs_up_is_cancelled_at_once():
+    """The Conductor died, or its client left and it gave the request up: the instance sees the
+    connection close and ends the prefill, instead of computing a prompt nobody will take."""
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def prefill(request_id, token_ids, params, dest):
+        started.set()
+        try:
+            await asyncio.sleep(60)  # a long prompt being computed
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # the instance's URL (its calls' audience) names the port
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    service = SimpleNamespace(ready=True, error=None, prefiller=SimpleNamespace(prefill=prefill),
+                              receiver=SimpleNamespace(observe=lambda fence: asyncio.sleep(0)),
+                              config=SimpleNamespace(secret=SECRET, url=url, role="prefill"))
+    with serve_in_thread(Starlette(routes=InstanceRoutes(service).routes()), sock=sock):
+        dest = KVDestination("127.0.0.1:1", RegionHandle("e", "127.0.0.1:1", 0, 1 << 20), 0, 0, 1).to_dict()
+        body = PrefillRequest("p1", [1, 2, 3], SamplingParams(max_tokens=1), dest).to_dict()
+        with httpx.Client(auth=ControlAuth(KEY), headers={EPOCH_HEADER: "c/1"}) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(url + "/instance/prefill", json=body, timeout=httpx.Timeout(10, read=1.0))
+        assert started.is_set()
+        assert cancelled.wait(5), "the prefill went on after its caller hung up"

@@ -12,12 +12,13 @@ import uvicorn
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, **config) -> Iterator[int]:
-    """Serve ``app`` (``uvicorn.Config`` keyword arguments in ``config``) until the block ends;
-    yields the port."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+def serve_in_thread(app, sock: socket.socket | None = None, **config) -> Iterator[int]:
+    """Serve ``app`` (``uvicorn.Config`` keyword arguments in ``config``) until the block ends, on
+    ``sock`` (bound already: the app may need its address) or a free loopback port; yields the port."""
+    if sock is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **config))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()

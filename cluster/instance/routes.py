@@ -8,7 +8,8 @@ signed requests, ``cluster/protocol.py``), and ``/health`` / ``/stats``:
   507 when there is no room now
 * ``POST /instance/renew``    extend the leases of the Conductor's reservations here
 * ``POST /instance/prefill``  (prefill) compute a prompt, stream its KV layer by layer into the
-  given destination, answer the first token once the last layer has been written
+  given destination, answer the first token once the last layer has been written; a caller
+  that hangs up first (its client left, or it died) ends the prefill at once
 * ``POST /instance/generate`` (decode/both) stream the rest of a request as NDJSON
   ``RequestOutput`` deltas: from a reservation whose KV has landed, or (both) from the prompt
 * ``POST /instance/abort``    drop a request wherever it is (idempotent)
@@ -31,6 +32,7 @@ of its ``ProtocolError``s, with its status (``_as_protocol_error`` says which ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -153,8 +155,21 @@ class InstanceRoutes:
 
     async def prefill(self, request: Request) -> Response:
         r = PrefillRequest.from_dict(await _body(request))
-        out = await self.s.prefiller.prefill(r.request_id, r.prompt_token_ids, r.params, KVDestination.from_dict(r.dest))
-        return JSONResponse(PrefillReply(out).to_dict())
+        work = asyncio.ensure_future(
+            self.s.prefiller.prefill(r.request_id, r.prompt_token_ids, r.params, KVDestination.from_dict(r.dest)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                # The Conductor hung up (it died, or its client left): nobody will take this KV.
+                # Cancelling ends the engine request and lets go of the staging as on any error.
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+                return Response(status_code=499)
+            return JSONResponse(PrefillReply(work.result()).to_dict())
+        finally:
+            gone.cancel()
 
     async def generate(self, request: Request) -> Response:
         r = GenerateRequest.from_dict(await _body(request))
@@ -228,6 +243,12 @@ class InstanceRoutes:
             Route("/instance/adopt", c()(self.adopt), methods=["POST"]),
             Route("/instance/stage/join", c(("prefill",), needs_ready=False)(self.stage_join), methods=["POST"]),
         ]
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the caller has closed its connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _fence(request: Request) -> Fence:

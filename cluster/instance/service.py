@@ -339,6 +339,7 @@ class InstanceService:
         s = self.client.stats()
         s["role"] = self.config.role
         s["num_reservations"] = len(self.receiver) if self.receiver is not None else 0
+        s["reservations_by_conductor"] = self.receiver.by_conductor() if self.receiver is not None else {}
         s["cache_version"] = self.mirror.version  # of the cached prefix keys the Conductor polls
         for name, area in (("send", self.send), ("recv", self.recv)):
             if area is not None:

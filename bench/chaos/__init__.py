@@ -1,0 +1,84 @@
+"""Chaos benchmark: faults against a running cluster, and whether every request still gets a clear answer.
+
+Run with ``python -m bench.chaos`` (``--help`` for flags; ``--quick`` for a shorter run). It starts
+a ``python -m server`` cluster at the shipped lease and timeout defaults (a Conductor plus two
+prefill and two decode instances, on an etcd the bench starts itself when there is an etcd
+binary; ``--server-arg`` / ``--server-args`` add flags such as ``--instance-threads 1``) on a free
+loopback port, in its own session, with a cluster secret in its environment, and waits until every
+instance is up. Then:
+
+0. the **expected texts**: each prompt of a small fixed set (completions and chat) is sent once,
+   alone, greedy (temperature 0) before any fault; the server (in float32 here, where batching
+   does not change the rounding) is deterministic for greedy decoding, so every later answer
+   that completes normally must repeat that text exactly;
+1. a **steady stream** starts: Poisson arrivals (``bench.serving.arrival_times``) at ``--rate``
+   req/s, each request one of those prompts, streamed (SSE) or not, ``--max-tokens`` tokens; and
+   the **long-prompt load** of ``load.py`` (``--long-clients`` clients sending
+   prompts of ``--long-words`` words, each twice: both answers must be the same text); both
+   run under all the faults below, one after another with ``--pause-s`` between them, while a
+   monitor watches the Conductor's view of every instance that is not being faulted;
+2. ``kill -9`` of one of the two **decode** instances (its pid from the Conductor's ``/stats``); the
+   benchmark only watches: the Conductor's supervisor must start it again (a new pid, ``up``) and
+   a request must then complete with the expected text;
+3. the same for one **prefill** instance;
+4. **SIGSTOP** of one instance of each role (``--stop-role``) for ``--stop-s`` seconds, then SIGCONT;
+   it must be up again and serve;
+5. the faults of ``faults.py``: the metadata store (etcd) stopped, a pool node
+   stopped then killed, a replayed / stale-epoch control call, an unsigned 1 GiB control body
+   (a partition is not run here: tests/test_across_hosts.py; a late KV writer:
+   tests/test_late_write.py);
+6. a **burst** of ``--burst`` requests at once, far above what two cores serve;
+7. a **fuzz** of the HTTP API: handmade bodies (malformed and truncated JSON, wrong types, huge
+   numbers, 10k-deep nesting, invalid UTF-8, lone surrogates, thousands of prompts, a body over
+   the size limit, ...), ``--fuzz-examples`` bodies that ``hypothesis`` generates with a fixed
+   seed (structured requests with bad fields, arbitrary JSON, raw bytes, then truncated or with
+   invalid bytes spliced in), raw-socket requests with bad framing, and slow clients: requests
+   sent byte by byte, and ``--stall-connections`` connections that stall (no bytes, half the
+   headers, half the body) while a well-formed request must still be served.
+
+Every request has a deadline (``--deadline-s``): one with no answer by then is counted as hung,
+not waited on. Afterwards the stream stops, the benchmark waits up to ``--drain-s`` for the
+instances to hold nothing (aborts are asynchronous), prints a table and, with ``--json PATH``,
+writes the same figures. Rows marked "must be 0":
+
+* hung requests (well-formed or malformed);
+* well-formed requests with no clear answer: a dropped connection, a stream that ends without
+  ``[DONE]``, an error status without an OpenAI error body;
+* completed answers whose text differs from the expected greedy text;
+* requests lost while a healthy instance of their role was up (a 5xx or an error event: with two
+  instances of each role and one faulted at a time, there always was one), and healthy instances
+  the Conductor marked down;
+* stale, replayed or altered control calls an instance accepted, and an unsigned huge control
+  body the Conductor did not refuse from its headers (401 / 413, peak RSS growing less than 64 MiB);
+* 5xx answers to malformed input, and malformed requests the server dropped without an answer
+  (a 503, the cluster not serving, and a 500 for a body the engine accepted and then failed are
+  shown apart: the rows above and below account for them);
+* faults not recovered: a killed instance not restarted by the Conductor, a stopped one not up
+  again, or no request served afterwards; slow-client checks that failed;
+* blocks, reservations, running or waiting requests and staging ranges still held at the end
+  (on the instances, and in the Conductor's books), and instances not up at the end.
+
+The exit status is 0 when they all are 0, 1 otherwise, 2 when the cluster did not start.
+
+The package, one module a part, over one harness: ``config.py`` (settings, prompts, row names),
+``cluster.py`` (the cluster and the bench's own etcd and pool node), ``traffic.py`` (well-formed
+requests and how answers are judged), ``load.py`` (the long-prompt load, the monitor),
+``run.py`` (``Run``: the scenarios in order), the fault families ``faults.py`` (shared parts),
+``fuzz.py`` (malformed input), ``report.py`` (the rows and the table) and ``cli.py``.
+"""
+
+from __future__ import annotations
+
+from bench.chaos.cli import main, run_chaos, write_json
+from bench.chaos.cluster import Cluster
+from bench.chaos.config import (CHAT, COMPLETED, COMPLETIONS, ENGINE_FAILED, HOST, HTTP_ERROR, HUGE, HUNG, LOST,
+                                MARKED_DOWN, PROMPTS, STALE, STREAM_ERROR, UNCLEAR, ChaosConfig)
+from bench.chaos.fuzz import FuzzOutcome, RawOutcome, generated_cases, handmade_cases, raw_request
+from bench.chaos.report import build_report, format_table
+from bench.chaos.run import Run
+from bench.chaos.traffic import Outcome, parse_sse
+
+__all__ = ["CHAT", "COMPLETED", "COMPLETIONS", "ENGINE_FAILED", "HOST", "HTTP_ERROR", "HUGE", "HUNG", "LOST",
+           "MARKED_DOWN", "PROMPTS", "STALE", "STREAM_ERROR", "UNCLEAR", "ChaosConfig", "Cluster", "FuzzOutcome",
+           "Outcome", "RawOutcome", "Run", "build_report", "format_table", "generated_cases", "handmade_cases",
+           "main", "parse_sse", "raw_request", "run_chaos", "write_json"]
