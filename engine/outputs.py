@@ -1,5 +1,5 @@
 """What the engine hands back for a request: plain data, no torch, so the Conductor and the
-wire (``cluster/protocol.py``) use it without loading the model code."""
+wire (``cluster/protocol/``) use it without loading the model code."""
 
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def report(tmp_path_factory) -> dict:
 @pytest.mark.processes
 def test_each_kill_is_followed_by_a_restart_by_the_conductor(report):
     kills = [f for f in report["faults"] if f["kind"] == "kill -9" and f["role"] in ("decode", "prefill")]
-    assert [k["role"] for k in kills] == ["decode", "prefill"], report["scenario_errors"]
+    assert [k["role"] for k in kills] == ["decode"], report["scenario_errors"]
     for k in kills:
         assert k["restarted"], k
         assert k["new_pid"] != k["old_pid"] and k["restarts"] >= 1 and k["last_exit"] == "signal SIGKILL", k
@@ -156,7 +156,7 @@ def test_each_kill_is_followed_by_a_restart_by_the_conductor(report):
     for f in stopped:
         assert f["up_again"] and f["served"], f
     supervised = report["conductor"]["supervised"]
-    assert sorted(s["role"] for s in supervised if s["restarts"] >= 1) == ["decode", "prefill"]
+    assert sorted(s["role"] for s in supervised if s["restarts"] >= 1) == ["decode"]
 
 
 @pytest.mark.processes
@@ -249,7 +249,7 @@ def test_every_must_be_zero_row_is_zero(report):
 
 @pytest.mark.processes
 def test_every_process_is_gone_after_the_run(report):
-    assert len(report["instance_pids"]) >= 6  # four instances, two of them started twice
+    assert len(report["instance_pids"]) >= 5  # four instances, one of them started twice
     for pid in report["instance_pids"]:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

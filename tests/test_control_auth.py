@@ -1,4 +1,4 @@
-"""Signed control requests (``cluster/protocol.py``): keys, signatures, replays, and the httpx
+"""Signed control requests (``cluster/protocol/``): keys, signatures, replays, and the httpx
 and starlette glue, against an in-process app and a real uvicorn on loopback."""
 
 from __future__ import annotations

@@ -91,3 +91,11 @@ def test_megabyte_prompts_do_not_stall_the_event_loop(worker: ParseWorker, limit
 
     longest = asyncio.run(run())
     assert longest < 0.3, f"the event loop paused {longest:.2f} s while the worker tokenized"
+
+
+def test_the_parse_stall_bench_measures_both_ways():
+    from bench.parse_stall import run
+
+    rows = asyncio.run(run([2], 0.05))
+    assert [(n, name) for n, name, _, _ in rows] == [(2, "inline"), (2, "tokenizer process")]
+    assert all(pause > 0 and took > 0 for _, _, pause, took in rows)

@@ -1,4 +1,4 @@
-"""cluster/protocol.py: every message round-trips through its one to_dict/from_dict pair (and
+"""cluster/protocol/: every message round-trips through its one to_dict/from_dict pair (and
 through JSON), a malformed body is a BadRequest naming the field, and each error travels as one
 status the client maps back to the same class."""
 

@@ -52,6 +52,7 @@ class ChaosConfig:
     # Two instances of each role: one is faulted at a time, and the other must take its requests.
     prefill_instances: int = 2
     decode_instances: int = 2
+    kill_roles: tuple[str, ...] = ("decode", "prefill")  # kill -9 one instance of each, in turn
     stop_role: str = "both"  # SIGSTOP one instance of this role ("both": one of each, in turn)
     stop_s: float = 20.0
     # The long-prompt load (load.py) under every fault.
@@ -92,8 +93,12 @@ class ChaosConfig:
                    stall_connections=16, stall_s=2.0, restart_timeout_s=180.0, probe_timeout_s=60.0,
                    long_clients=2, long_words=150, long_max_tokens=8, etcd_stop_s=2.0, pool_stop_s=2.0,
                    idle_connections=100, slow_header_connections=30, header_timeout_s=3.0,
-                   # One SIGSTOP: a frozen prefill instance is tests/test_cluster_races.py's.
-                   stop_role="decode")
+                   # A shorter transfer timeout: the receive staging of a reservation that ended
+                   # with writes possibly in flight comes back after twice this.
+                   server_args=["--transfer-timeout-s", "5"],
+                   # One kill and one SIGSTOP: a killed or frozen prefill instance is
+                   # tests/test_cluster.py's and tests/test_cluster_races.py's.
+                   kill_roles=("decode",), stop_role="decode")
         return replace(base, **overrides)
 
 

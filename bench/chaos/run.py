@@ -310,8 +310,7 @@ async def run_scenarios(cfg: ChaosConfig, cluster: Cluster, fuzz_cases: list[Fuz
         extra: dict[str, Any] = {"partition": faults.partition_support(), "late_writer": faults.LATE_WRITER}
         stop_roles = ["decode", "prefill"] if cfg.stop_role == "both" else [cfg.stop_role]
         scenarios: list[tuple[str, Callable[[], Awaitable[Any]], str | None]] = [
-            ("kill decode", lambda: run.kill("decode"), None),
-            ("kill prefill", lambda: run.kill("prefill"), None),
+            *((f"kill {role}", lambda role=role: run.kill(role), None) for role in cfg.kill_roles),
             *((f"SIGSTOP {role}", lambda role=role: run.stop_and_continue(role), None) for role in stop_roles),
         ]
         if cluster.etcd is not None:

@@ -1,6 +1,6 @@
 """The instance client: the only place the Conductor speaks HTTP to instances.
 
-Typed calls (the messages of ``cluster/protocol.py``), each with a bound, and one error mapping:
+Typed calls (the messages of ``cluster/protocol/``), each with a bound, and one error mapping:
 an answer that is not a 200 becomes the ``ProtocolError`` it carries (``protocol.error_from``);
 no answer becomes ``Unreachable``, none in time ``TimedOut``. The caller tells the two kinds
 apart: a ``RequestError`` ends the request (or tries the next instance), an

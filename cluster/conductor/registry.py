@@ -6,7 +6,7 @@ last saw. Load is not polled: every request passes through the Conductor, which 
 exact record (``ledger.py``).
 
 An instance that fails a poll, or that a request finds unhealthy (``InstanceUnavailable``,
-``cluster/protocol.py``; a refused request says nothing against it), is marked down and left out
+``cluster/protocol/``; a refused request says nothing against it), is marked down and left out
 of scheduling; its
 ``lost`` event fires, which ends the calls in flight to it. Polling continues, and the first
 successful ``/instance/info`` brings it back; a restarted process is a new incarnation, and

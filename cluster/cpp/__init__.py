@@ -4,7 +4,7 @@ stages, each holding a contiguous share of the layers.
 * ``stage.py``: the data path between stages (``StageLink``: a chunk's hidden states forward,
   its KV streamed layer by layer like any prefill's);
 * ``group.py``: how the stages are started, found and watched (``StageGroup``; their
-  ``StageSpec`` is a message of ``cluster/protocol.py``;
+  ``StageSpec`` is a message of ``cluster/protocol/``;
   ``python -m cluster.cpp.group``);
 * ``pool_share.py``: a later stage's share of its group's KVCache pool traffic (its layers of
   each object).

@@ -8,7 +8,7 @@ so the buffer is free for the step after. A ``StageWorker`` runs its layers on e
 order on its own thread and hands the result on the same way; the last stage writes the sampled
 rows' logits into the first stage's buffer with a ``StageLogits`` call. The first stage waits
 only for steps that sample, so chunk k+1 computes on the first stage while chunk k is on the
-second. Every call between stages is a message of ``cluster/protocol.py``.
+second. Every call between stages is a message of ``cluster/protocol/``.
 
 With the KVCache pool, each later stage reads and writes its own layers of the objects the
 first stage leases and reserves (``cluster.cpp.pool_share.StagePool``, driven through the link's

@@ -1,5 +1,5 @@
 """An instance's HTTP routes for the Conductor (all under ``/instance``, all authenticated with
-signed requests, ``cluster/protocol.py``), and ``/health`` / ``/stats``:
+signed requests, ``cluster/protocol/``), and ``/health`` / ``/stats``:
 
 * ``GET  /instance/info``     role, model facts, KV page layout, measured profile (``InstanceInfo``)
 * ``GET  /instance/state``    load, free blocks, and the cached prefix keys, as changes since
@@ -25,7 +25,7 @@ the instance release that id's older reservations; a reservation by an older one
 ``--url``), so one captured on its way to another instance is refused here; its signature is
 checked from the headers before any body is read, and a body is read only up to its route's cap
 (413 ``TooLarge`` beyond: ``NO_BODY`` for polls, ``PROMPT_BODY`` for calls carrying a prompt,
-``SMALL_BODY`` for the rest). Bodies and answers are the messages of ``cluster/protocol.py``; a refusal is one
+``SMALL_BODY`` for the rest). Bodies and answers are the messages of ``cluster/protocol/``; a refusal is one
 of its ``ProtocolError``s, with its status (``_as_protocol_error`` says which exception is which).
 """
 
