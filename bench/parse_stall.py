@@ -21,7 +21,7 @@ from server.parse_worker import PARSERS, ParseWorker
 from server.protocol import ModelLimits, ProtocolError
 
 
-async def _longest_pause(n: int, parse: Callable[[], Awaitable[None]]) -> tuple[float, float]:
+async def longest_pause(n: int, parse: Callable[[], Awaitable[None]]) -> tuple[float, float]:
     """The loop's longest pause while ``n`` parses run at once, and how long they took."""
     gaps: list[float] = []
     stop = asyncio.Event()
@@ -65,7 +65,7 @@ async def run(counts: list[int], mib: float) -> list[tuple[int, str, float, floa
     try:
         for n in counts:
             for name, parse in (("inline", inline), ("tokenizer process", in_worker)):
-                pause, took = await _longest_pause(n, parse)
+                pause, took = await longest_pause(n, parse)
                 rows.append((n, name, pause, took))
     finally:
         worker.close()

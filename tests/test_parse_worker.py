@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
 from engine.default_model import resolve_model
 from engine.tokenizer import Tokenizer
+from bench.parse_stall import longest_pause
 from server.parse_worker import ParseWorker
 from server.protocol import ModelLimits, ProtocolError, parse_chat, parse_completion
 
@@ -67,27 +67,19 @@ def test_megabyte_prompts_do_not_stall_the_event_loop(worker: ParseWorker, limit
     second on these machines."""
     text = ("lorem ipsum dolor sit amet, consectetur adipiscing elit " * 20000)[: 1 << 20]
 
+    results = []
+
+    async def parse() -> None:
+        try:
+            await worker.parse("completion", {"prompt": text, "max_tokens": 1}, limits)
+        except ProtocolError as e:
+            results.append(e)
+
     async def run() -> float:
-        gaps, stop = [], asyncio.Event()
-
-        async def ticker():
-            last = time.monotonic()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        tick = asyncio.create_task(ticker())
         await worker.parse("completion", {"prompt": "warm up", "max_tokens": 1}, limits)  # the process starts
-        gaps.clear()
-        results = await asyncio.gather(*(worker.parse("completion", {"prompt": text, "max_tokens": 1}, limits)
-                                         for _ in range(4)), return_exceptions=True)
-        stop.set()
-        await tick
-        assert all(isinstance(r, ProtocolError) and "this model's context is 8192 tokens" in r.message
-                   for r in results), results
-        return max(gaps)
+        pause, _ = await longest_pause(4, parse)
+        assert len(results) == 4 and all("this model's context is 8192 tokens" in r.message for r in results), results
+        return pause
 
     longest = asyncio.run(run())
     assert longest < 0.3, f"the event loop paused {longest:.2f} s while the worker tokenized"
