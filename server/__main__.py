@@ -136,8 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="disaggregated: Conductor + prefill and decode instances; colocated: one engine (env MOONCAKE_MODE)")
     c.add_argument("--role", choices=["prefill", "decode", "both"], default=None,
                    help="run one instance process of this role instead of a front end")
-    c.add_argument("--conductor", action="append",
-                   default=[u for u in (_env("MOONCAKE_CONDUCTOR") or "").split(",") if u],
+    # Not a list default: append would add the flags to it instead of replacing it.
+    c.add_argument("--conductor", action="append", default=None,
                    help="(instance) a Conductor's URL to register with; repeatable (env MOONCAKE_CONDUCTOR, "
                    "comma-separated). With --etcd it needs none: every Conductor finds it there")
     c.add_argument("--conductor-id", default=_env("MOONCAKE_CONDUCTOR_ID"),
@@ -238,7 +238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pool.add_argument("--pool-ssd-gib", type=_non_negative_float, default=0.0, help="(instance) SSD tier size")
     pool.add_argument("--pool-block-tokens", type=_positive_int, default=256,
                       help="(instance) tokens per pool object, a multiple of the KV block size (256)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.conductor is None:
+        args.conductor = [u for u in (_env("MOONCAKE_CONDUCTOR") or "").split(",") if u]
+    return args
 
 
 def read_cluster_secret(args: argparse.Namespace) -> str | None:

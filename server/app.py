@@ -313,9 +313,7 @@ class OpenAIServer:
         limits = self._limits()
         if size <= INLINE_BYTES:
             return PARSERS[kind](body, limits)
-        if self._parser is None or self._parser.tokenizer is not limits.tokenizer:
-            if self._parser is not None:
-                self._parser.close()
+        if self._parser is None:  # the client's tokenizer, loaded once, is the worker's for good
             self._parser = ParseWorker(limits.tokenizer)
         return await self._parser.parse(kind, body, limits)
 

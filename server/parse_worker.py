@@ -47,13 +47,16 @@ class ParseWorker:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="parse-worker")  # talks to the process
         self._process: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self.parsed = 0
-        self.restarts = 0
+        self._starts = 0
+
+    @property
+    def restarts(self) -> int:
+        """Worker processes started after the first (it died, or stopped answering)."""
+        return max(0, self._starts - 1)
 
     async def parse(self, kind: str, body: Any, limits: ModelLimits) -> ParsedRequest:
         """``ProtocolError`` for the client's mistakes, as inline; ``ParseUnavailable`` when the
         worker did not answer within the bounds."""
-        loop = asyncio.get_running_loop()
         # The tokenizer does not travel: the worker has its own, loaded from the same folder.
         job = (kind, body, replace(limits, tokenizer=None))
         try:
@@ -84,7 +87,6 @@ class ParseWorker:
                 if attempt:
                     raise ParseUnavailable("the tokenizer process died twice in a row") from None
                 continue
-            self.parsed += 1
             return answer
         raise AssertionError("unreachable")
 
@@ -93,7 +95,6 @@ class ParseWorker:
             return self._conn
         if self._process is not None:
             self._kill("it exited")
-            self.restarts += 1
         ours, theirs = Pipe()
         try:
             self._process = subprocess.Popen(
@@ -101,6 +102,7 @@ class ParseWorker:
         finally:
             theirs.close()
         self._conn = ours
+        self._starts += 1
         ours.send(self.tokenizer.source)
         log.info("tokenizer process pid %d started", self._process.pid)
         return ours

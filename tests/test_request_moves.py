@@ -212,17 +212,44 @@ def test_a_moved_request_that_finds_no_room_in_time_gets_a_503(monkeypatch):
 
 def test_a_scoring_request_moved_before_its_first_token_keeps_its_prompt_logprobs(monkeypatch):
     """The prompt's logprobs travel with the first token: a request moved before it (its decode
-    instance lost while the prefill ran) still asks for them; one moved after, not again."""
+    instance lost while the prefill ran) still asks for them."""
+    instances = Instances()
+
+    async def scenario():
+        instances.prefill_gate, instances.prefill_started = asyncio.Event(), asyncio.Event()
+        c = await _conductor(instances, monkeypatch)
+        params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
+        task = asyncio.create_task(_drain(c.generate("req", list(PROMPT), params)))
+        await asyncio.wait_for(instances.prefill_started.wait(), 5)
+        (reserved_on,) = [url for url, path, _ in instances.calls if path == "/instance/reserve"]
+        c.registry.mark_down(next(r for r in c.registry.records if r.url == reserved_on), "poll: TimedOut")
+        await asyncio.wait_for(task, 5)
+        assert c.stats()["requests_moved"] == 1
+        assert [p.get("prompt_logprobs") for p in instances.params_prefilled()] == [1, 1]
+        instances.prefill_gate.set()
+        await c.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_scoring_request_moved_after_its_first_token_does_not_ask_for_them_again(monkeypatch):
+    """Moved once the client has its first token (and with it the prompt's logprobs), the
+    request's prompt is the client's plus what was streamed: it does not ask for them again."""
     instances = Instances(lambda url, attempt: ("gone", 0) if attempt == 0 else None)
 
     async def scenario():
         c = await _conductor(instances, monkeypatch)
         params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
-        [o async for o in c.generate("req", list(PROMPT), params)]
+        await _drain(c.generate("req", list(PROMPT), params))
+        assert c.stats()["requests_moved"] == 1
         assert [p.get("prompt_logprobs") for p in instances.params_prefilled()] == [1, None]
         await c.shutdown()
 
     asyncio.run(scenario())
+
+
+async def _drain(outs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [o async for o in outs]
 
 
 def test_a_decode_instance_lost_during_the_prefill_moves_the_request_at_once(monkeypatch):

@@ -8,10 +8,11 @@ the same port after a backoff, so the Conductor, which keeps polling that URL, s
 incarnation there. The port is the Supervisor's for good: it listens on it from the start and
 hands the socket to each incarnation (``LISTEN_FD_ENV``, as systemd's socket activation does), so
 no other process can take it while an instance restarts; meanwhile the Supervisor closes every
-connection that arrives there at once (a poll fails fast, as at a closed port). One that keeps dying (a crash loop) is never given up on for good: past the
-crash-loop limit it is tried again only every ``crash_loop_backoff_s``, with an ERROR log line
-each time, and ``/health`` says so; a cause that goes away (a full disk, a port held by a
-process that has since ended) then costs minutes, not the cluster.
+connection that arrives there at once (a poll fails fast, as at a closed port). One that keeps
+dying (a crash loop) is never given up on for good: past the crash-loop limit it is tried again
+only every ``crash_loop_backoff_s``, with an ERROR log line each time, and ``/health`` says so;
+a cause that goes away (a full disk, a port held by a process that has since ended) then costs
+minutes, not the cluster.
 """
 
 from __future__ import annotations

@@ -179,8 +179,9 @@ class Receiver:
             await self.release(rid, settled=False)
 
     def _check_current(self, fence: Fence) -> None:
-        """``WrongEpoch`` unless ``fence`` is its Conductor's newest incarnation seen here."""
-        newest = self.epochs.get(fence.conductor, fence.epoch)
+        """``WrongEpoch`` unless ``fence`` is its Conductor's newest incarnation seen here (after
+        ``observe``)."""
+        newest = self.epochs[fence.conductor]
         if fence.epoch < newest:
             raise WrongEpoch(f"Conductor {fence.conductor!r}'s epoch {fence.epoch} is older than {newest}: "
                              "it was restarted since")
