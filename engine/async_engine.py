@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
+from engine.cpu_runtime import return_freed_memory
 from engine.default_model import default_model_name
 from engine.disaggregation import KVCapacityError
 from engine.llm_engine import LLMEngine
@@ -50,6 +51,10 @@ T = TypeVar("T")
 
 ABORT_MEMORY_S = 60.0  # how long an abort that overtook its request is remembered
 MAX_EARLY_ABORTS = 65536  # and how many at most
+# Idle this long after a step, the engine thread returns the heap's free pages to the OS
+# (``engine.cpu_runtime.return_freed_memory``): a burst's high-water mark does not stay resident,
+# and steady traffic, which never idles this long, keeps its warm heap.
+IDLE_TRIM_S = 2.0
 
 
 class _Request:
@@ -266,13 +271,21 @@ class AsyncLLMEngine(EngineClient):
 
     def _loop(self, engine: LLMEngine) -> None:
         live: dict[str, _Request] = {}
+        stepped = False  # a step ran since the heap was last trimmed
         while True:
+            idle = False
             with self._cond:
                 while not self._inbox and not engine.has_unfinished() and not self._stopping:
-                    self._cond.wait()
+                    if not self._cond.wait(IDLE_TRIM_S if stepped else None):
+                        idle = True
+                        break
                 commands = list(self._inbox)
                 self._inbox.clear()
                 stopping = self._stopping
+            if idle:
+                return_freed_memory()  # outside the lock: submitting a request never blocks on it
+                stepped = False
+                continue
             outbox: list[tuple[_Request, RequestOutput | BaseException]] = []
             for command in commands:
                 if command[0] == "add":
@@ -291,6 +304,7 @@ class AsyncLLMEngine(EngineClient):
                 return
             if engine.has_unfinished():
                 self._step(engine, live, outbox)
+                stepped = True
             self._publish_stats(engine)
             self._send(outbox)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -17,25 +18,44 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (the only one whose allocator is tuned here), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None  # musl has neither
+
+
 def configure_cpu_runtime(threads: int) -> None:
     """Set torch's intra-op threads and keep freed activation memory for reuse.
 
     By default glibc serves every allocation above a few MB with a fresh ``mmap`` and returns it
     on free, so each step's large activations (gathered KV pages, MLP outputs) are page-faulted
     in again, which costs more than the copies themselves (measured 3.8 ms -> 0.65 ms for a 15 MB
-    KV gather). Raising the mmap and trim thresholds makes the heap keep and reuse that memory.
+    KV gather). Raising the mmap and trim thresholds makes the heap keep and reuse that memory;
+    ``return_freed_memory`` gives it back once the engine is idle.
     """
     torch.set_num_threads(threads)
-    if not sys.platform.startswith("linux"):
-        return
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
-        ok = False
-    if not ok:
+    libc = _glibc()
+    if libc is None or not (libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
         log.info("could not tune the C allocator (not glibc); CPU steps may be slower")
+
+
+def return_freed_memory() -> None:
+    """Return the heap's free pages to the OS (glibc ``malloc_trim``; elsewhere nothing to do).
+
+    With the thresholds ``configure_cpu_runtime`` sets, the heap keeps what the largest batch
+    needed for good: after a burst at ten times the sustainable load a decode instance's private
+    memory stayed 403 MiB higher. Trimming costs about 0.1 s per 1.5 GB freed and the next step
+    faults its pages in again, so the engine calls it only after a while idle.
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def fast_bfloat16() -> bool:
