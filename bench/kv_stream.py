@@ -26,7 +26,7 @@ import secrets
 import time
 
 from bench.transfer import format_table
-from cluster.instance.kv_stream import KVDestination, KVSender
+from cluster.kv_stream import KVDestination, KVSender
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
 from engine.config import EngineConfig

@@ -62,7 +62,7 @@ class PromptChunk:
 
 class KVSink(Protocol):
     """Where a prefill instance's engine sends the KV of the prompts it computes: the stream to a
-    decode instance (cluster/instance/kv_stream.py), the KVCache pool (cluster/instance/pool_io.py).
+    decode instance (cluster/kv_stream/), the KVCache pool (cluster/instance/pool_io.py).
 
     ``layer_done`` runs on the engine thread after each layer of every step in which prompts the
     sink ``wants`` compute a chunk (``chunks``: the step's chunks of those prompts, before any

@@ -13,7 +13,7 @@ from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import InstanceLoad, Ledger, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
-from cluster.instance.kv_stream import KVDestination
+from cluster.kv_stream import KVDestination
 from cluster.messenger import RegionHandle
 from cluster.protocol import (CacheDelta, Fence, InstanceInfo, InstanceState, ReserveRequest, output_from_dict,
                               output_to_dict)

@@ -32,7 +32,7 @@ from starlette.routing import Route
 import cluster.pool.config as pool_config
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.registry import Registry
-from cluster.instance.kv_stream import KVDestination
+from cluster.kv_stream import KVDestination
 from cluster.instance.routes import InstanceRoutes
 from cluster.messenger import RegionHandle
 from cluster.protocol import (

@@ -14,11 +14,12 @@ import asyncio
 import pytest
 import torch
 
-from cluster.instance.kv_stream import KVDestination, KVLayout, KVSender
+from cluster.kv_stream import KVDestination, KVSender
 from cluster.messenger.staging import StagingArea, StagingFull
 from cluster.messenger import MessengerConfig, Messenger
 from engine.config import EngineConfig
 from engine.disaggregation import KVCapacityError, KVHandoff
+from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster.instance.kv_stream import KVDestination, KVSender, layer_checksums
+from cluster.kv_stream import KVDestination, KVSender, layer_checksums
 from cluster.instance.prefill import Prefiller
 from cluster.instance.receiver import Receiver
 from cluster.messenger import Messenger, MessengerConfig, StaleWrite

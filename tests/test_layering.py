@@ -116,12 +116,13 @@ CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     # the front door: policies, the pool's lookups, the wire; no model code, no instance internals
     "cluster.conductor": ("cluster.policies", "cluster.pool", "cluster.protocol", "paged_kv.prefix_keys",
                           *_LIGHT_ENGINE),
-    # a prefill instance's stages: the KV stream is the prefill half's, the rest is below
-    "cluster.cpp": ("cluster.instance.kv_stream", "cluster.messenger", "cluster.pool", "cluster.protocol",
-                    "engine"),
+    # a prefill's KV into a decode instance's reservation, over the messenger: an instance's and a stage's
+    "cluster.kv_stream": ("cluster.messenger", "engine.kv_layout", "engine.hooks"),
+    # a prefill instance's stages: below the instance that leads them (never cluster.instance)
+    "cluster.cpp": ("cluster.kv_stream", "cluster.messenger", "cluster.pool", "cluster.protocol", "engine"),
     # one engine process: everything below the Conductor
-    "cluster.instance": ("cluster.cpp", "cluster.messenger", "cluster.pool", "cluster.policies",
-                         "cluster.protocol", "engine", "paged_kv"),
+    "cluster.instance": ("cluster.cpp", "cluster.kv_stream", "cluster.messenger", "cluster.pool",
+                         "cluster.policies", "cluster.protocol", "engine", "paged_kv"),
 }
 # Modules that do I/O or threads: policies must stay pure; the messenger speaks no HTTP.
 FORBIDDEN_THIRD_PARTY: Mapping[str, tuple[str, ...]] = {
@@ -170,6 +171,15 @@ def test_cluster_packages_keep_their_edges() -> None:
         assert (target / "__init__.py").is_file() or target.with_suffix(".py").is_file(), unit
     found = cluster_violations()
     assert not found, "cluster/ layering:\n" + "\n".join(found)
+
+
+def test_stages_import_nothing_of_the_instance_they_serve() -> None:
+    """An instance is built of its stages (instance -> cpp); a stage that imported the instance
+    would make the two one package with a cycle one edit away."""
+    assert not any(_matches(p, ("cluster.instance",)) or _matches("cluster.instance", (p,))
+                   for p in CLUSTER_ALLOWED["cluster.cpp"])
+    found = [v for v in cluster_violations() if v.startswith("cluster/cpp/")]
+    assert not found, "\n".join(found)
 
 
 def test_conductor_process_loads_no_model_code() -> None:

@@ -267,7 +267,7 @@ class _LastChunkBlocks:
 def test_every_stage_streams_its_layers_to_the_decode_instance(tmp_path):
     import asyncio
 
-    from cluster.instance.kv_stream import KVDestination, KVSender
+    from cluster.kv_stream import KVDestination, KVSender
     from cluster.cpp.stage import StageLink, StageWorker
     from cluster.messenger.staging import StagingArea
     from cluster.messenger import MessengerConfig, Messenger

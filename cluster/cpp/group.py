@@ -32,7 +32,7 @@ import httpx
 
 from cluster.protocol import CONTROL, MESSENGER, ControlAuth, StageJoin, StageLinks, StagePing, StageSpec
 from cluster.protocol import StageSpecReply, derive_key
-from cluster.instance.kv_stream import KVSender
+from cluster.kv_stream import KVSender
 from cluster.pool.config import model_identity
 from cluster.pool.objects import PoolGeometry
 from cluster.cpp.stage import StageLink, StagePeer, StageWorker

@@ -29,7 +29,7 @@ from typing import TypeVar
 
 import torch
 
-from cluster.instance.kv_stream import KVDestination, KVSender
+from cluster.kv_stream import KVDestination, KVSender
 from cluster.cpp.pool_share import StagePool
 from cluster.messenger import RegionHandle, Messenger, TransferError
 from cluster.messenger.wire import Status

@@ -5,9 +5,9 @@
 * ``service.py``: bring-up (engine, Messenger, staging, calibration), registration, and the
   snapshots polls are answered from (``cache_mirror.py``: the prefix keys as changes);
 * ``calibration.py``: the cost models measured on this instance's engine at start;
-* ``kv_stream.py``: a prefill's KV, layer by layer, into a decode instance's reservation;
 * ``receiver.py``: reservations (leases the Conductors renew, fenced per Conductor, staging held back);
-* ``prefill.py``: serve a prefill and stream its KV into a decode instance's reservation;
+* ``prefill.py``: serve a prefill and stream its KV into a decode instance's reservation
+  (``cluster/kv_stream/``, below the instances: a pipeline stage streams too);
 * ``decode.py``: continue decoding from received KV, and whole (colocated) requests;
 * ``replication.py``: hot-prefix push and adopt;
 * ``routes.py``: the ``/instance/*`` control routes over all of these.

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 
 from cluster.instance.pool_io import PoolIO, PoolLoad, prepare_load, starter
-from cluster.instance.kv_stream import KVDestination, KVSender
+from cluster.kv_stream import KVDestination, KVSender
 from cluster.cpp.stage import StageLink
 from cluster.messenger.staging import when_free
 from cluster.messenger import StaleWrite, TransferError

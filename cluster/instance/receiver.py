@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import torch
 
-from cluster.instance.kv_stream import KVDestination, sums_bytes, verify_layers
+from cluster.kv_stream import KVDestination, sums_bytes, verify_layers
 from cluster.protocol import BadRequest, Fence, KVWriteFailed, UnknownReservation, WrongEpoch
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from engine.async_engine import AsyncLLMEngine

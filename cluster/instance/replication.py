@@ -15,7 +15,7 @@ import asyncio
 import torch
 
 from cluster.instance.receiver import Receiver
-from cluster.instance.kv_stream import KVDestination, layer_checksums, settle, sums_bytes
+from cluster.kv_stream import KVDestination, layer_checksums, settle, sums_bytes
 from cluster.messenger.staging import StagingArea, StagingRange, when_free
 from cluster.messenger import Messenger
 from cluster.protocol import BadRequest, PrefixNotCached, UnknownReservation

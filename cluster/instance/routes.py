@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cluster.instance.service import InstanceService
-from cluster.instance.kv_stream import KVDestination
+from cluster.kv_stream import KVDestination
 from cluster.cpp.group import peer_from
 from cluster.messenger import TransferError
 from cluster.protocol import CONTROL, EPOCH_HEADER, ControlVerifier, Fence, derive_key, verify_request

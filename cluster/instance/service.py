@@ -30,7 +30,7 @@ from cluster.instance.receiver import Receiver
 from cluster.instance.replication import Replicator
 from cluster.instance.decode import Decoder
 from cluster.instance.prefill import Prefiller
-from cluster.instance.kv_stream import KVSender
+from cluster.kv_stream import KVSender
 from cluster.cpp.group import StageGroup, StageRendezvous
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity, weights_digest

@@ -14,9 +14,8 @@ A late write cannot corrupt (issue 23 §5). The reservation's range is opened un
 **generation** (``KVDestination.generation``) that every write names; the decode instance's
 Messenger refuses a write whose generation is not the range's current one (``StaleWrite``), so
 the bytes of a prefill that kept writing after the reservation was released never land in the
-range's next use. And each layer carries a **checksum** (xxh3 of the layer's bytes, with its last
-write, into a trailer after the KV: ``layer_checksums``), which the decode instance verifies
-before the blocks are admitted (``verify_layers``), so anything that did slip in (a write the
+range's next use. And each layer carries a **checksum** (``checksums.py``), which the decode
+instance verifies before the blocks are admitted, so anything that did slip in (a write the
 owner admitted just before the use ended) refuses the request instead of entering its prefix cache.
 
 ``layer_done`` runs on the engine thread and packs and writes outside ``KVSender._lock`` (a write
@@ -27,83 +26,19 @@ may have to reconnect to a dead peer, for up to the Messenger's timeout); ``expe
 from __future__ import annotations
 
 import asyncio
-import struct
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import xxhash
 
+from cluster.kv_stream.checksums import LAYER_SUM, layer_checksum, sums_bytes
+from cluster.kv_stream.destination import KVDestination
 from cluster.messenger.staging import StagingArea, StagingRange
-from cluster.messenger import Batch, RegionHandle, Messenger, TransferError
+from cluster.messenger import Batch, Messenger, TransferError
 from engine.kv_layout import KVLayout, pack
 from engine.hooks import PromptChunk
-
-
-@dataclass(frozen=True)
-class KVDestination:
-    """Where a decode instance takes a request's prompt KV: its Messenger address, its receive
-    staging region, the offset of the range reserved there, and how many leading prompt blocks it
-    already holds (only the blocks after those are sent). ``generation``: the use of that range
-    every write names (None: an unguarded range); ``sums``: the range has room for a checksum per
-    layer after the KV (``layer_checksums``), which the sender writes with each layer's last part."""
-
-    address: str
-    region: RegionHandle
-    offset: int
-    skip_blocks: int
-    num_blocks: int  # blocks sent
-    generation: int | None = None
-    sums: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {"address": self.address, "region": self.region.to_dict(), "offset": self.offset,
-                "skip_blocks": self.skip_blocks, "num_blocks": self.num_blocks, "sums": self.sums}
-        if self.generation is not None:
-            data["generation"] = self.generation
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVDestination:
-        try:
-            generation = data.get("generation")
-            return cls(str(data["address"]), RegionHandle.from_dict(data["region"]), int(data["offset"]),
-                       int(data["skip_blocks"]), int(data["num_blocks"]),
-                       None if generation is None else int(generation), bool(data.get("sums", False)))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed KV destination: {e}") from None
-
-
-# One little-endian xxh3-64 per layer, after the KV of a range whose destination has ``sums``.
-_SUM = struct.Struct("<Q")
-
-
-def sums_bytes(num_layers: int) -> int:
-    """The size of the checksum trailer of ``num_layers`` layers."""
-    return _SUM.size * num_layers
-
-
-def layer_checksum(data: torch.Tensor) -> int:
-    """The checksum of one layer's bytes (a contiguous CPU tensor)."""
-    return xxhash.xxh3_64_intdigest(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-
-
-def layer_checksums(kv: torch.Tensor) -> bytes:
-    """The trailer for ``kv`` (layers on the first dimension): each layer's checksum."""
-    return b"".join(_SUM.pack(layer_checksum(kv[i])) for i in range(kv.shape[0]))
-
-
-def verify_layers(kv: torch.Tensor, trailer: torch.Tensor) -> int | None:
-    """The first layer of ``kv`` whose bytes do not match its checksum in ``trailer`` (the
-    received uint8 trailer), or None when every layer matches."""
-    sums = [v for (v,) in _SUM.iter_unpack(memoryview(trailer.numpy()))]
-    for i in range(kv.shape[0]):
-        if layer_checksum(kv[i]) != sums[i]:
-            return i
-    return None
 
 
 @dataclass(frozen=True)
@@ -269,11 +204,11 @@ class KVSender:
             entries = [(self.staging.handle, here + off, d.region, there + off, n * page)
                        for off in (at * page, (d.num_blocks + at) * page)]
         if with_sum:
-            slot = out.staging.offset + kv.nbytes + _SUM.size * layer
-            _SUM.pack_into(memoryview(self.staging.buffer.numpy()), slot, layer_checksum(buf[layer]))
+            slot = out.staging.offset + kv.nbytes + LAYER_SUM.size * layer
+            LAYER_SUM.pack_into(memoryview(self.staging.buffer.numpy()), slot, layer_checksum(buf[layer]))
             entries.append((self.staging.handle, slot, d.region,
-                            d.offset + self.layout.nbytes(d.num_blocks) + _SUM.size * (self.layers.start + layer),
-                            _SUM.size))
+                            d.offset + self.layout.nbytes(d.num_blocks) + LAYER_SUM.size * (self.layers.start + layer),
+                            LAYER_SUM.size))
         batch = self.transfer.write(d.address, entries, generation=d.generation)
         out.batches.append((batch, 2 * n * page))
         out.bytes_sent += 2 * n * page
