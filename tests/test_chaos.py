@@ -106,6 +106,35 @@ def test_the_report_counts_what_must_be_zero(tmp_path):
     assert "<-- FAIL" in table and "RESULT: FAIL" in table and "lone surrogate" in table
 
 
+def test_the_rows_of_issue_31s_scenarios_count_what_they_measured(tmp_path):
+    """Ten restarts, a mass disconnect, a corrupt SSD object and a frozen pool node: each row is
+    computed from what the scenario measured, and shows a failure when there is one."""
+    run = _run_with([Outcome("steady", 0, True, COMPLETED, 200, " Paris")], {0: " Paris"})
+    run.faults.append({"kind": "SIGSTOP then kill -9", "role": "pool node", "old_pid": 3, "recovered": True,
+                       "summary": "served", "frozen_node": {"baseline_s": [2.0], "frozen_s": [9.0], "bound_s": 5.0,
+                                                            "slowed": 1, "node_never_asked": 0,
+                                                            "segment_timeouts": 1, "segments_passed_over": 4}})
+    figures = dict.fromkeys(("rss_mib", "anon_mib", "shmem_mib", "threads", "fds", "memfds"), [10, 10])
+    extra = {"restarts": {"restarts": 10, "killed_busy": 9, "restart_s": [5.0], "totals": figures,
+                          "grown": ["prefill http://p shmem_mib 2000 -> 3000"], "survivors_lost": []},
+             "disconnect": {"streams": 32, "prompts": 6, "streams_dropped_mid_decode": 32,
+                            "prompts_abandoned_before_first_token": 6, "released_s": None, "held_after_within": 4,
+                            "prompt_tokens_after_release": 700, "watched_s": 10.0},
+             "corrupt_ssd": {"files_corrupted": 4, "status": 200, "latency_s": 1.0, "same_text": False,
+                             "corrupt_ssd_reads": 0, "served_wrong": 1, "not_counted": 1}}
+    report = chaos.build_report(chaos.ChaosConfig(log_path=tmp_path / "none.log"), run, extra,
+                                {"held": {}, "down": {}})
+    must = report["must_be_zero"]
+    assert [must[k] for k in (chaos.RESTART_GROWTH, chaos.DISCONNECT_HELD, chaos.DISCONNECT_TOKENS, chaos.SSD_WRONG,
+                              chaos.SSD_UNCOUNTED, chaos.FROZEN_SLOW, chaos.FROZEN_UNASKED)] == [1, 4, 700, 1, 1, 1, 0]
+    table = chaos.format_table(report)
+    assert "RESULT: FAIL" in table and "grown: prefill http://p shmem_mib 2000 -> 3000" in table
+    for label in ("survivors' open memfds, before -> after", "still held 5 s after they left",
+                  "corrupt read not counted", "prompts slower than the bound"):
+        assert label in table and table.split(label)[1].split("\n")[0].endswith("<-- FAIL") == (
+            label != "survivors' open memfds, before -> after"), label
+
+
 def test_owns_only_processes_started_for_its_conductor(tmp_path):
     server = ServerProcess("x", [], None, tmp_path / "log", "http://127.0.0.1:1")  # type: ignore[arg-type]
     cluster = chaos.Cluster(server)

@@ -14,9 +14,9 @@ import asyncio
 import pytest
 import torch
 
-from cluster.kv_stream import KVDestination, KVSender
+from cluster.kv_stream import KVDestination, KVSender, PrefillSink, PrefillSinks
 from cluster.messenger.staging import StagingArea, StagingFull
-from cluster.messenger import MessengerConfig, Messenger
+from cluster.messenger import MessengerConfig, Messenger, TransferError
 from engine.config import EngineConfig
 from engine.disaggregation import KVCapacityError, KVHandoff
 from engine.kv_layout import KVLayout
@@ -232,3 +232,47 @@ def test_bench_kv_stream_runs_both_ways(model, capsys):
     for r in rows:
         assert r[-8] == "192" and float(r[-3]) >= 0  # prompt tokens; in flight at the end, in chunks
     assert "Target: in flight at the end about one chunk's bytes" in out
+
+
+class _Sink(PrefillSink):
+    """Notes each call in ``log``; ``fails``: the call that raises."""
+
+    def __init__(self, name: str, log: list[str], fails: str | None = None) -> None:
+        self.name, self.log, self.fails = name, log, fails
+
+    async def _call(self, what: str) -> None:
+        self.log.append(f"{what} {self.name}")
+        if what == self.fails:
+            raise TransferError(f"{self.name} failed to {what}")
+
+    async def expect(self) -> None:
+        await self._call("expect")
+
+    async def finish(self) -> None:
+        await self._call("finish")
+
+    async def abort(self) -> None:
+        await self._call("abort")
+
+
+def test_sinks_expect_finish_and_abort_as_one():
+    async def run(fails: dict[str, str], then: str) -> tuple[list[str], str | None]:
+        log: list[str] = []
+        sinks = PrefillSinks([_Sink(n, log, fails.get(n)) for n in ("decode", "stages", "pool")])
+        try:
+            await sinks.expect()
+            await (sinks.finish() if then == "finish" else sinks.abort())
+        except TransferError as exc:
+            return log, str(exc)
+        return log, None
+
+    assert asyncio.run(run({}, "finish")) == (
+        ["expect decode", "expect stages", "expect pool", "finish decode", "finish stages", "finish pool"], None)
+    assert asyncio.run(run({}, "abort"))[0][3:] == ["abort decode", "abort stages", "abort pool"]
+    # A sink that cannot expect holds nothing: only the ones before it are aborted.
+    assert asyncio.run(run({"stages": "expect"}, "finish")) == (
+        ["expect decode", "expect stages", "abort decode"], "stages failed to expect")
+    # A stream that did not land: the sinks after it are aborted (the pool stores nothing of it).
+    assert asyncio.run(run({"decode": "finish"}, "finish")) == (
+        ["expect decode", "expect stages", "expect pool", "finish decode", "abort stages", "abort pool"],
+        "decode failed to finish")

@@ -24,12 +24,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import cluster.pool.ssd as ssd_module
 from bench.harness import start_etcd, until
-from cluster.instance.pool_io import PoolIO, prepare_load
+from cluster.instance.pool_io import PoolIO, pool_prefix
 from cluster.messenger import Messenger, MessengerConfig
 from cluster.messenger.staging import StagingArea
 from cluster.pool import PoolClient, Segment, SegmentConfig, SegmentService, SsdTier
@@ -162,7 +163,10 @@ def test_a_metadata_that_is_down_costs_the_store_and_the_load_not_the_prompt(eng
 
     async def scenario() -> None:
         assert await io.plan_store("r1", PROMPT) is False  # was: MetadataUnavailable, a 500
-        assert await prepare_load(io, "r1", PROMPT, SamplingParams(max_tokens=1)) is None
+        added: list[str] = []
+        async with pool_prefix(io, "r1", PROMPT, SamplingParams(max_tokens=1)) as start:
+            start(SimpleNamespace(add_request=lambda *args, request_id: added.append(request_id)))
+        assert added == ["r1"], "nothing to load: the prompt enters the engine plainly"
         io.store_later(PROMPT, len(PROMPT))  # in the background, quietly
         await asyncio.gather(*io._stores)
 

@@ -23,10 +23,17 @@ instance is up. Then:
 3. the same for one **prefill** instance;
 4. **SIGSTOP** of one instance of each role (``--stop-role``) for ``--stop-s`` seconds, then SIGCONT;
    it must be up again and serve;
-5. the faults of ``faults.py``: the metadata store (etcd) stopped, a pool node
-   stopped then killed, a replayed / stale-epoch control call, an unsigned 1 GiB control body
-   (a partition is not run here: tests/test_across_hosts.py; a late KV writer:
-   tests/test_late_write.py);
+5. the faults of ``faults.py``: the metadata store (etcd) stopped, a replayed / stale-epoch
+   control call, an unsigned 1 GiB control body (a partition is not run here:
+   tests/test_across_hosts.py; a late KV writer: tests/test_late_write.py); a pool node frozen
+   then killed (``pool_node.py``: fresh long prompts before and while it is frozen may each cost
+   at most about the pool's 1 s call timeout more); one of two Conductors killed
+   (``conductors.py``); 1,000 idle and 300 slow-header connections (``connections.py``); and,
+   not in ``--quick``: a mass client disconnect (``disconnect.py``: what the clients held is free
+   within seconds, and no prompt token is computed afterwards), a corrupt object on a pool SSD
+   tier (``corrupt_ssd.py``, on a small cluster of its own: its prompt is served right and the
+   read is counted), ten kill -9 restarts of one instance (``restarts.py``: the survivors' memory,
+   threads and descriptors before and after);
 6. a **burst** of ``--burst`` requests at once, far above what two cores serve;
 7. a **fuzz** of the HTTP API: handmade bodies (malformed and truncated JSON, wrong types, huge
    numbers, 10k-deep nesting, invalid UTF-8, lone surrogates, thousands of prompts, a body over
@@ -55,6 +62,10 @@ writes the same figures. Rows marked "must be 0":
   shown apart: the rows above and below account for them);
 * faults not recovered: a killed instance not restarted by the Conductor, a stopped one not up
   again, or no request served afterwards; slow-client checks that failed;
+* survivor figures grown beyond their tolerance over the restarts; what the disconnected clients
+  held still held a few seconds after they left, and prompt tokens computed once it was free;
+  a corrupt SSD object's prompt served wrong, or its read not counted; prompts a frozen pool
+  node slowed past their bound, and a frozen node no pool call ran into;
 * blocks, reservations, running or waiting requests and staging ranges still held at the end
   (on the instances, and in the Conductor's books), and instances not up at the end.
 
@@ -64,21 +75,25 @@ The package, one module a part, over one harness: ``config.py`` (settings, promp
 ``cluster.py`` (the cluster and the bench's own etcd and pool node), ``traffic.py`` (well-formed
 requests and how answers are judged), ``load.py`` (the long-prompt load, the monitor),
 ``run.py`` (``Run``: the scenarios in order), the fault families ``faults.py`` (shared parts),
-``fuzz.py`` (malformed input), ``report.py`` (the rows and the table) and ``cli.py``.
+``pool_node.py``, ``conductors.py``, ``connections.py``, ``disconnect.py``, ``corrupt_ssd.py``,
+``restarts.py`` and ``fuzz.py`` (malformed input), ``report.py`` (the rows and the table) and
+``cli.py``. ``--only FAMILY`` runs some of the families alone.
 """
 
 from __future__ import annotations
 
 from bench.chaos.cli import main, run_chaos, write_json
 from bench.chaos.cluster import Cluster
-from bench.chaos.config import (CHAT, COMPLETED, COMPLETIONS, ENGINE_FAILED, HOST, HTTP_ERROR, HUGE, HUNG, LOST,
-                                MARKED_DOWN, PROMPTS, STALE, STREAM_ERROR, UNCLEAR, ChaosConfig)
+from bench.chaos.config import (CHAT, COMPLETED, COMPLETIONS, DISCONNECT_HELD, DISCONNECT_TOKENS, ENGINE_FAILED,
+                                FROZEN_SLOW, FROZEN_UNASKED, HOST, HTTP_ERROR, HUGE, HUNG, LOST, MARKED_DOWN, PROMPTS,
+                                RESTART_GROWTH, SSD_UNCOUNTED, SSD_WRONG, STALE, STREAM_ERROR, UNCLEAR, ChaosConfig)
 from bench.chaos.fuzz import FuzzOutcome, RawOutcome, generated_cases, handmade_cases, raw_request
 from bench.chaos.report import build_report, format_table
 from bench.chaos.run import Run
 from bench.chaos.traffic import Outcome, parse_sse
 
-__all__ = ["CHAT", "COMPLETED", "COMPLETIONS", "ENGINE_FAILED", "HOST", "HTTP_ERROR", "HUGE", "HUNG", "LOST",
-           "MARKED_DOWN", "PROMPTS", "STALE", "STREAM_ERROR", "UNCLEAR", "ChaosConfig", "Cluster", "FuzzOutcome",
+__all__ = ["CHAT", "COMPLETED", "COMPLETIONS", "DISCONNECT_HELD", "DISCONNECT_TOKENS", "ENGINE_FAILED", "FROZEN_SLOW",
+           "FROZEN_UNASKED", "HOST", "HTTP_ERROR", "HUGE", "HUNG", "LOST", "MARKED_DOWN", "PROMPTS", "RESTART_GROWTH",
+           "SSD_UNCOUNTED", "SSD_WRONG", "STALE", "STREAM_ERROR", "UNCLEAR", "ChaosConfig", "Cluster", "FuzzOutcome",
            "Outcome", "RawOutcome", "Run", "build_report", "format_table", "generated_cases", "handmade_cases",
            "main", "parse_sse", "raw_request", "run_chaos", "write_json"]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos.cluster import start_cluster, stop_cluster
-from bench.chaos.config import ChaosConfig, progress
+from bench.chaos.config import FAMILIES, FULL_ONLY, ChaosConfig, progress
 from bench.chaos.fuzz import generated_cases, handmade_cases
 from bench.chaos.report import format_table
 from bench.chaos.run import run_scenarios
@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-connections", type=int, default=None, help=f"default {d.idle_connections}")
     p.add_argument("--slow-header-connections", type=int, default=None, help=f"default {d.slow_header_connections}")
     p.add_argument("--no-second-conductor", action="store_true", help="no second Conductor (killed) on the etcd")
+    p.add_argument("--only", action="append", default=[], metavar="FAMILY[,FAMILY]",
+                   help="run only these fault families, repeatable (default: all; --quick leaves out "
+                        f"{', '.join(FULL_ONLY)}): {', '.join(FAMILIES)}")
+    p.add_argument("--restarts", type=int, default=None, help=f"kill -9 restarts of one instance (default {d.restarts})")
+    p.add_argument("--frozen-prompts", type=int, default=None,
+                   help=f"fresh long prompts before and while the pool node is frozen (default {d.frozen_prompts}; "
+                        "quick 0)")
     p.add_argument("--restart-timeout-s", type=float, default=None, help=f"default {d.restart_timeout_s:g}")
     p.add_argument("--drain-s", type=float, default=None, help=f"default {d.drain_s:g}")
     p.add_argument("--seed", type=int, default=None, help=f"default {d.seed}")
@@ -91,9 +98,20 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
              "etcd_stop_s": args.etcd_stop_s, "pool_stop_s": args.pool_stop_s,
              "etcd": False if args.no_etcd else None, "pool_node": False if args.no_pool_node else None,
              "idle_connections": args.idle_connections, "slow_header_connections": args.slow_header_connections,
-             "second_conductor": False if args.no_second_conductor else None}
+             "second_conductor": False if args.no_second_conductor else None,
+             "restarts": args.restarts, "frozen_prompts": args.frozen_prompts,
+             "families": _families(args.only) if args.only else None}
     return replace(cfg, python=args.python, server_args=[*args.server_arg, *shlex.split(args.server_args)],
                    **{k: v for k, v in given.items() if v is not None})
+
+
+def _families(only: list[str]) -> tuple[str, ...]:
+    """The families ``--only`` names (each value may list several, comma-separated)."""
+    chosen = tuple(f.strip() for value in only for f in value.split(",") if f.strip())
+    unknown = [f for f in chosen if f not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"error: unknown fault families {unknown}; choose from {', '.join(FAMILIES)}")
+    return chosen
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:

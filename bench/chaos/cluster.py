@@ -83,6 +83,7 @@ class Cluster:
     secret: str = ""  # the cluster secret (the stale-epoch check signs with it, as the Conductor does)
     etcd: Etcd | None = None  # the metadata store the bench started (None: the embedded one)
     pool_node: subprocess.Popen | None = None
+    extra_servers: list[ServerProcess] = field(default_factory=list)  # instances of the bench's own
 
     @property
     def url(self) -> str:
@@ -131,6 +132,8 @@ def stop_cluster(cluster: Cluster, timeout_s: float = 30.0) -> None:
         if cluster.owns(pid):
             signal_pid(pid, signal.SIGCONT)
     stop_process(cluster.pool_node)
+    for extra in cluster.extra_servers:
+        extra.stop(timeout_s)
     cluster.server.stop(timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(cluster.owns(p) for p in cluster.seen_pids):

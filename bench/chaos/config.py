@@ -27,6 +27,13 @@ LOST = "requests lost while a healthy instance of their role was up"
 MARKED_DOWN = "healthy instances marked down"
 STALE = "stale, replayed or altered control calls accepted"
 HUGE = "unsigned huge control body not refused"
+RESTART_GROWTH = "survivor figures grown beyond tolerance over the restarts"
+DISCONNECT_HELD = "held a few seconds after a mass client disconnect"
+DISCONNECT_TOKENS = "prompt tokens computed once the departed clients' held was free"
+SSD_WRONG = "corrupt SSD object: its prompt served wrong"
+SSD_UNCOUNTED = "corrupt SSD object read but not counted"
+FROZEN_SLOW = "prompts slowed by a frozen pool node past its bound"
+FROZEN_UNASKED = "pool node frozen but no pool call ran into it"
 
 # The Conductor's own books about each instance.
 CONDUCTOR_HELD = ("prefilling", "running", "incoming", "reserved")
@@ -39,6 +46,12 @@ ENGINE_FAILED = "the engine failed while serving the request"
 
 # --------------------------------------------------------------------------- configuration
 
+# The fault families, in the order a run takes them (``--only`` picks some). The three whose
+# scenario is long or needs a cluster of its own (a bench-owned instance restarted ten times, a
+# storm of clients with the traffic paused, a cluster with an SSD tier) are the full run's only.
+FAMILIES = ("kill", "sigstop", "etcd", "pool-node", "second-conductor", "connections", "disconnect",
+            "corrupt-ssd", "restarts", "stale-epoch", "huge-body", "burst", "fuzz", "framing", "slow-clients")
+FULL_ONLY = ("disconnect", "corrupt-ssd", "restarts")
 
 
 @dataclass
@@ -73,6 +86,14 @@ class ChaosConfig:
     header_timeout_s: float | None = None  # the servers' --header-timeout-s (None: the shipped 10 s)
     slow_header_connections: int = 300
     second_conductor: bool = True  # one of two Conductors killed (conductors.py; needs etcd)
+    families: tuple[str, ...] = FAMILIES
+    # Fresh long prompts sent before and while the pool node is frozen (pool_node.py); 0: only
+    # the probe of short prompts, which never reach the pool.
+    frozen_prompts: int = 4
+    restarts: int = 10  # kill -9 restarts of one instance (restarts.py)
+    disconnect_streams: int = 32  # streams dropped mid-decode at once (disconnect.py) ...
+    disconnect_prompts: int = 6  # ... beside prompts of ``disconnect_words`` abandoned before their first token
+    disconnect_words: int = 2300
     stall_s: float = 5.0
     restart_timeout_s: float = 240.0
     probe_timeout_s: float = 90.0
@@ -98,7 +119,8 @@ class ChaosConfig:
                    server_args=["--transfer-timeout-s", "5"],
                    # One kill and one SIGSTOP: a killed or frozen prefill instance is
                    # tests/test_cluster.py's and tests/test_cluster_races.py's.
-                   kill_roles=("decode",), stop_role="decode")
+                   kill_roles=("decode",), stop_role="decode",
+                   families=tuple(f for f in FAMILIES if f not in FULL_ONLY), frozen_prompts=0)
         return replace(base, **overrides)
 
 

@@ -12,21 +12,17 @@ traffic's own). The fault is recovered when all three hold.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from bench.chaos.config import HOST, progress
+from bench.chaos.load import open_fds
 
 if TYPE_CHECKING:
     from bench.chaos.run import Run
 
 SHIPPED_HEADER_TIMEOUT_S = 10.0  # --header-timeout-s
 SLACK_S = 5.0
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _connections(port: int) -> int:
@@ -73,7 +69,7 @@ async def _held_open(port: int, slow: bool, within_s: float) -> float | None:
 async def idle_and_slow_connections(run: Run) -> None:
     cfg = run.cfg
     pid, port = run.cluster.server.proc.pid, run.cluster.port
-    fds_before, conns_before = _fds(pid), _connections(port)
+    fds_before, conns_before = len(open_fds(pid)), _connections(port)
     fault: dict[str, Any] = {"kind": "connections", "role": "Conductor", "old_pid": pid, "at_s": run._elapsed(),
                              "idle": cfg.idle_connections, "slow": cfg.slow_header_connections}
     run.faults.append(fault)
@@ -91,7 +87,7 @@ async def idle_and_slow_connections(run: Run) -> None:
         await asyncio.sleep(0.2)
     fault.update(still_open=still_open, closed_after_s_max=max((c for c in closed if c is not None), default=None),
                  connections_before=conns_before, connections_after=_connections(port), fds_before=fds_before,
-                 fds_after=_fds(pid))
+                 fds_after=len(open_fds(pid)))
     fault["recovered"] = still_open == 0 and fault["connections_after"] <= conns_before + slack
     fault["summary"] = (f"{cfg.idle_connections} idle + {cfg.slow_header_connections} slow-header connections: "
                         f"{len(closed) - still_open} closed by the server (the last after "

@@ -3,8 +3,7 @@ and mark no healthy instance down.
 
 * the **metadata store stopped**: the bench starts its own etcd (``--etcd``), SIGSTOPs it for
   ``--etcd-stop-s`` (a request must be served meanwhile: the pool is a cache), then SIGCONT.
-* a **pool node stopped**: a ``python -m cluster.pool`` node on the same metadata, SIGSTOPped for
-  ``--pool-stop-s`` (served meanwhile), then killed with SIGKILL (served afterwards).
+* a **pool node stopped**: ``pool_node.py``.
 * an **unsigned huge control body**: 1 GiB streamed to ``/cluster/register`` on the public port
   with no signature; the Conductor must refuse it from the headers (401) and its peak RSS must
   not grow by the body.
@@ -25,19 +24,21 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from bench.chaos.cluster import Etcd, conductor_stats, start_pool_node, wait_until
+from bench.chaos.cluster import Etcd, conductor_stats
 from bench.chaos.config import HOST, progress
 from bench.chaos.load import memory_kib
 
 if TYPE_CHECKING:
     from bench.chaos.run import Run
+
+T = TypeVar("T")
 
 PARTITION = "not run here (see tests/test_across_hosts.py)"
 LATE_WRITER = "covered by tests/test_late_write.py"
@@ -58,18 +59,24 @@ def partition_support() -> str:
 # --------------------------------------------------------------------------- faults
 
 
-async def _signal_window(run: Run, proc: subprocess.Popen, stop_s: float) -> dict[str, Any]:
-    """SIGSTOP ``proc`` for ``stop_s`` seconds, probing the cluster meanwhile; then SIGCONT."""
+async def signal_window(proc: subprocess.Popen, stop_s: float, during: Awaitable[T]) -> T:
+    """SIGSTOP ``proc``, await ``during``, and SIGCONT once ``stop_s`` seconds have passed (or
+    ``during`` took longer); what ``during`` returned."""
     proc.send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
     try:
-        during = await asyncio.wait_for(run.probe(), max(stop_s, 1.0) + run.cfg.probe_timeout_s)
-    except asyncio.TimeoutError:
-        during = {"served": False, "served_after_s": None, "attempts": None}
+        return await during
     finally:
         await asyncio.sleep(max(0.0, stop_s - (time.monotonic() - t0)))
         proc.send_signal(signal.SIGCONT)
-    return during
+
+
+async def bounded_probe(run: Run, stop_s: float) -> dict[str, Any]:
+    """``run.probe()``, given up (not served) after the stop and the probe's own timeout."""
+    try:
+        return await asyncio.wait_for(run.probe(), max(stop_s, 1.0) + run.cfg.probe_timeout_s)
+    except asyncio.TimeoutError:
+        return {"served": False, "served_after_s": None, "attempts": None}
 
 
 async def stop_etcd(run: Run) -> None:
@@ -81,7 +88,7 @@ async def stop_etcd(run: Run) -> None:
                              "new_pid": etcd.proc.pid, "stopped_s": run.cfg.etcd_stop_s, "at_s": run._elapsed()}
     run.faults.append(fault)
     progress(f"SIGSTOP etcd pid {etcd.proc.pid} for {run.cfg.etcd_stop_s:g} s")
-    during = await _signal_window(run, etcd.proc, run.cfg.etcd_stop_s)
+    during = await signal_window(etcd.proc, run.cfg.etcd_stop_s, bounded_probe(run, run.cfg.etcd_stop_s))
     after = await run.probe()
     pool = ((await conductor_stats(run.client, run.cluster)) or {}).get("pool") or {}
     fault.update(served_while_stopped=during["served"], served_while_stopped_s=during["served_after_s"],
@@ -91,41 +98,6 @@ async def stop_etcd(run: Run) -> None:
     fault["summary"] = (f"served while stopped after {during['served_after_s']} s, after SIGCONT "
                         f"{after['served_after_s']} s; pool calls given up: {fault['metadata_unavailable']}")
     progress(f"etcd: {fault['summary']}")
-
-
-async def stop_pool_node(run: Run) -> None:
-    """A pool node of the cluster's: SIGSTOP for ``pool_stop_s`` (served meanwhile), then SIGKILL."""
-
-    cluster = run.cluster
-    meta = ["--etcd", cluster.etcd.url] if cluster.etcd is not None else ["--metadata", embedded_metadata_url(run)]
-    proc, segment = await start_pool_node(meta, cluster.secret, run.cfg.log_path.parent / "pool-node.log")
-    cluster.pool_node = proc
-
-    async def listed() -> bool:
-        stats = await conductor_stats(run.client, cluster)
-        return bool(stats) and segment in ((stats.get("pool") or {}).get("segments") or {})
-    seen = await wait_until(listed, 30.0)
-    fault: dict[str, Any] = {"kind": "SIGSTOP then kill -9", "role": "pool node", "old_pid": proc.pid,
-                             "new_pid": None, "segment": segment, "listed": bool(seen),
-                             "stopped_s": run.cfg.pool_stop_s, "at_s": run._elapsed()}
-    run.faults.append(fault)
-    progress(f"pool node {segment} pid {proc.pid} (listed: {bool(seen)}): SIGSTOP for {run.cfg.pool_stop_s:g} s")
-    during = await _signal_window(run, proc, run.cfg.pool_stop_s)
-    proc.kill()
-    proc.wait(10)
-    after = await run.probe()
-    fault.update(served_while_stopped=during["served"], served=after["served"], served_after_s=after["served_after_s"])
-    fault["recovered"] = bool(during["served"] and after["served"])
-    fault["summary"] = (f"served while stopped after {during['served_after_s']} s, after the kill "
-                        f"{after['served_after_s']} s")
-    progress(f"pool node: {fault['summary']}")
-
-
-def embedded_metadata_url(run: Run) -> str:
-    found = re.search(r"KVCache pool metadata at (\S+)", run.cluster.server.log())
-    if not found:
-        raise RuntimeError("the Conductor did not log its metadata server's address")
-    return found.group(1)
 
 
 async def huge_body(run: Run) -> dict[str, Any]:

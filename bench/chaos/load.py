@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,16 +39,48 @@ def long_prompt(seed: int, client: int, k: int, n_words: int) -> str:
     return f"Note {client}-{k}. " + " ".join(words) + ". Summarize the note:"
 
 
-def memory_kib(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) of ``pid`` in KiB; {} when it cannot be read."""
+def proc_status(pid: int, names: Sequence[str]) -> dict[str, int]:
+    """The numeric fields ``names`` of ``/proc/PID/status`` (memory in KiB); {} when it cannot be read."""
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return {}
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.MULTILINE)}
+    wanted = "|".join(map(re.escape, names))
+    return {m.group(1): int(m.group(2)) for m in re.finditer(rf"^({wanted}):\s+(\d+)", text, re.MULTILINE)}
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak RSS) of ``pid`` in KiB; {} when it cannot be read."""
+    return proc_status(pid, ("VmRSS", "VmHWM"))
+
+
+def open_fds(pid: int) -> list[str]:
+    """What each open descriptor of ``pid`` names (``socket:[...]``, ``/memfd:NAME (deleted)``, a
+    path); one that closes while it is read is left out."""
+    targets = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return targets
 
 
 # --------------------------------------------------------------------------- the long-prompt load
+
+
+async def send_long(run: Run, prompt: str, key: str, stream: bool = False, base_url: str | None = None) -> Outcome:
+    """One long prompt (``long_max_tokens``, greedy) to the cluster (or ``base_url``), counted
+    with the run's outcomes under ``key``: every answer to the same key must be the same text."""
+    out = Outcome(run.phase, -1, stream=stream, long_key=key)
+    run.outcomes.append(out)
+    body = {"prompt": prompt, "max_tokens": run.cfg.long_max_tokens, "temperature": 0, "stream": stream}
+    return await send(run.client, base_url or run.cluster.url, out, run.cfg.long_max_tokens, run.cfg.deadline_s,
+                      override=(COMPLETIONS, body))
 
 
 async def long_clients(run: Run, stop: asyncio.Event) -> None:
@@ -57,12 +91,11 @@ async def long_clients(run: Run, stop: asyncio.Event) -> None:
         while not stop.is_set():
             prompt = long_prompt(run.cfg.seed, c, k, run.cfg.long_words)
             for warm in (False, True):
-                out = Outcome(run.phase, -1, stream=(c + k + warm) % 2 == 1, long_key=f"{c}.{k}")
-                run.outcomes.append(out)
-                body = {"prompt": prompt, "max_tokens": run.cfg.long_max_tokens, "temperature": 0,
-                        "stream": out.stream}
-                await send(run.client, run.cluster.url, out, run.cfg.long_max_tokens, run.cfg.deadline_s,
-                           override=(COMPLETIONS, body))
+                while not run.traffic.is_set() and not stop.is_set():  # paused (Run.paused_traffic)
+                    await asyncio.sleep(0.2)
+                if stop.is_set():
+                    return
+                out = await send_long(run, prompt, f"{c}.{k}", stream=(c + k + warm) % 2 == 1)
                 if out.result != "completed":
                     await asyncio.sleep(1.0)  # an error answer is quick: do not spin
             k += 1

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.chaos.config import (COMPLETED, ENGINE_FAILED, HTTP_ERROR, HUGE, HUNG, LOST, MARKED_DOWN, PROMPTS, STALE,
-                                 STREAM_ERROR, UNCLEAR, ChaosConfig)
+from bench.chaos.config import (COMPLETED, DISCONNECT_HELD, DISCONNECT_TOKENS, ENGINE_FAILED, FROZEN_SLOW,
+                                FROZEN_UNASKED, HTTP_ERROR, HUGE, HUNG, LOST, MARKED_DOWN, PROMPTS, RESTART_GROWTH,
+                                SSD_UNCOUNTED, SSD_WRONG, STALE, STREAM_ERROR, UNCLEAR, ChaosConfig)
 from bench.chaos.fuzz import FuzzOutcome, RawOutcome, framing_cases
+from bench.chaos.restarts import LABELS
 
 if TYPE_CHECKING:
     from bench.chaos.load import Monitor
@@ -58,6 +61,10 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
     stale = extra.get("stale_epoch") or {}
     huge = extra.get("huge_body") or {}
     front = extra.get("front_memory") or {}
+    restarts = extra.get("restarts") or {}
+    disconnect = extra.get("disconnect") or {}
+    ssd = extra.get("corrupt_ssd") or {}
+    frozen = [f["frozen_node"] for f in run.faults if "frozen_node" in f]
     peak_mib = max(mon.peak_hwm_kib, front.get("VmHWM", 0)) // 1024
 
     must_be_zero = {
@@ -74,6 +81,13 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         "faults not recovered": sum(not f.get("recovered") for f in run.faults),
         "scenarios that failed to run": len(run.errors),
         "slow-client checks failed": slow_failed,
+        RESTART_GROWTH: len(restarts.get("grown", [])) + len(restarts.get("survivors_lost", [])),
+        DISCONNECT_HELD: disconnect.get("held_after_within", 0),
+        DISCONNECT_TOKENS: disconnect.get("prompt_tokens_after_release", 0),
+        SSD_WRONG: ssd.get("served_wrong", 0),
+        SSD_UNCOUNTED: ssd.get("not_counted", 0),
+        FROZEN_SLOW: sum(f["slowed"] for f in frozen),
+        FROZEN_UNASKED: sum(f["node_never_asked"] for f in frozen),
         "resources held at the end": held_total,
         "instances not up at the end": len(end.get("down", [])) + ("conductor_stats" in end),
     }
@@ -115,6 +129,9 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
                  "failures": [asdict(f) for f in fuzz_5xx + fuzz_no_answer][:30]},
         "framing": [asdict(r) for r in framing],
         "slow_clients": slow,
+        "restarts": restarts,
+        "disconnect": disconnect,
+        "corrupt_ssd": ssd,
         "held_at_end": held,
         "down_at_end": end.get("down", {}),
         "server_log": scan_log(cfg.log_path),
@@ -123,6 +140,46 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         "must_be_zero": must_be_zero,
         "ok": not any(must_be_zero.values()),
     }
+
+
+def _new_rows(report: dict[str, Any], row: Callable[..., str]) -> list[str]:
+    """The rows of issue 31's scenarios that ran: ten restarts, a mass disconnect, a corrupt SSD
+    object, a frozen pool node."""
+    lines = []
+    if restarts := report.get("restarts"):
+        lines.append(f"fault: {restarts['restarts']} kill -9 restarts of a decode instance ({restarts['killed_busy']} "
+                     f"killed holding a request), each back in {restarts['restart_s']} s")
+        lines += [row(f"  survivors' {LABELS[fig]}, before -> after", f"{b} -> {a}")
+                  for fig, (b, a) in restarts["totals"].items()]
+        lines.append(row("  survivor figures grown beyond tolerance", report["must_be_zero"][RESTART_GROWTH],
+                         RESTART_GROWTH))
+        lines += [f"    grown: {g}" for g in restarts["grown"]] + [f"    survivor lost: {s}" for s in
+                                                                      restarts["survivors_lost"]]
+    if disconnect := report.get("disconnect"):
+        lines.append(f"fault: mass disconnect of {disconnect['streams']} streams and {disconnect['prompts']} prompts "
+                     f"of a few thousand tokens: {disconnect['streams_dropped_mid_decode']} streams dropped "
+                     f"mid-decode, {disconnect['prompts_abandoned_before_first_token']} prompts before their "
+                     f"first token")
+        lines.append(row("  everything held back to before, s after they left", disconnect["released_s"]))
+        lines.append(row("  still held 5 s after they left", report["must_be_zero"][DISCONNECT_HELD], DISCONNECT_HELD))
+        lines.append(row(f"  prompt tokens computed in the {disconnect['watched_s']:g} s after that",
+                         report["must_be_zero"][DISCONNECT_TOKENS], DISCONNECT_TOKENS))
+    if ssd := report.get("corrupt_ssd"):
+        lines.append(f"fault: corrupt SSD object ({ssd['files_corrupted']} object files with a flipped byte): its "
+                     f"prompt again: HTTP {ssd['status']} in {ssd['latency_s']} s, same text: {ssd['same_text']}")
+        lines.append(row("  corrupt SSD reads counted (corrupt_ssd_reads)", ssd["corrupt_ssd_reads"]))
+        lines.append(row("  its prompt served wrong (not 200, another text)", report["must_be_zero"][SSD_WRONG],
+                         SSD_WRONG))
+        lines.append(row("  corrupt read not counted", report["must_be_zero"][SSD_UNCOUNTED], SSD_UNCOUNTED))
+    for f in report["faults"]:
+        if frozen := f.get("frozen_node"):
+            lines.append(f"fault: frozen pool node: fresh long prompts {frozen['baseline_s']} s before, "
+                         f"{frozen['frozen_s']} s while frozen (bound {frozen['bound_s']} s)")
+            lines.append(row("  segment timeouts / segments passed over",
+                             f"{frozen['segment_timeouts']}/{frozen['segments_passed_over']}"))
+            lines.append(row("  prompts slower than the bound", frozen["slowed"], FROZEN_SLOW))
+            lines.append(row("  frozen, and no pool call ran into it", frozen["node_never_asked"], FROZEN_UNASKED))
+    return lines
 
 
 def _p50(values: list[float]) -> float | None:
@@ -195,6 +252,7 @@ def format_table(report: dict[str, Any]) -> str:
             what = (f"up again in {f.get('up_again_s')} s, served {f.get('served_after_s')} s later"
                     if f.get("recovered") else "NOT recovered")
         lines.append(f"fault: {f['kind']} {f['role']} (pid {f['old_pid']} -> {f.get('new_pid')}): {what}")
+    lines += _new_rows(report, row)
     lines.append(f"fault: partition of one instance: {report.get('partition')}")
     lines.append(f"fault: late KV writer: {report.get('late_writer')}")
     huge = report.get("huge_body") or {}

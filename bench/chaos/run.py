@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
 import httpx
 import numpy as np
 
-from bench.chaos import conductors, connections, faults, load
+from bench.chaos import conductors, connections, corrupt_ssd, disconnect, faults, load, pool_node, restarts
 from bench.chaos.cluster import Cluster, all_up, conductor_stats, signal_pid, wait_until
-from bench.chaos.config import COMPLETED, COMPLETIONS, CONDUCTOR_HELD, HOST, HTTP_ERROR, PROMPTS, ChaosConfig, progress
+from bench.chaos.config import (COMPLETED, COMPLETIONS, CONDUCTOR_HELD, FAMILIES, HOST, HTTP_ERROR, PROMPTS, ChaosConfig,
+                                progress)
 from bench.chaos.fuzz import FuzzCase, FuzzOutcome, RawOutcome, framing_cases, http_request, raw_request, send_fuzz
 from bench.chaos.report import build_report
 from bench.chaos.traffic import Outcome, choice_text, request_body, send
@@ -42,6 +44,8 @@ class Run:
         self.monitor = load.Monitor()
         self.rng = np.random.default_rng([cfg.seed, 11])
         self.t0 = time.monotonic()
+        self.traffic = asyncio.Event()  # cleared: the steady stream and the long prompts hold off
+        self.traffic.set()
 
     def _elapsed(self) -> float:
         return round(time.monotonic() - self.t0, 1)
@@ -64,7 +68,8 @@ class Run:
             self.expected[i] = out.text
 
     async def steady(self, stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
-        """Poisson arrivals until ``stop``; at most an hour's worth of them."""
+        """Poisson arrivals until ``stop``; at most an hour's worth of them (none while the
+        traffic is paused)."""
         offsets = arrival_times(max(1, int(self.cfg.rate * 3600)), self.cfg.rate, seed=self.cfg.seed)
         start = time.monotonic()
         for offset in offsets:
@@ -76,7 +81,8 @@ class Run:
                     pass
             if stop.is_set():
                 return
-            tasks.append(asyncio.create_task(self._random_request()))
+            if self.traffic.is_set():
+                tasks.append(asyncio.create_task(self._random_request()))
 
     async def probe(self) -> dict[str, Any]:
         """Requests until one completes with the expected text (bounded): is the cluster serving?"""
@@ -253,34 +259,60 @@ class Run:
         return {"byte_by_byte": slow, "stalled_connections": len(conns), "served_while_stalled": served}
 
     # -- quiet ---------------------------------------------------------------------------------------
+    async def held(self) -> dict[str, Any]:
+        """What the cluster holds now: ``held`` (by instance URL, the Conductor's books about it and
+        what the instance itself counts, non-zero figures only), ``down`` (instances not up),
+        ``instance_stats`` (each up instance's ``/stats``) and the Conductor's ``stats``; only
+        ``conductor_stats`` when the Conductor does not answer."""
+        stats = await conductor_stats(self.client, self.cluster)
+        if not stats:
+            return {"conductor_stats": "no answer"}
+        held: dict[str, dict[str, int]] = {}
+        own_stats: dict[str, dict[str, Any]] = {}
+        down = {f"{i['url']} ({i['role']})": i.get("last_error") for i in stats["instances"] if not i["up"]}
+        for inst in stats["instances"]:
+            books = {f"conductor.{k}": inst.get(k, 0) for k in CONDUCTOR_HELD if inst.get(k)}
+            own: dict[str, int] = {}
+            if inst["up"]:
+                try:
+                    s = own_stats[inst["url"]] = (await self.client.get(inst["url"] + "/stats", timeout=10)).json()
+                    own = {k: s[k] for k in INSTANCE_HELD if s.get(k)}
+                except (httpx.HTTPError, ValueError) as e:
+                    own = {f"stats error: {type(e).__name__}": 1}
+            if books or own:
+                held[inst["url"]] = {**books, **own}
+        return {"held": held, "down": down, "instance_stats": own_stats, "stats": stats}
+
     async def held_at_end(self) -> dict[str, Any]:
         """Poll until nothing is held anywhere or ``drain_s`` passes; the last observation."""
         last: dict[str, Any] = {}
 
         async def clean() -> bool:
             nonlocal last
-            stats = await conductor_stats(self.client, self.cluster)
-            if not stats:
-                last = {"conductor_stats": "no answer"}
-                return False
-            held: dict[str, dict[str, int]] = {}
-            down = {f"{i['url']} ({i['role']})": i.get("last_error") for i in stats["instances"] if not i["up"]}
-            for inst in stats["instances"]:
-                books = {f"conductor.{k}": inst.get(k, 0) for k in CONDUCTOR_HELD if inst.get(k)}
-                own: dict[str, int] = {}
-                if inst["up"]:
-                    try:
-                        s = (await self.client.get(inst["url"] + "/stats", timeout=10)).json()
-                        own = {k: s[k] for k in INSTANCE_HELD if s.get(k)}
-                    except (httpx.HTTPError, ValueError) as e:
-                        own = {f"stats error: {type(e).__name__}": 1}
-                if books or own:
-                    held[inst["url"]] = {**books, **own}
-            last = {"held": held, "down": down, "stats": stats}
-            return not held and not down
+            last = await self.held()
+            return "stats" in last and not last["held"] and not last["down"]
 
         await wait_until(clean, self.cfg.drain_s, interval_s=0.5)
         return last
+
+    @contextlib.asynccontextmanager
+    async def paused_traffic(self) -> AsyncIterator[dict[str, Any]]:
+        """The steady stream and the long prompts hold off for the block (the arrivals due
+        meanwhile are skipped); it starts once their requests in flight have ended and the cluster
+        holds nothing, or after ``drain_s``, with what it held then (``held``)."""
+        self.traffic.clear()
+        try:
+            last: dict[str, Any] = {}
+
+            async def quiet() -> bool:
+                nonlocal last
+                last = await self.held()
+                return "stats" in last and not last["held"]
+
+            await wait_until(quiet, self.cfg.drain_s, interval_s=0.5)
+            yield last
+        finally:
+            self.traffic.set()
 
     async def pause(self) -> None:
         await asyncio.sleep(self.cfg.pause_s)
@@ -309,25 +341,28 @@ async def run_scenarios(cfg: ChaosConfig, cluster: Cluster, fuzz_cases: list[Fuz
         watcher = asyncio.create_task(load.monitor(run, stop))
         extra: dict[str, Any] = {"partition": faults.partition_support(), "late_writer": faults.LATE_WRITER}
         stop_roles = ["decode", "prefill"] if cfg.stop_role == "both" else [cfg.stop_role]
-        scenarios: list[tuple[str, Callable[[], Awaitable[Any]], str | None]] = [
-            *((f"kill {role}", lambda role=role: run.kill(role), None) for role in cfg.kill_roles),
-            *((f"SIGSTOP {role}", lambda role=role: run.stop_and_continue(role), None) for role in stop_roles),
-        ]
-        if cluster.etcd is not None:
-            scenarios.append(("etcd stopped", lambda: faults.stop_etcd(run), None))
-        if cfg.pool_node:
-            scenarios.append(("pool node stopped", lambda: faults.stop_pool_node(run), None))
-        if cluster.etcd is not None and cfg.second_conductor:
-            scenarios.append(("second Conductor killed", lambda: conductors.second_conductor_killed(run), None))
-        scenarios += [
-            ("idle and slow-header connections", lambda: connections.idle_and_slow_connections(run), None),
-            ("stale epoch", lambda: faults.stale_epoch(run), "stale_epoch"),
-            ("huge control body", lambda: faults.huge_body(run), "huge_body"),
-            ("burst", run.burst, "burst"),
-            ("fuzz", lambda: run.fuzz(fuzz_cases), "fuzz"),
-            ("bad framing", run.framing, "framing"),
-            ("slow clients", run.slow_clients, "slow_clients"),
-        ]
+        Scenario = tuple[str, Callable[[], Awaitable[Any]], str | None]  # name, run it, its key in the report
+        by_family: dict[str, list[Scenario]] = {
+            "kill": [(f"kill {role}", lambda role=role: run.kill(role), None) for role in cfg.kill_roles],
+            "sigstop": [(f"SIGSTOP {role}", lambda role=role: run.stop_and_continue(role), None) for role in stop_roles],
+            "etcd": [("etcd stopped", lambda: faults.stop_etcd(run), None)] if cluster.etcd is not None else [],
+            "pool-node": [("pool node stopped", lambda: pool_node.stop_pool_node(run), None)] if cfg.pool_node else [],
+            "second-conductor": [("second Conductor killed", lambda: conductors.second_conductor_killed(run), None)]
+            if cluster.etcd is not None and cfg.second_conductor else [],
+            "connections": [("idle and slow-header connections", lambda: connections.idle_and_slow_connections(run),
+                             None)],
+            "disconnect": [("mass client disconnect", lambda: disconnect.mass_disconnect(run), "disconnect")],
+            "corrupt-ssd": [("corrupt SSD object", lambda: corrupt_ssd.corrupt_ssd_object(run), "corrupt_ssd")],
+            "restarts": [(f"{cfg.restarts} restarts of one instance", lambda: restarts.restart_one_instance(run),
+                          "restarts")],
+            "stale-epoch": [("stale epoch", lambda: faults.stale_epoch(run), "stale_epoch")],
+            "huge-body": [("huge control body", lambda: faults.huge_body(run), "huge_body")],
+            "burst": [("burst", run.burst, "burst")],
+            "fuzz": [("fuzz", lambda: run.fuzz(fuzz_cases), "fuzz")],
+            "framing": [("bad framing", run.framing, "framing")],
+            "slow-clients": [("slow clients", run.slow_clients, "slow_clients")],
+        }
+        scenarios = [sc for family in FAMILIES if family in cfg.families for sc in by_family[family]]
         try:
             for name, scenario, key in scenarios:
                 await run.pause()

@@ -10,9 +10,12 @@ rows' logits into the first stage's buffer with a ``StageLogits`` call. The firs
 only for steps that sample, so chunk k+1 computes on the first stage while chunk k is on the
 second. Every call between stages is a message of ``cluster/protocol/``.
 
-With the KVCache pool, each later stage reads and writes its own layers of the objects the
-first stage leases and reserves (``cluster.cpp.pool_share.StagePool``, driven through the link's
-``pool_*`` calls). How the stages are started, found and watched: ``cluster.cpp.group``.
+Each stage streams its own layers of a prompt's KV to the decode instance (its ``KVSender``);
+the first stage's prefill expects and finishes the later stages' streams as one of its sinks
+(``StageStreams``). With the KVCache pool, each later stage reads and writes its own layers of
+the objects the first stage leases and reserves (``cluster.cpp.pool_share.StagePool``, driven
+through the link's ``pool_*`` calls by ``cluster.cpp.pool_stages.LaterStages``). How the stages
+are started, found and watched: ``cluster.cpp.group``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import TypeVar
 
 import torch
 
-from cluster.kv_stream import KVDestination, KVSender
+from cluster.kv_stream import KVDestination, KVSender, PrefillSink
 from cluster.cpp.pool_share import StagePool
 from cluster.messenger import RegionHandle, Messenger, TransferError
 from cluster.messenger.wire import Status
@@ -237,6 +240,29 @@ class StageLink:
         if future is not None:
             future.set_result(logits)
         return Status.OK, {}
+
+
+class StageStreams(PrefillSink):
+    """The later stages' streams of their layers of a prompt's KV to ``dest`` (``StageLink.expect``
+    / ``finish``), as one sink of the first stage's prefill (``PrefillSink``). The link's calls
+    block on the Messenger: they run off the event loop."""
+
+    def __init__(self, link: StageLink, request_id: str, dest: KVDestination) -> None:
+        self._link = link
+        self._request_id = request_id
+        self._dest = dest
+
+    async def expect(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._link.expect, self._request_id, self._dest)
+
+    async def finish(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._link.finish, self._request_id)
+
+    async def abort(self) -> None:
+        try:
+            await self.finish()
+        except TransferError:
+            pass  # the prompt failed anyway; its own error is what the caller reports
 
 
 class StageWorker:

@@ -5,8 +5,8 @@
 * ``Decoder.whole`` (both role): a whole request, prompt to last token, in this one engine.
 
 With a KVCache pool (``PoolIO``), a colocated prompt first loads whatever prefix the pool has
-beyond the local cache, and once a request finishes decoding its prompt's and output's blocks go
-to the pool (the next turn of a conversation starts with both).
+beyond the local cache (``async with pool_prefix``), and once a request finishes decoding its
+prompt's and output's blocks go to the pool (the next turn of a conversation starts with both).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
-from cluster.instance.pool_io import PoolIO, prepare_load, starter
+from cluster.instance.pool_io import PoolIO, pool_prefix
 from cluster.instance.receiver import Receiver
 from cluster.protocol import Prefilled
 from engine.async_engine import AsyncLLMEngine
@@ -39,19 +39,15 @@ class Decoder:
         return stream if prompt is None else self._stored_after(prompt + [prefilled.first_token], stream)
 
     async def whole(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        load = await prepare_load(self._pool, request_id, token_ids, params)
         failed = False
-        try:
-            stream = self._client.stream(request_id, starter(self._pool, request_id, token_ids, params, load))
+        async with pool_prefix(self._pool, request_id, token_ids, params) as start:
+            stream = self._client.stream(request_id, start)
             async with aclosing(self._stored_after(token_ids, stream)) as outs:
                 async for out in outs:
                     if out.finish_reason == "kv_load_failed":
                         failed = True  # nothing was streamed yet: compute it without the pool
                         break
                     yield out
-        finally:
-            if load is not None:
-                load.close(used=False)  # a no-op unless the engine never took the request
         if failed:
             async with aclosing(self._stored_after(token_ids, self._client.generate(request_id, token_ids, params))) as outs:
                 async for out in outs:

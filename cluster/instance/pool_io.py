@@ -1,34 +1,30 @@
 """An instance's traffic with the KVCache pool: load a prompt's prefix, store what it computed.
 
-* ``prepare_load`` + ``start`` (a prompt arriving): the pool objects past what the local prefix
-  cache holds are leased and their reads started, layer by layer, into this instance's pool
-  staging (``PoolClient.open_read``); the request enters the engine with those blocks to be
-  filled (``KVHandoff.add_loading``), and before each layer of its first step the engine takes
-  that layer (``PoolLoad.layer``: wait, verify the checksums, hand over), so loading overlaps
-  computing: prefill time ~ max(load, compute). A miss or a lease refused only shortens the
-  prefix; a read or checksum failure mid-way ends the attempt (``kv_load_failed``) and the
-  caller computes the prompt without the pool.
-* ``plan_store`` + the engine's ``KVSink`` calls + ``finish_store_later`` (a prompt on a prefill
-  instance): before the prompt runs, the pool objects it will complete and the pool lacks are
-  allocated on the segments (``PoolClient.reserve``); after each layer of the step that
-  computes its last tokens, that layer of every such object is packed into this instance's
-  pool staging and its write started (``PoolWrite.write(part)``), beside the layer's KV stream
-  to the decode instance; once the prompt is done the writes are awaited and sealed in the
-  background (checksums computed then), or aborted if the prompt failed.
+* ``async with pool_prefix(...) as start`` (a prompt arriving): the pool objects past what the
+  local prefix cache holds are leased and their reads started, layer by layer, into this
+  instance's pool staging (``PoolIO.prepare_load``, ``PoolClient.open_read``); the request
+  enters the engine through ``start`` with those blocks to be filled (``KVHandoff.add_loading``),
+  and before each layer of its first step the engine takes that layer (``PoolLoad.layer``:
+  wait, verify the checksums, hand over), so loading overlaps computing: prefill time ~
+  max(load, compute). A miss or a lease refused only shortens the prefix; a read or checksum
+  failure mid-way ends the attempt (``kv_load_failed``) and the caller computes the prompt
+  without the pool. Leaving the block lets go of a load the engine never took.
+* ``PoolStore``, a prefill's sink (``cluster.kv_stream.PrefillSink``; ``plan_store``, the engine's
+  ``KVSink`` calls, ``finish_store_later``): before the prompt runs, the pool objects it will
+  complete and the pool lacks are allocated on the segments (``PoolClient.reserve``); after
+  each layer of the step that computes its last tokens, that layer of every such object is
+  packed into this instance's pool staging and its write started (``PoolWrite.write(part)``),
+  beside the layer's KV stream to the decode instance; once the prompt is done the writes are
+  awaited and sealed in the background (checksums computed then), or aborted if the prompt failed.
 * ``store`` (after a whole conversation turn, or a prompt the layer-wise store could not take):
   the full pool blocks the pool lacks are packed from the engine's cached blocks in one
   engine-thread call and put. Stores run in the background, a few at a time; one that finds
   its blocks evicted already stores the ones before.
 
-The first stage of a pipeline group (``stages``) holds only its layers: it leases and reserves
-for the group, reads and writes its own layers' parts, and has every later stage do the same
-with theirs (``cluster.cpp.stage.StageLink``: ``pool_load``, ``pool_store``, ``pool_store_end``). A
-group's load is read and verified by every stage before the prompt runs, so that all stages
-agree on the prefix and none can fail mid-step; it costs the read of the group's parts
-(tens of milliseconds for thousands of tokens) against a step of seconds. A group stores only
-layer by layer: the store from the prefix cache would have to pack every stage's blocks in step
-with their engines, so a prompt the pool cannot take whole at planning is not stored
-(``stores_skipped``).
+The first stage of a pipeline group holds only its layers: it leases and reserves for the
+group, reads and writes its own layers' parts, and has every later stage do the same with
+theirs. What that changes is ``stages``' (``cluster.cpp.pool_stages``: ``OneStage`` for an
+instance that holds every layer, ``LaterStages`` for a group's first stage).
 
 The pool is a cache: whatever goes wrong with it costs a prompt its hit or its store, never its
 answer. Every look at the pool's index (``_index``) runs on this instance's own pool threads
@@ -47,14 +43,16 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cluster.cpp.stage import StageLink
+from cluster.cpp.pool_stages import OneStage, PoolStages
+from cluster.kv_stream import PrefillSink
 from cluster.messenger import TransferError
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange, when_free
 from cluster.pool.client import NewObject, PoolClient, PoolRead, PoolWrite
@@ -73,10 +71,11 @@ log = logging.getLogger(__name__)
 class PoolIO:
     def __init__(self, client: AsyncLLMEngine, handoff: KVHandoff, pool: PoolClient, geometry: PoolGeometry,
                  area: StagingArea, timeout_s: float, max_background_stores: int = 4, layers: range | None = None,
-                 stages: StageLink | None = None, *, metadata_timeout_s: float = 1.0,
+                 stages: PoolStages | None = None, *, metadata_timeout_s: float = 1.0,
                  metadata_backoff_s: float = 1.0, io_threads: int = 4) -> None:
         """``layers``: the model layers this instance's KV cache holds (a first pipeline stage's;
-        None: all); ``stages``: that stage's link to the later ones. ``metadata_timeout_s``: the
+        None: all); ``stages``: the stages that hold them all (None: ``OneStage``, this instance
+        alone). ``metadata_timeout_s``: the
         longest a prompt waits for the pool's index; ``metadata_backoff_s``: how long the pool
         is left alone after its metadata failed; ``io_threads``: the pool's own threads."""
         self._client = client
@@ -89,7 +88,7 @@ class PoolIO:
         self._stores: set[asyncio.Task] = set()
         self._max_stores = max_background_stores
         self._layers = range(geometry.num_parts) if layers is None else layers
-        self._stages = stages
+        self._stages = OneStage() if stages is None else stages
         self.stores_skipped = 0  # the background store queue was full (or a group's): those blocks stay local
         self.stored_layerwise = 0  # objects sealed from a layer-wise store
         self._counter_lock = threading.Lock()
@@ -156,41 +155,26 @@ class PoolIO:
         offsets = [r.offset + i * size for i in range(len(run))]
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(self._io, lambda: self.pool.open_read(
-            wanted, self._area.handle, offsets, self._memory, self._stages is None, self._layers, run=run))
+            wanted, self._area.handle, offsets, self._memory, self._stages.reads_layerwise, self._layers, run=run))
         try:
             read = await asyncio.shield(opening)
         except BaseException:
             opening.add_done_callback(lambda f: self._abandon(f, r))  # cancelled while leasing
             raise
-        count = read.num_objects
-        if count and self._stages is not None:
-            loading = loop.run_in_executor(self._io, self._load_on_every_stage, request_id, read)
-            try:
-                count = await asyncio.shield(loading)
-            except BaseException:
-                loading.add_done_callback(lambda _: self._unload(request_id, read, r, False))
-                raise
+        loading = loop.run_in_executor(self._io, self._stages.load, request_id, read, self._layers)
+        try:
+            count = await asyncio.shield(loading)
+        except BaseException:
+            loading.add_done_callback(lambda _: self._unload(request_id, read, r, False))
+            raise
         if not count:
             self._unload(request_id, read, r, False)
             return None
         views = [self._writing.object_view(off) for off in offsets[:count]]
         return PoolLoad(read, views, first * bpo, lambda used: self._unload(request_id, read, r, used))
 
-    def _load_on_every_stage(self, request_id: str, read: PoolRead) -> int:
-        """Have the later stages read their layers under ``read``'s leases while this stage
-        reads its own; the objects, from the first, that every stage holds verified."""
-        try:
-            counts = self._stages.pool_load(request_id, read.leases())
-        except TransferError as exc:
-            log.warning("pool: a pipeline stage could not load %s: %s", request_id, exc)
-            return 0
-        for part in self._layers:
-            read.wait_part(part)
-        return min([read.good, *counts])
-
     def _unload(self, request_id: str, read: PoolRead, r: StagingRange, used: bool) -> None:
-        if self._stages is not None:
-            self._stages.pool_unload(request_id)
+        self._stages.unload(request_id)
         self._closer.submit(self._close, read, r, used)
 
     def start(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -225,7 +209,7 @@ class PoolIO:
             holders, _ = await self._index(lambda: (self.pool.holders(keys), self.pool.segments()))
         except MetadataUnavailable as exc:
             log.warning("pool: not storing %s: %s", request_id, exc)  # the prompt runs all the same
-            self._skipped_on_group()
+            self._skipped()
             return False
         size = self._object_bytes
         missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // size]
@@ -234,7 +218,7 @@ class PoolIO:
         try:
             r = self._area.allocate(len(missing) * size)
         except StagingFull:
-            self._skipped_on_group()
+            self._skipped()
             return False
         try:
             # Tail first, as ``store`` puts them.
@@ -245,19 +229,13 @@ class PoolIO:
             self._area.release(r)
             raise
         first_blocks = [i * g.blocks_per_object for i in reversed(missing)]
-        taken = write.num_placed == len(objects)
-        if taken and self._stages is not None:
-            try:
-                await self._run(self._stages.pool_store, request_id, write.reservation(), first_blocks)
-            except TransferError as exc:
-                log.warning("pool: a pipeline stage cannot store %s layer by layer: %s", request_id, exc)
-                await self._run(self._stages.pool_store_end, request_id, False)
-                taken = False
+        taken = write.num_placed == len(objects) and await self._run(
+            self._stages.store, request_id, write, first_blocks)
         if not taken:
             # Some went nowhere (the pool is busy or full): rather than leave them out, store
             # them all from the prefix cache after the prompt, as the pool's LRU allows then.
             self._closer.submit(self._abort_plan, write, r)
-            self._skipped_on_group()
+            self._skipped()
             return False
         store = _PlannedStore(write, r, first_blocks, keys=keys, holders=holders)
         try:
@@ -267,8 +245,10 @@ class PoolIO:
             raise
         return True
 
-    def _skipped_on_group(self) -> None:
-        if self._stages is not None:  # no store from the prefix cache follows (see the module doc)
+    def _skipped(self) -> None:
+        """A prompt's layer-wise store not planned: counted when no store from the prefix cache
+        follows (``PoolStages.stores_from_cache``)."""
+        if not self._stages.stores_from_cache:
             with self._counter_lock:
                 self.stores_skipped += 1
 
@@ -297,14 +277,7 @@ class PoolIO:
             sums = None
             if commit and self._writing.complete(store):
                 sums = self._writing.checksums(store)
-            if self._stages is not None:
-                # First: the later stages' writes must have settled before the seal, or the abort
-                # that would hand their ranges of the segments to other objects.
-                theirs = self._stages.pool_store_end(request_id, commit)
-                if sums is not None and all(t is not None for t in theirs):
-                    sums = [sum((t[i] for t in theirs), mine) for i, mine in enumerate(sums)]
-                else:
-                    sums = None
+            sums = self._stages.store_end(request_id, commit, sums)
             if sums is not None:
                 stored = sum(s is not None for s in write.seal(sums))
                 with self._counter_lock:
@@ -322,8 +295,8 @@ class PoolIO:
     # -- storing from the prefix cache --------------------------------------------------------------
     def store_later(self, token_ids: list[int], computed_tokens: int) -> None:
         """Store the full pool blocks of ``token_ids[:computed_tokens]`` in the background (not
-        on a pipeline group: see the module doc)."""
-        if not self.geometry.object_keys(token_ids, computed_tokens) or self._stages is not None:
+        on a pipeline group: ``PoolStages.stores_from_cache``)."""
+        if not self.geometry.object_keys(token_ids, computed_tokens) or not self._stages.stores_from_cache:
             return
         if len(self._stores) >= self._max_stores:
             self.stores_skipped += 1
@@ -424,22 +397,51 @@ class PoolLoad:
         self._on_close(used)
 
 
-async def prepare_load(pool: PoolIO | None, request_id: str, token_ids: list[int],
-                       params: SamplingParams) -> PoolLoad | None:
-    """The pool's part of the prompt's prefix to load before computing it, or None."""
-    if pool is None or params.prompt_logprobs is not None:
-        return None  # a prompt scored token by token computes every position
-    try:
-        return await pool.prepare_load(request_id, token_ids)
-    except (TimeoutError, TransferError, MetadataUnavailable) as exc:
-        # The pool is a cache: without it the engine computes the whole prompt.
-        log.warning("pool: prefix load failed, computing the prompt: %s", exc)
-        return None
-
-
-def starter(pool: PoolIO | None, request_id: str, token_ids: list[int], params: SamplingParams,
-            load: PoolLoad | None) -> Callable[[LLMEngine], Any]:
-    """What the engine thread runs to start the request: plainly, or after ``load``."""
+@asynccontextmanager
+async def pool_prefix(pool: PoolIO | None, request_id: str, token_ids: list[int],
+                      params: SamplingParams) -> AsyncIterator[Callable[[LLMEngine], Any]]:
+    """How the prompt enters the engine (``AsyncLLMEngine.stream``'s ``start``): with the pool's
+    part of its prefix loading, when the pool holds some past the local cache, or plainly. On
+    leaving the block, a load the engine never took goes back (the engine closes one it took)."""
+    load = None
+    # A prompt scored token by token (prompt logprobs) computes every position.
+    if pool is not None and params.prompt_logprobs is None:
+        try:
+            load = await pool.prepare_load(request_id, token_ids)
+        except (TimeoutError, TransferError, MetadataUnavailable) as exc:
+            # The pool is a cache: without it the engine computes the whole prompt.
+            log.warning("pool: prefix load failed, computing the prompt: %s", exc)
     if load is None:
-        return lambda e: e.add_request(token_ids, params, request_id=request_id)
-    return pool.start(request_id, token_ids, params, load)
+        yield lambda e: e.add_request(token_ids, params, request_id=request_id)
+        return
+    try:
+        yield pool.start(request_id, token_ids, params, load)
+    finally:
+        load.close(used=False)  # a no-op once the engine has taken it
+
+
+class PoolStore(PrefillSink):
+    """A prefill's new pool objects, as one of its sinks (``PrefillSink``): planned at ``expect``
+    and written layer by layer as the prompt's last step computes them (``PoolIO.plan_store``);
+    sealed in the background at ``finish``, or, when none could be planned, stored from the
+    prefix cache after the prompt (``PoolIO.store_later``); dropped at ``abort``. Never raises
+    past ``expect``: the pool is a cache."""
+
+    def __init__(self, pool: PoolIO, request_id: str, token_ids: list[int]) -> None:
+        self._pool = pool
+        self._request_id = request_id
+        self._token_ids = token_ids
+        self._planned = False
+
+    async def expect(self) -> None:
+        self._planned = await self._pool.plan_store(self._request_id, self._token_ids)
+
+    async def finish(self) -> None:
+        if self._planned:
+            self._pool.finish_store_later(self._request_id, commit=True)
+        else:
+            self._pool.store_later(self._token_ids, len(self._token_ids))
+
+    async def abort(self) -> None:
+        if self._planned:
+            self._pool.finish_store_later(self._request_id, commit=False)

@@ -1,39 +1,39 @@
 """Serve a prefill and stream its KV (the prefill role).
 
-``Prefiller.prefill``: announce the KV stream to the sender (a send-staging range), run the
-prompt in the engine like any other request; the engine's ``KVSink``s stream each layer into the
-decode instance's reservation (and, with a pool, into the pool objects planned for it) as it is
-computed, and the prefill-role engine ends the request at its first token (``handoff``).
-Answered once every layer's write to the decode instance has completed.
+``Prefiller.prefill`` reads "expect all sinks, stream, finish all". The prompt's KV sinks
+(``cluster.kv_stream.PrefillSink``) are the decode instance's reservation (``DecodeStream``), on
+a pipeline group the later stages' streams of their layers (``StageStreams``), and with a
+KVCache pool the pool objects planned for it (``PoolStore``). Each is expected before the prompt
+runs; the engine computes the prompt like any other request, its ``KVSink``s taking each layer
+as it is computed, and the prefill-role engine ends the request at its first token
+(``handoff``); then every sink is finished (the answer comes once every layer's write to the
+decode instance has landed) or, if the prompt failed, aborted.
 
-With a KVCache pool (``PoolIO``), a prompt first loads whatever prefix the pool has beyond the
-local cache (``pool_io.prepare_load``, ``pool_io.starter``, as the colocated path in ``decode.py``),
-and what was computed goes back to the pool layer by layer as it is prefilled.
+With a KVCache pool, a prompt first loads whatever prefix the pool has beyond the local cache
+(``async with pool_prefix``, as the colocated path in ``decode.py``); a load that breaks mid-way
+ends the attempt, and the prompt is computed again without it.
 
 A prefill that comes too late is refused as ``UnknownReservation`` (a request error): one whose id
-was aborted here before it arrived (``aborted``, the instance's memory of recent aborts), and one
-whose writes the decode instance refused because the reservation is gone (``StaleWrite``: it was
-released, perhaps reused, while this prefill waited or computed).
+was aborted here before it arrived or while its sinks were expected (``aborted``, the instance's
+memory of recent aborts), and one whose writes the decode instance refused because the
+reservation is gone (``StaleWrite``: it was released, perhaps reused, while this prefill waited
+or computed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
-from cluster.instance.pool_io import PoolIO, PoolLoad, prepare_load, starter
-from cluster.kv_stream import KVDestination, KVSender
-from cluster.cpp.stage import StageLink
-from cluster.messenger.staging import when_free
-from cluster.messenger import StaleWrite, TransferError
+from cluster.instance.pool_io import PoolIO, PoolStore, pool_prefix
+from cluster.kv_stream import DecodeStream, KVDestination, KVSender, PrefillSink, PrefillSinks
+from cluster.cpp.stage import StageLink, StageStreams
+from cluster.messenger import StaleWrite
 from cluster.protocol import BadRequest, UnknownReservation
 from engine.async_engine import AsyncLLMEngine
 from engine.engine_client import EngineError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 class Prefiller:
@@ -60,7 +60,14 @@ class Prefiller:
             raise BadRequest("destination block count does not match the prompt")
         self._check_aborted(request_id)
         try:
-            return await self._prefill(request_id, token_ids, params, dest)
+            async with pool_prefix(self._pool, request_id, token_ids, params) as start:
+                output = await self._stream(request_id, token_ids, dest,
+                                            lambda: self._client.stream(request_id, start))
+            if output.finish_reason == "kv_load_failed":
+                # What the pool sent broke mid-way: compute the whole prompt here, streaming it again.
+                output = await self._stream(request_id, token_ids, dest,
+                                            lambda: self._client.generate(request_id, token_ids, params))
+            return output
         except StaleWrite as e:
             raise UnknownReservation(f"the decode instance no longer holds the reservation for {request_id!r}: {e}") from None
 
@@ -68,88 +75,36 @@ class Prefiller:
         if self._aborted is not None and self._aborted(request_id):
             raise UnknownReservation(f"request {request_id!r} was aborted before its prefill arrived")
 
-    async def _prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                       dest: KVDestination) -> RequestOutput:
-        load = await prepare_load(self._pool, request_id, token_ids, params)
-        storing = await self._plan_store(request_id, token_ids, load)
-        try:
-            output = await self._prefill_once(request_id, token_ids, params, dest, load)
-            if output.finish_reason == "kv_load_failed":
-                # Layers past the failed one were computed from garbage: nothing of it is stored.
-                self._pool.finish_store_later(request_id, commit=False)
-                storing = False
-                # What the pool sent broke mid-way: compute the whole prompt here, streaming it again.
-                output = await self._prefill_once(request_id, token_ids, params, dest, None)
-        except BaseException:
-            if storing:
-                self._pool.finish_store_later(request_id, commit=False)
-            raise
-        if storing:
-            self._pool.finish_store_later(request_id, commit=output.finish_reason != "abort")
-        elif self._pool is not None and output.finish_reason != "abort":
-            self._pool.store_later(token_ids, len(token_ids))
-        return output
-
-    async def _plan_store(self, request_id: str, token_ids: list[int], load: PoolLoad | None) -> bool:
-        """Whether the prompt's new pool objects are stored layer by layer as its last step runs."""
-        if self._pool is None:
-            return False
-        try:
-            return await self._pool.plan_store(request_id, token_ids)
-        except BaseException:
-            if load is not None:
-                load.close(used=False)
-            raise
-
-    async def _prefill_once(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                            dest: KVDestination, load: PoolLoad | None) -> RequestOutput:
-        sender = self._sender
-        try:
-            self._check_aborted(request_id)  # it may have come while the pool was asked
-            await when_free(lambda: sender.expect(request_id, dest), self._timeout_s)
-        except BaseException:
-            if load is not None:
-                load.close(used=False)
-            raise
+    def _sinks(self, request_id: str, token_ids: list[int], dest: KVDestination) -> PrefillSinks:
+        """The prompt's KV sinks, in the order they finish: the decode instance's before the pool's,
+        which stores nothing of a prompt whose stream failed."""
+        sinks: list[PrefillSink] = [DecodeStream(self._sender, request_id, dest, self._timeout_s)]
         if self._stages is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self._stages.expect, request_id, dest)
-            except BaseException:
-                # What the stages (and this sender) took for the request goes back.
-                await asyncio.shield(self._finish_quietly(request_id))
-                if load is not None:
-                    load.close(used=False)
-                raise
+            sinks.append(StageStreams(self._stages, request_id, dest))
+        if self._pool is not None:
+            sinks.append(PoolStore(self._pool, request_id, token_ids))
+        return PrefillSinks(sinks)
+
+    async def _stream(self, request_id: str, token_ids: list[int], dest: KVDestination,
+                      outputs: Callable[[], AsyncIterator[RequestOutput]]) -> RequestOutput:
+        """Expect every sink, run the prompt (``outputs()``: its engine stream), then finish
+        every sink, or abort them all if it did not compute whole."""
+        sinks = self._sinks(request_id, token_ids, dest)
+        await sinks.expect()
         output = None
-        start = starter(self._pool, request_id, token_ids, params, load)
         try:
-            async for out in self._client.stream(request_id, start):
+            self._check_aborted(request_id)  # it may have come while the pool or the staging was waited for
+            async for out in outputs():
                 output = out
         except BaseException:
-            # Frees the send staging once no write can still read it, even if we are cancelled.
-            await asyncio.shield(self._finish_quietly(request_id))
+            # Frees the sinks' staging once no write can still read it, even if we are cancelled.
+            await asyncio.shield(sinks.abort())
             raise
-        finally:
-            if load is not None:
-                load.close(used=False)  # a no-op unless the engine never took the request
-        try:
-            await sender.finish(request_id, self._timeout_s)
-            if self._stages is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self._stages.finish, request_id)
-        except TransferError:
-            if output is not None and output.finish_reason not in ("abort", "kv_load_failed"):
-                raise  # an aborted request stopped streaming on purpose, a failed load will resend
+        if output is not None and output.finish_reason not in ("abort", "kv_load_failed"):
+            await sinks.finish()
+        else:
+            # An aborted request stopped streaming on purpose; a failed load is computed again.
+            await sinks.abort()
         if output is None:
             raise EngineError("the engine ended the request without output")
         return output
-
-    async def _finish_quietly(self, request_id: str) -> None:
-        try:
-            await self._sender.finish(request_id, self._timeout_s)
-        except TransferError:
-            pass  # the request failed anyway; its own error is what the caller reports
-        if self._stages is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self._stages.finish, request_id)
-            except TransferError:
-                pass

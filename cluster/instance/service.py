@@ -32,6 +32,7 @@ from cluster.instance.decode import Decoder
 from cluster.instance.prefill import Prefiller
 from cluster.kv_stream import KVSender
 from cluster.cpp.group import StageGroup, StageRendezvous
+from cluster.cpp.pool_stages import LaterStages
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity, weights_digest
 from cluster.pool.metadata.membership import LeasedKey, announce
@@ -250,7 +251,7 @@ class InstanceService:
         client = PoolClient(transfer, metadata, transfer_timeout_s=self.config.transfer_timeout_s)
         io = PoolIO(self.client, handoff, client, geometry, StagingArea(transfer, staging),
                     self.config.transfer_timeout_s, layers=layers,
-                    stages=self.stages.link if self.stages is not None else None)
+                    stages=LaterStages(self.stages.link) if self.stages is not None else None)
         if pc.dram_bytes:
             ssd = SsdTier(pc.ssd_dir, pc.ssd_bytes) if pc.ssd_dir else None
             segment = Segment(transfer, SegmentConfig(pc.dram_bytes), ssd)

@@ -35,7 +35,8 @@ import torch
 
 from cluster.kv_stream.checksums import LAYER_SUM, layer_checksum, sums_bytes
 from cluster.kv_stream.destination import KVDestination
-from cluster.messenger.staging import StagingArea, StagingRange
+from cluster.kv_stream.sink import PrefillSink
+from cluster.messenger.staging import StagingArea, StagingRange, when_free
 from cluster.messenger import Batch, Messenger, TransferError
 from engine.kv_layout import KVLayout, pack
 from engine.hooks import PromptChunk
@@ -250,6 +251,32 @@ class KVSender:
         if out.staging is not None and out.bytes_sent != expected:
             raise TransferError(f"only {out.bytes_sent} of the prompt's {expected} KV bytes were sent")
         return SendReport(out.bytes_sent, out.in_flight_at_end or 0)
+
+
+class DecodeStream(PrefillSink):
+    """A prompt's KV into a decode instance's reservation ``dest`` through ``sender``, as one sink
+    of the prompt's prefill (``PrefillSink``). ``timeout_s`` bounds both the wait for send
+    staging (``expect``: other prompts' streams free theirs as their writes land) and the wait
+    for the last write (``finish``)."""
+
+    def __init__(self, sender: KVSender, request_id: str, dest: KVDestination, timeout_s: float) -> None:
+        self._sender = sender
+        self._request_id = request_id
+        self._dest = dest
+        self._timeout_s = timeout_s
+
+    async def expect(self) -> None:
+        """Raises ``TimeoutError`` when the send staging stayed full."""
+        await when_free(lambda: self._sender.expect(self._request_id, self._dest), self._timeout_s)
+
+    async def finish(self) -> None:
+        await self._sender.finish(self._request_id, self._timeout_s)
+
+    async def abort(self) -> None:
+        try:
+            await self._sender.finish(self._request_id, self._timeout_s)
+        except TransferError:
+            pass  # the prompt failed anyway; its own error is what the caller reports
 
 
 def settle(batches: list[Batch], timeout_s: float) -> None:
