@@ -244,7 +244,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from engine.default_model import resolve_model
 
     folder = resolve_model(args.model)

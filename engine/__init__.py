@@ -14,7 +14,7 @@ _HOMES = {
     "LLM": "engine.llm",
     "GenerationResult": "engine.llm",
     "EngineConfig": "engine.config",
-    "ModelConfig": "engine.config",
+    "ModelConfig": "engine.model_config",
     "LLMEngine": "engine.llm_engine",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",

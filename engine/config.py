@@ -1,114 +1,23 @@
-"""Typed, validated configuration: the model's shape (from ``config.json``) and the engine's knobs."""
+"""The engine's knobs, typed and validated (the model's shape is ``engine.model_config``)."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from engine.cpu_runtime import fast_bfloat16
-
-# Architecture name -> (attention projections carry a bias, per-head q/k RMSNorm).
-ARCHITECTURES: dict[str, tuple[bool, bool]] = {
-    "LlamaForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
-}
-
-# Weight-only formats (engine.quantization); here so that what only reads the settings (the
-# Conductor) does not load the kernels.
-QUANTIZATIONS = ("int8", "int4")
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from engine.model_config import QUANTIZATIONS, dtype_bytes
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype a name of ``engine.model_config.DTYPE_BYTES`` stands for (a torch dtype
+    passes through); raises ``ValueError`` for any other name."""
     if isinstance(name, torch.dtype):
         return name
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"{source}: unsupported architecture {archs!r}; supported: {sorted(ARCHITECTURES)}"
-            )
-        bias, qk_norm = ARCHITECTURES[arch]
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            eos = cfg.get("eos_token_id")
-            return cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                rope_scaling=cfg.get("rope_scaling"),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", bias)),
-                qk_norm=qk_norm,
-                eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-                bos_token_id=cfg.get("bos_token_id"),
-            )
-        except KeyError as e:
-            raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
-
-    @classmethod
-    def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"model folder {folder} has no config.json")
-        return cls.from_dict(json.loads(path.read_text()), source=str(path))
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+    dtype_bytes(name)  # the name is checked where the names are kept
+    return getattr(torch, name)
 
 
 ROLES = ("both", "prefill", "decode")

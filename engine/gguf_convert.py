@@ -18,8 +18,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-import torch
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
@@ -130,8 +129,8 @@ def _hf_tensor_name(name: str, path: Path) -> str:
 
 def _convert_tensors(
     reader: gguf.GGUFReader, path: Path, config: dict[str, Any], progress: bool
-) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {path.name}", unit="tensor", disable=not progress):
         hf_name = _hf_tensor_name(tensor.name, path)
         # GGUF lists dims fastest-varying first (ne0 = in_features); numpy/HF want the reverse.
@@ -141,7 +140,7 @@ def _convert_tensors(
             array = unpermute_qk(array, config["num_attention_heads"])
         elif hf_name.endswith("k_proj.weight"):
             array = unpermute_qk(array, config["num_key_value_heads"])
-        tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
+        tensors[hf_name] = np.ascontiguousarray(array)
     return tensors
 
 
@@ -201,6 +200,8 @@ def _write_checkpoint(reader: gguf.GGUFReader, path: Path, dest: Path, progress:
     embed_rows = tensors["model.embed_tokens.weight"].shape[0]
     if embed_rows != config["vocab_size"]:
         raise ValueError(f"{path}: token_embd has {embed_rows} rows but the vocab has {config['vocab_size']} tokens")
+    # Written from numpy, so converting needs no torch (the Conductor may be the first to convert
+    # the default model); "format": "pt" as torch's writer sets it, for loaders that check it.
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     # safetensors creates the file owner-only; match the other files' ordinary mode.
     (dest / "model.safetensors").chmod(0o644)

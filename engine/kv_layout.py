@@ -8,11 +8,13 @@ the ``kernels.gather_kv`` layout, so layer ``l`` is the byte range
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from engine.model_config import dtype_bytes
 
-from engine.config import parse_dtype
+# torch only where tensors are: the Conductor reads KVLayout (an instance's report) without it.
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,7 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=parse_dtype(self.dtype)).element_size()
-        return self.num_kv_heads * self.block_size * self.head_dim * itemsize
+        return self.num_kv_heads * self.block_size * self.head_dim * dtype_bytes(self.dtype)
 
     def layer_bytes(self, num_blocks: int) -> int:
         return 2 * num_blocks * self.page_bytes
@@ -41,6 +42,8 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        from engine.config import parse_dtype  # loads torch: see the imports
+
         return parse_dtype(self.dtype)
 
     @classmethod
@@ -60,6 +63,7 @@ def pack(kv_cache: torch.Tensor, block_ids: list[int], layers: range | None, out
     """``kernels.gather_kv`` into ``out`` (host staging), through device memory when the KV is on
     a GPU, and through a packed copy when ``out`` is not contiguous (some of a request's blocks
     in its wire layout: their K pages and V pages lie apart)."""
+    import torch  # see the imports
     import mooncake_kernels as kernels  # here, not at the top: the Conductor reads KVLayout without loading triton
 
     if kv_cache.device == out.device and out.is_contiguous():

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer

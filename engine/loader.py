@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.model import CausalLM
 
 # Tensors some checkpoints carry that the model recomputes itself.

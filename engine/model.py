@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mooncake_kernels as kernels
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.quantization import Int4Weight, linear
 
 

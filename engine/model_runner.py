@@ -12,7 +12,8 @@ from typing import Any, Protocol
 import torch
 
 import mooncake_kernels as kernels
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.kv_layout import KVLayout
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
@@ -33,7 +34,7 @@ def num_kv_blocks(cfg: ModelConfig, config: EngineConfig) -> int:
     if config.stage is not None:
         _, stages = config.stage
         layers = max(len(stage_layers(cfg.num_layers, i, stages)) for i in range(stages))
-    block_bytes = config.block_size * cfg.kv_bytes_per_token(config.kv_torch_dtype) * layers // cfg.num_layers
+    block_bytes = config.block_size * cfg.kv_bytes_per_token(config.kv_cache_dtype) * layers // cfg.num_layers
     if config.kv_cache_gib is not None:
         budget = int(config.kv_cache_gib * _GIB)
     elif config.device == "cpu":

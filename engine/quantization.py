@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mooncake_kernels as kernels
-from engine.config import QUANTIZATIONS
+from engine.model_config import QUANTIZATIONS
 
 INT4_GROUP = 32
 

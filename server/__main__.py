@@ -27,7 +27,7 @@ import stat
 import sys
 import time
 
-from engine.config import QUANTIZATIONS
+from engine.model_config import QUANTIZATIONS
 from server.app import DEFAULT_MAX_BODY_BYTES
 from server.front_door import RESERVED_FDS, FrontDoor, serve
 

@@ -70,7 +70,7 @@ def test_preemption_under_tiny_kv_budget_gives_identical_output(llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     reference = llm.generate(PROMPTS[:8], params)
     # ~22 blocks of 16 tokens: far less than 8 sequences of ~50 tokens need at once.
-    bytes_per_block = llm.engine.model_config.kv_bytes_per_token(llm.engine.config.kv_torch_dtype) * 16
+    bytes_per_block = llm.engine.model_config.kv_bytes_per_token(llm.engine.config.kv_cache_dtype) * 16
     small = LLM(threads=1, kv_cache_gib=22 * bytes_per_block / 2**30, max_num_batched_tokens=256, dtype="float32")
     assert small.engine.block_manager.num_blocks == 22
     outs = small.generate(PROMPTS[:8], params)

@@ -101,8 +101,9 @@ def test_checker_flags_planted_upward_imports(tmp_path: Path) -> None:
 # -- inside cluster/: one package per paper box, with the edges architecture.md asks for ---------
 # For each package of cluster/, the first-party modules it may import besides
 # itself, as dotted prefixes. Anything of this project not listed is refused.
+# What of the engine loads no torch: the Conductor's share (tests/test_conductor_imports.py).
 _LIGHT_ENGINE = ("engine.outputs", "engine.sampling_params", "engine.engine_client", "engine.prompt",
-                 "engine.tokenizer", "engine.config", "engine.default_model", "engine.kv_layout")
+                 "engine.tokenizer", "engine.model_config", "engine.default_model", "engine.kv_layout")
 CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     # pure code on plain snapshots, shared with the simulator
     "cluster.policies": (),

@@ -51,7 +51,7 @@ from cluster.pool.objects import object_keys
 from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
 from cluster.protocol import BadRequest, Fence, RegisterReply, RegisterRequest, TimedOut, Unauthorized
 from engine.default_model import default_model_name
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.default_model import resolve_model
 from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
 from engine.outputs import RequestOutput

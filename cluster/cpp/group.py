@@ -40,7 +40,8 @@ from cluster.cpp.pool_share import StagePool
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import RegionHandle, MessengerConfig, Messenger, TransferError
 from cluster.messenger.wire import Status
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.default_model import resolve_model
 from engine.model_runner import ModelRunner
