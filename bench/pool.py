@@ -63,7 +63,8 @@ from bench.trace import MIN_TOKEN_ID
 from bench.transfer import format_table
 from cluster.protocol import MESSENGER, derive_key
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry
-from cluster.pool.client import OBJECTS, NewObject
+from cluster.pool.client import NewObject
+from cluster.pool.index import OBJECTS
 from cluster.pool.metadata.embedded import HttpMetadata, MetadataServer
 from cluster.pool.objects import part_checksums
 from cluster.messenger import MessengerConfig, Messenger

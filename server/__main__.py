@@ -379,19 +379,19 @@ def _advertised_host(args: argparse.Namespace) -> str:
 
 
 def _start_pool(args: argparse.Namespace, secret: str, host: str, advertise_host: str | None = None):
-    """The Conductor's view of the pool (a ``PoolClient`` on its metadata), the metadata server
+    """The Conductor's view of the pool (a ``PoolIndex`` on its metadata), the metadata server
     it runs when there is no etcd (or None: listening on ``host``, the Conductor's own, and
     advertised by ``advertise_host``), and the flags its instances get to join."""
-    from cluster.pool import PoolClient
+    from cluster.pool.index import PoolIndex
     from cluster.pool.metadata.embedded import MetadataServer
     from cluster.pool.metadata.etcd import EtcdMetadata
     from cluster.pool.metadata.local import LocalMetadata
 
     if args.etcd:
-        return PoolClient(None, EtcdMetadata(args.etcd)), None, []
+        return PoolIndex(EtcdMetadata(args.etcd)), None, []
     store = LocalMetadata()
     server = MetadataServer(secret.encode(), host=host or "0.0.0.0", store=store, advertise_host=advertise_host)
-    return PoolClient(None, store), server, ["--pool-metadata", server.url]
+    return PoolIndex(store), server, ["--pool-metadata", server.url]
 
 
 def _url_host(host: str) -> str:
@@ -487,14 +487,15 @@ def main(argv: list[str] | None = None) -> None:
 
     import secrets
 
-    import torch
     from starlette.routing import Route
 
     from cluster.conductor.conductor import Conductor, ConductorConfig
     from cluster.conductor.placement import PlacementConfig
     from cluster.conductor.supervisor import Supervisor
 
-    torch.set_num_threads(1)  # the Conductor only tokenizes
+    # No thread settings: the Conductor loads no torch (tests/test_conductor_imports.py), and its
+    # tokenizer encodes one text at a time on the calling thread (HF tokenizers starts its thread
+    # pool only for batch calls, which the Conductor makes none of).
     secret = cluster_secret or secrets.token_hex(16)
     roles = ["prefill"] * args.prefill_instances + ["decode"] * args.decode_instances
     threads = args.instance_threads or max(1, (os.cpu_count() or 1) // max(1, len(roles)))

@@ -114,9 +114,10 @@ CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     # the pool stores objects over the messenger; of the engine only the wire layout and the sink seam
     "cluster.pool": ("cluster.messenger", "cluster.protocol", "engine.kv_layout", "engine.hooks",
                      "paged_kv.prefix_keys"),
-    # the front door: policies, the pool's lookups, the wire; no model code, no instance internals
-    "cluster.conductor": ("cluster.policies", "cluster.pool", "cluster.protocol", "paged_kv.prefix_keys",
-                          *_LIGHT_ENGINE),
+    # the front door: policies, the pool's index (its lookups; not the client, which moves bytes
+    # over the Messenger), the wire; no model code, no instance internals
+    "cluster.conductor": ("cluster.policies", "cluster.pool.index", "cluster.pool.metadata", "cluster.pool.objects",
+                          "cluster.protocol", "paged_kv.prefix_keys", *_LIGHT_ENGINE),
     # a prefill's KV into a decode instance's reservation, over the messenger: an instance's and a stage's
     "cluster.kv_stream": ("cluster.messenger", "engine.kv_layout", "engine.hooks"),
     # a prefill instance's stages: below the instance that leads them (never cluster.instance)
@@ -184,13 +185,15 @@ def test_stages_import_nothing_of_the_instance_they_serve() -> None:
 
 
 def test_conductor_process_loads_no_model_code() -> None:
-    """The front door tokenizes and routes; it must not pay for triton, the kernels or the model."""
+    """The front door tokenizes and routes; it must not pay for torch, triton, the kernels, the
+    model or the Messenger (tests/test_conductor_imports.py checks the running process)."""
     import subprocess
     import sys
 
     code = ("import sys, cluster.conductor.conductor, cluster.conductor.supervisor, server.app;"
-            "print(' '.join(sorted(m for m in sys.modules if m in ('triton', 'mooncake_kernels', 'engine.model',"
-            " 'engine.model_runner', 'engine.llm_engine') or m.startswith(('mooncake_kernels.', 'triton.')))))")
+            "print(' '.join(sorted(m for m in sys.modules if m in ('torch', 'triton', 'mooncake_kernels',"
+            " 'cluster.messenger', 'engine.model', 'engine.model_runner', 'engine.llm_engine')"
+            " or m.startswith(('mooncake_kernels.', 'triton.')))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == []

@@ -27,9 +27,10 @@ import pytest
 
 from bench.harness import until
 from cluster.protocol import MESSENGER, derive_key
-from cluster.pool.client import OBJECTS, SEGMENTS, SegmentInfo
+from cluster.pool.index import OBJECTS, SEGMENTS, SegmentInfo
+from cluster.pool.messages import LeaseReply, LeaseRequest, ReleaseRequest
 from cluster.pool.metadata import connect_metadata
-from cluster.messenger import MessengerConfig, Messenger
+from cluster.messenger import MessengerConfig, Messenger, RegionHandle
 from cluster.messenger.wire import Status
 from engine import LLM, SamplingParams
 from clusters import SECRET, Cluster, words as _words
@@ -221,18 +222,19 @@ def _flip_a_byte_of_every_object(cluster: PoolCluster, segment_id: str) -> int:
     keys = sorted({k[len(OBJECTS):].rsplit("/", 1)[0] for k in cluster.object_keys()})
     address = cluster.node_address(segment_id)
     with Messenger(MessengerConfig(secret=derive_key(SECRET.encode(), MESSENGER))) as engine:
-        status, body = engine.call(address, {"op": "lease", "keys": keys})
+        status, body = engine.call(address, LeaseRequest(keys).to_dict())
         assert status == Status.OK, body
-        grants = [g for g in body["grants"] if g is not None]
+        grants = [g for g in LeaseReply.from_dict(body).grants if g is not None]
         # The segment's registered region, as readers find it in the metadata.
-        region = SegmentInfo.from_entry(segment_id, cluster.metadata.get(SEGMENTS + segment_id)).handle
+        region = SegmentInfo.from_entry(segment_id, cluster.metadata.get(SEGMENTS + segment_id),
+                                        RegionHandle.from_dict).handle
         buf = engine.alloc_shared(1)
         mine = engine.register(buf)
         for g in grants:
-            engine.read_sync(address, [(mine, 0, region, g["offset"] + 5, 1)])
+            engine.read_sync(address, [(mine, 0, region, g.offset + 5, 1)])
             buf[0] ^= 0xFF
-            engine.write_sync(address, [(mine, 0, region, g["offset"] + 5, 1)])
-        engine.call(address, {"op": "release", "leases": [[g["key"], g["lease"]] for g in grants]})
+            engine.write_sync(address, [(mine, 0, region, g.offset + 5, 1)])
+        engine.call(address, ReleaseRequest([(g.key, g.lease) for g in grants]).to_dict())
         engine.unregister(mine)
     return len(grants)
 

@@ -34,7 +34,7 @@ from cluster.instance.pool_io import PoolIO, pool_prefix
 from cluster.messenger import Messenger, MessengerConfig
 from cluster.messenger.staging import StagingArea
 from cluster.pool import PoolClient, Segment, SegmentConfig, SegmentService, SsdTier
-from cluster.pool.client import OBJECTS, SEGMENTS, object_entry
+from cluster.pool.index import OBJECTS, SEGMENTS, object_entry
 from cluster.pool.metadata import MetadataUnavailable
 from cluster.pool.metadata.local import LocalMetadata
 from cluster.pool.objects import PoolGeometry, part_checksums

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cluster.pool import PoolClient, PoolFull, Segment, SegmentConfig, SegmentService, SsdTier
-from cluster.pool.client import SEGMENTS, NewObject
+from cluster.pool.client import NewObject
+from cluster.pool.index import SEGMENTS
 from cluster.pool.metadata.local import LocalMetadata
 from cluster.pool.objects import part_checksums
 from cluster.messenger import MessengerConfig, Messenger

@@ -45,7 +45,7 @@ from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.pool.metadata.membership import LeasedKey, list_instances
 from cluster.policies.snapshot import RequestInfo
-from cluster.pool.client import CLIENT_COUNTERS, PoolClient
+from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
 from cluster.pool.metadata import MetadataStore
 from cluster.pool.objects import object_keys
 from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
@@ -110,7 +110,7 @@ class ConductorConfig:
 
 
 class Conductor(EngineClient):
-    def __init__(self, config: ConductorConfig, supervisor: Any = None, pool: PoolClient | None = None,
+    def __init__(self, config: ConductorConfig, supervisor: Any = None, pool: PoolIndex | None = None,
                  members: MetadataStore | None = None, claim: LeasedKey | None = None) -> None:
         """``supervisor``: the ``cluster.conductor.supervisor.Supervisor`` of the instances this process
         started, if any; it explains a missing role while they restart. ``pool``: the KVCache

@@ -1,10 +1,10 @@
 """The pool as its users see it: find a prefix, read it into a registered buffer, store objects.
 
 Every instance holds a ``PoolClient`` (a standalone pool node holds one to replicate hot
-objects; the Conductor one to look prefixes up and read the pool's counters). Metadata says
-which segments hold which objects (``pool/objects/<key>/<segment>``, tied to the segment
-owner's lease) and where each segment is (``pool/segments/<segment>``, with its free space
-and counters, refreshed every heartbeat). The bytes never pass through the metadata store:
+objects). It is a ``PoolIndex`` (``index.py``: which segments hold which objects, and where
+each segment is, read from the metadata; the Conductor holds only that) that also moves the
+bytes, which never pass through the metadata store. It speaks to the segments' owners in the
+messages of ``messages.py``:
 
 * ``get``: the longest run of consecutive keys present; for each object the least-loaded
   replica; one lease request per segment (``SegmentService``), then one-sided Messenger reads
@@ -29,50 +29,47 @@ checksums.
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
 
 from cluster.messenger import Batch, Messenger, RegionHandle, TransferError
 from cluster.messenger.wire import Status
+from cluster.pool.index import CLIENT_COUNTERS, PoolIndex, SegmentInfo
+from cluster.pool.messages import (
+    AbortRequest, AllocReply, AllocRequest, Grant, LeaseReply, LeaseRequest, NewObjectSize, PoolRequest,
+    ReleaseRequest, SealReply, SealRequest, TouchRequest,
+)
 from cluster.pool.metadata import MetadataStore
+from cluster.protocol import BadRequest
 
 log = logging.getLogger(__name__)
 
-OBJECTS = "pool/objects/"
-SEGMENTS = "pool/segments/"
-
-# What a client counts (an instance reports them to the Conductor with its other statistics).
-# ``metadata_unavailable``: pool loads and stores its user gave up because the metadata did not
-# answer (in time); their prompts were computed, their blocks not stored.
-CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed", "metadata_unavailable",
-                   "segment_timeouts", "segments_passed_over")
+R = TypeVar("R", LeaseReply, AllocReply, SealReply)
 
 
-def object_entry(key: str, segment_id: str) -> str:
-    return f"{OBJECTS}{key}/{segment_id}"
+def _ask(transfer: Messenger, segment: SegmentInfo, request: PoolRequest, reply: type[R] | None,
+         timeout_s: float | None = None) -> R | None:
+    """``request`` to ``segment``'s owner; its answer as ``reply`` (None for a request answered
+    with nothing), or None when the owner refused it. Raises ``TransferError`` when the owner
+    cannot be reached, does not answer within ``timeout_s``, or answers something else (the
+    owner's fault)."""
+    status, answer = transfer.call(segment.address, request.to_dict(), timeout_s=timeout_s)
+    if status != Status.OK:
+        log.debug("pool: segment %s refused %s: %s", segment.segment_id, request.OP, answer.get("reason", status))
+        return None
+    try:
+        return None if reply is None else reply.from_dict(answer)
+    except BadRequest as exc:
+        raise TransferError(f"segment {segment.segment_id} answered {request.OP} wrongly: {exc}") from None
 
 
-@dataclass(frozen=True)
-class SegmentInfo:
-    segment_id: str
-    address: str  # the owner's Messenger
-    handle: RegionHandle
-    stats: dict
-
-    @classmethod
-    def from_entry(cls, segment_id: str, value: str) -> SegmentInfo:
-        data = json.loads(value)
-        return cls(segment_id, data["address"], RegionHandle.from_dict(data["handle"]), data.get("stats", {}))
-
-
-class PoolClient:
+class PoolClient(PoolIndex):
     """Thread-safe; blocking calls (run them off the event loop)."""
 
     def __init__(self, transfer: Messenger | None, metadata: MetadataStore | None, *,
@@ -80,41 +77,20 @@ class PoolClient:
                  suspect_s: float = 10.0) -> None:
         """``metadata`` None: a client that only reads and writes under another client's leases
         and reservations (a later pipeline stage's)."""
+        super().__init__(metadata, segments_ttl_s=segments_ttl_s, read_handle=RegionHandle.from_dict)
         self._transfer = transfer
-        self._metadata = metadata
-        self._segments_ttl_s = segments_ttl_s
         self._timeout_s = transfer_timeout_s
         self._call_timeout_s = min(call_timeout_s, transfer_timeout_s)
         self._suspect_s = suspect_s
         self._suspect_until: dict[str, float] = {}  # segment -> when it is asked again
-        self._lock = threading.Lock()
-        self._segments: dict[str, SegmentInfo] = {}
-        self._segments_at = float("-inf")
         self._reading: Counter[str] = Counter()  # objects being read per segment: the load we balance
         self._served: Counter[str] = Counter()  # objects read per segment, to break ties in turn
-        # Bytes this client put per segment since the snapshot: the published free space lags
-        # (a heartbeat), and without this every put of a burst would go to the same segment.
+        # Bytes this client put per segment since the snapshot of the segments it placed them
+        # by (``_placed_on``): the published free space lags (a heartbeat), and without this
+        # every put of a burst would go to the same segment.
         self._placed: Counter[str] = Counter()
+        self._placed_on: dict[str, SegmentInfo] | None = None
         self.counters = dict.fromkeys(CLIENT_COUNTERS, 0)
-
-    # -- index --------------------------------------------------------------------------------------
-    def segments(self, refresh: bool = False) -> dict[str, SegmentInfo]:
-        now = time.monotonic()
-        with self._lock:
-            if not refresh and now - self._segments_at < self._segments_ttl_s:
-                return self._segments
-        entries = self._meta().get_prefix(SEGMENTS)
-        segments = {}
-        for name, value in entries.items():
-            segment_id = name[len(SEGMENTS):]
-            try:
-                segments[segment_id] = SegmentInfo.from_entry(segment_id, value)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("pool: ignoring malformed segment entry %s: %s", segment_id, exc)
-        with self._lock:
-            self._segments, self._segments_at = segments, now
-            self._placed.clear()
-        return segments
 
     def _answering(self, segments: dict[str, SegmentInfo]) -> dict[str, SegmentInfo]:
         """``segments`` less those that did not answer a call lately."""
@@ -125,11 +101,12 @@ class PoolClient:
                 self.counters["segments_passed_over"] += len(passed)
         return {s: info for s, info in segments.items() if s not in passed} if passed else segments
 
-    def _call_segment(self, segment: SegmentInfo, body: dict) -> tuple[Status, dict]:
-        """A lease or an allocation, bounded by ``call_timeout_s``; a segment that does not
-        answer in time is passed over for ``suspect_s``. Raises ``TransferError``."""
+    def _call_segment(self, segment: SegmentInfo, request: PoolRequest, reply: type[R] | None) -> R | None:
+        """A lease, a touch or an allocation (``_ask``), bounded by ``call_timeout_s``; a segment
+        that does not answer in time (or answers wrongly) is passed over for ``suspect_s``.
+        Raises ``TransferError``."""
         try:
-            return self._transfer.call(segment.address, body, timeout_s=self._call_timeout_s)
+            return _ask(self._transfer, segment, request, reply, self._call_timeout_s)
         except TransferError:
             with self._lock:
                 self._suspect_until[segment.segment_id] = time.monotonic() + self._suspect_s
@@ -140,56 +117,6 @@ class PoolClient:
         """Add ``n`` to one of ``CLIENT_COUNTERS`` (for this client's user)."""
         with self._lock:
             self.counters[counter] += n
-
-    def _meta(self) -> MetadataStore:
-        if self._metadata is None:
-            raise RuntimeError("this pool client has no metadata: it only works under another's leases")
-        return self._metadata
-
-    def replicas(self, key: str) -> list[str]:
-        return self.holders([key])[0]
-
-    def holders(self, keys: Sequence[str]) -> list[list[str]]:
-        """The segments the index lists for each of ``keys``, in one metadata read."""
-        found = self._meta().get_prefixes([f"{OBJECTS}{key}/" for key in keys])
-        by_key: dict[str, list[str]] = {}
-        for name in found:
-            key, _, segment_id = name[len(OBJECTS):].rpartition("/")
-            by_key.setdefault(key, []).append(segment_id)
-        return [sorted(by_key.get(key, [])) for key in keys]
-
-    def lookup(self, keys: Sequence[str]) -> list[list[str]]:
-        """Replica segments of the longest run of ``keys`` (in order) held by live segments."""
-        live = self.segments()
-        run = []
-        for where in self.holders(keys):
-            where = [s for s in where if s in live]
-            if not where:
-                break
-            run.append(where)
-        return run
-
-    def stats(self) -> dict:
-        """What the segments publish: objects, bytes, free space per segment and tier, and the
-        owners' counters (the readers' and writers' counters are theirs to report)."""
-        segments = self.segments(refresh=True)
-        total: dict = {"segments": {}, "objects": 0, "bytes": 0}
-        summed = ("evictions", "demotions", "promotions", "replicas_made")
-        for name in summed:
-            total[name] = 0
-        for segment_id, seg in sorted(segments.items()):
-            s = seg.stats
-            total["objects"] += s.get("objects", 0)
-            total["bytes"] += s.get("bytes", 0)
-            for name in summed:
-                total[name] += s.get(name, 0)
-            total["segments"][segment_id] = {
-                "address": seg.address, "objects": s.get("objects", 0),
-                "dram_bytes": s.get("dram_bytes", 0), "dram_free_bytes": s.get("dram_free_bytes", 0),
-                "ssd_bytes": s.get("ssd_bytes", 0), "ssd_free_bytes": s.get("ssd_free_bytes", 0),
-                "leased_objects": s.get("leased_objects", 0), "pending_puts": s.get("pending_puts", 0),
-            }
-        return total
 
     # -- reading ------------------------------------------------------------------------------------
     def open_read(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int],
@@ -217,11 +144,11 @@ class PoolClient:
         by_segment: dict[str, list[int]] = {}
         for i, s in enumerate(choice[:cut]):
             by_segment.setdefault(s, []).append(i)
-        grants: dict[int, tuple[str, dict]] = {}
+        grants: dict[int, tuple[str, Grant]] = {}
         for s, idx in by_segment.items():
             try:
-                status, answer = self._call_segment(segments[s], {"op": "lease", "keys": [keys[i] for i in idx]})
-                got = answer.get("grants", []) if status == Status.OK else []
+                reply = self._call_segment(segments[s], LeaseRequest([keys[i] for i in idx]), LeaseReply)
+                got = [] if reply is None else reply.grants
             except TransferError as exc:
                 log.info("pool: segment %s unreachable: %s", s, exc)
                 got = []
@@ -262,8 +189,8 @@ class PoolClient:
             raise RuntimeError("this pool client has no transfer engine")
         segments = {s: SegmentInfo(s, str(d["address"]), RegionHandle.from_dict(d["handle"]), {})
                     for s, d in leases["segments"].items()}
-        grants = [(str(s), dict(g)) for s, g in leases["grants"]]
-        return PoolRead(self, [g["key"] for _, g in grants], grants, segments, dst, offsets, dst_memory,
+        grants = [(str(s), Grant.from_dict(g)) for s, g in leases["grants"]]
+        return PoolRead(self, [g.key for _, g in grants], grants, segments, dst, offsets, dst_memory,
                         False, parts, owns_leases=False)
 
     def _finished(self, read: PoolRead, used: bool) -> None:
@@ -276,15 +203,15 @@ class PoolClient:
                 self.counters["loads"] += 1 if read.good else 0
         self._release(dict(enumerate(read.grants)), read.segments)
 
-    def _release(self, grants: dict[int, tuple[str, dict]], segments: dict[str, SegmentInfo]) -> None:
-        by_segment: dict[str, list] = {}
+    def _release(self, grants: dict[int, tuple[str, Grant]], segments: dict[str, SegmentInfo]) -> None:
+        by_segment: dict[str, list[tuple[str, int]]] = {}
         for s, grant in grants.values():
-            by_segment.setdefault(s, []).append([grant["key"], grant["lease"]])
+            by_segment.setdefault(s, []).append((grant.key, grant.lease))
         for s, leases in by_segment.items():
             # Not waited for: the reader is done with the bytes, and a release that never
             # arrives only keeps the objects pinned until their leases expire.
             try:
-                self._transfer.notify(segments[s].address, {"op": "release", "leases": leases})
+                self._transfer.notify(segments[s].address, ReleaseRequest(leases).to_dict())
             except TransferError:
                 pass
 
@@ -301,7 +228,7 @@ class PoolClient:
                 by_segment.setdefault(s, []).append(key)
         for s, held in by_segment.items():
             try:
-                self._call_segment(segments[s], {"op": "touch", "keys": held})
+                self._call_segment(segments[s], TouchRequest(held), None)
             except (TransferError, KeyError) as exc:
                 log.info("pool: touch on segment %s failed: %s", s, exc)
 
@@ -335,9 +262,13 @@ class PoolClient:
         places: list[tuple[SegmentInfo, int] | None] = [None] * len(objects)
         if not objects:
             return PoolWrite(self, src, objects, places, parts)
-        segments = self._answering(self.segments())
+        snapshot = self.segments()
+        segments = self._answering(snapshot)
         largest = max(o.nbytes for o in objects)
         with self._lock:
+            if self._placed_on is not snapshot:  # a new snapshot's free space counts what was placed before it
+                self._placed.clear()
+                self._placed_on = snapshot
             free = {s.segment_id: (s.stats.get("dram_free_bytes", 0) - self._placed[s.segment_id])
                     / max(1, s.stats.get("dram_bytes", 1)) for s in segments.values()}
         candidates = sorted((s for s in segments.values()
@@ -348,14 +279,13 @@ class PoolClient:
             if not todo:
                 break
             try:
-                status, answer = self._call_segment(seg, {
-                    "op": "alloc", "objects": [[objects[i].key, objects[i].nbytes, objects[i].part_bytes] for i in todo]})
+                reply = self._call_segment(seg, AllocRequest([objects[i].size for i in todo]), AllocReply)
             except TransferError as exc:
                 log.info("pool: alloc of %d objects on segment %s failed: %s", len(todo), seg.segment_id, exc)
                 continue
-            if status != Status.OK:
+            if reply is None:
                 continue  # full: the next segment may have room
-            offsets = answer["offsets"]  # one per object up to the first that did not fit
+            offsets = reply.offsets  # one per object up to the first that did not fit
             for i, off in zip(todo, offsets):
                 if off is not None:  # None: stored there already
                     places[i] = (seg, off)
@@ -371,8 +301,9 @@ class PoolClient:
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         objects, places = [], []
-        for (key, nbytes, part_bytes), offset, place in zip(reservation["objects"], offsets, reservation["places"]):
-            objects.append(NewObject(str(key), offset, int(nbytes), int(part_bytes)))
+        for entry, offset, place in zip(reservation["objects"], offsets, reservation["places"]):
+            size = NewObjectSize.from_list(entry)
+            objects.append(NewObject(size.key, offset, size.nbytes, size.part_bytes))
             places.append(None if place is None else (
                 SegmentInfo(str(place[0]), str(place[1]), RegionHandle.from_dict(place[2]), {}), int(place[3])))
         return PoolWrite(self, src, objects, places, parts)
@@ -387,6 +318,11 @@ class NewObject:
     offset: int
     nbytes: int
     part_bytes: int
+
+    @property
+    def size(self) -> NewObjectSize:
+        """What a segment allocates for it."""
+        return NewObjectSize(self.key, self.nbytes, self.part_bytes)
 
 
 class PoolWrite:
@@ -420,7 +356,7 @@ class PoolWrite:
 
     def reservation(self) -> dict:
         """The objects and their places as plain data, for ``PoolClient.write_reserved``."""
-        return {"objects": [[o.key, o.nbytes, o.part_bytes] for o in self.objects],
+        return {"objects": [o.size.to_list() for o in self.objects],
                 "places": [None if p is None else [p[0].segment_id, p[0].address, p[0].handle.to_dict(), p[1]]
                            for p in self.places]}
 
@@ -454,14 +390,14 @@ class PoolWrite:
             keys = [self.objects[i].key for i in idx]
             try:
                 if segment_id in failed:
-                    transfer.call(seg.address, {"op": "abort", "keys": keys})
+                    _ask(transfer, seg, AbortRequest(keys), None)
                     continue
-                status, answer = transfer.call(seg.address, {"op": "seal", "objects": [
-                    [self.objects[i].key, list(checksums[i])] for i in idx]})
+                reply = _ask(transfer, seg, SealRequest([(self.objects[i].key, list(checksums[i])) for i in idx]),
+                             SealReply)
             except TransferError as exc:
                 log.info("pool: seal on segment %s failed: %s", segment_id, exc)
                 continue
-            sealed = answer.get("ok", []) if status == Status.OK else []
+            sealed = [] if reply is None else reply.ok
             with client._lock:
                 for i, ok in zip(idx, sealed):
                     if ok:
@@ -478,7 +414,7 @@ class PoolWrite:
         self.settle()
         for seg, idx in self._by_segment().values():
             try:
-                self._client._transfer.call(seg.address, {"op": "abort", "keys": [self.objects[i].key for i in idx]})
+                _ask(self._client._transfer, seg, AbortRequest([self.objects[i].key for i in idx]), None)
             except TransferError as exc:
                 log.info("pool: abort on segment %s failed: %s", seg.segment_id, exc)
 
@@ -502,7 +438,7 @@ class PoolRead:
     """One prefix read in flight: leases held, every part's transfer submitted. ``wait_part``
     in order, then ``close`` (always: it releases the leases and settles the counters)."""
 
-    def __init__(self, client: PoolClient, keys: list[str], grants: list[tuple[str, dict]],
+    def __init__(self, client: PoolClient, keys: list[str], grants: list[tuple[str, Grant]],
                  segments: dict[str, SegmentInfo], dst: RegionHandle, offsets: Sequence[int], memory: memoryview,
                  layerwise: bool = True, parts: range | None = None, owns_leases: bool = True) -> None:
         self._client = client
@@ -512,7 +448,7 @@ class PoolRead:
         self._offsets = list(offsets)
         self._memory = memory
         self.segments_used = sorted({s for s, _ in grants})
-        total = len(grants[0][1]["checksums"]) if grants else 0
+        total = len(grants[0][1].checksums) if grants else 0
         self.parts = range(total) if parts is None else parts  # the parts read, contiguous at each offset
         if self.parts.stop > total and grants:
             raise ValueError(f"parts {self.parts} of objects of {total} parts")
@@ -534,9 +470,9 @@ class PoolRead:
                 entries = [(i, first, len(self.parts)) for i in range(len(grants))] if part == first else []
             for i, p, count in entries:
                 s, g = grants[i]
-                size = g["part_bytes"]
+                size = g.part_bytes
                 per_segment.setdefault(s, []).append((dst, self._offsets[i] + (p - first) * size, segments[s].handle,
-                                                      g["offset"] + p * size, count * size))
+                                                      g.offset + p * size, count * size))
             self._batches.append([(s, transfer.read(segments[s].address, entries)) for s, entries in per_segment.items()])
 
     @property
@@ -548,7 +484,7 @@ class PoolRead:
         them with ``PoolClient.read_leased`` while this read stays open."""
         return {"segments": {s: {"address": self.segments[s].address, "handle": self.segments[s].handle.to_dict()}
                              for s in self.segments_used},
-                "grants": [[s, g] for s, g in self.grants]}
+                "grants": [[s, g.to_dict()] for s, g in self.grants]}
 
     def wait_part(self, part: int) -> bool:
         """Wait for part ``part`` (one of ``parts``) of every object and check its checksums
@@ -567,9 +503,9 @@ class PoolRead:
                 log.warning("pool: read from segment %s failed: %s; recomputing", s, exc)
                 self.good = min([self.good] + [i for i, (seg, _) in enumerate(self.grants) if seg == s])
         for i, (s, g) in enumerate(self.grants[: self.good]):
-            size = g["part_bytes"]
+            size = g.part_bytes
             start = self._offsets[i] + (part - self.parts.start) * size
-            if xxhash.xxh3_64_intdigest(self._memory[start : start + size]) != g["checksums"][part]:
+            if xxhash.xxh3_64_intdigest(self._memory[start : start + size]) != g.checksums[part]:
                 log.warning("pool: object %s from segment %s failed its checksum; recomputing", self.keys[i], s)
                 self.good = i
                 break

@@ -43,6 +43,7 @@ import torch
 
 from cluster.messenger import Messenger, RegionHandle
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
+from cluster.pool.messages import Grant
 from cluster.pool.objects import part_checksums
 from cluster.pool.ssd import SsdTier
 
@@ -51,18 +52,6 @@ log = logging.getLogger(__name__)
 
 class PoolFull(RuntimeError):
     """No room for the object even after evicting everything evictable."""
-
-
-@dataclass(frozen=True)
-class Grant:
-    """A reader's right to read ``key`` at ``offset`` until its lease ends."""
-
-    key: str
-    offset: int
-    nbytes: int
-    part_bytes: int
-    checksums: list[int]
-    lease: int
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """A segment on the network: its owner's answers to writers and readers, its metadata, its heat.
 
-``SegmentService`` serves a :class:`Segment` through the process's transfer engine (requests
-``alloc`` / ``seal`` / ``abort`` / ``lease`` / ``release`` arrive on the Messenger's
-authenticated control stream) and keeps the segment in the metadata store under a lease:
+``SegmentService`` serves a :class:`Segment` through the process's transfer engine (the
+requests of ``messages.py``, ``alloc`` / ``seal`` / ``abort`` / ``lease`` / ``touch`` /
+``release``, arrive on the Messenger's authenticated control stream) and keeps the segment in
+the metadata store under a lease (``index.py`` reads it):
 
 * ``pool/segments/<id>``: where it is (Messenger address and region handle) and its stats,
   rewritten every heartbeat with the lease kept alive;
@@ -30,13 +31,16 @@ import threading
 
 from cluster.messenger import Messenger
 from cluster.messenger.wire import Status
-from cluster.pool.client import SEGMENTS, PoolClient, object_entry
+from cluster.pool.client import PoolClient
+from cluster.pool.index import SEGMENTS, object_entry
+from cluster.pool.messages import (
+    OPS, AbortRequest, AllocReply, AllocRequest, LeaseReply, LeaseRequest, ReleaseRequest, SealReply, SealRequest,
+    TouchRequest, request_from_dict,
+)
 from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 from cluster.pool.segment import PoolFull, Segment
 
 log = logging.getLogger(__name__)
-
-OPS = ("lease", "touch", "release", "alloc", "seal", "abort")  # what a segment answers
 
 
 class SegmentService:
@@ -128,35 +132,33 @@ class SegmentService:
 
     # -- requests -----------------------------------------------------------------------------------
     def _handle(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
-        op = request["op"]
+        """One request of ``messages.py``, answered as it says. A malformed one raises
+        ``BadRequest`` (the Messenger answers ``BAD_REQUEST``: the sender's fault)."""
         seg = self.segment
-        if op == "lease":
-            keys = [str(k) for k in request["keys"]]
-            return Status.OK, {"grants": [None if g is None else g.__dict__ for g in seg.lease(keys)]}
-        if op == "touch":
-            seg.touch([str(k) for k in request["keys"]])
-            return Status.OK, {}
-        if op == "release":
-            for key, lease in request["leases"]:
-                seg.release(str(key), int(lease))
-            return Status.OK, {}
-        if op == "alloc":  # objects: [[key, nbytes, part_bytes], ...], allocated in order
-            offsets: list[int | None] = []
-            for key, nbytes, part_bytes in request["objects"]:
-                try:
-                    offsets.append(seg.allocate(str(key), int(nbytes), int(part_bytes)))
-                except PoolFull as exc:
-                    if not offsets:
-                        return Status.UNSUPPORTED, {"reason": str(exc)}
-                    break  # the writer takes the rest elsewhere
-            return Status.OK, {"offsets": offsets}
-        if op == "seal":  # objects: [[key, checksums], ...], published in order
-            return Status.OK, {"ok": [seg.seal(str(key), [int(c) for c in sums]) for key, sums in request["objects"]]}
-        if op == "abort":
-            for key in request["keys"]:
-                seg.abort(str(key))
-            return Status.OK, {}
-        return Status.BAD_REQUEST, {"reason": f"unknown pool request {op!r}"}
+        match request_from_dict(request):
+            case LeaseRequest(keys=keys):
+                return Status.OK, LeaseReply(seg.lease(keys)).to_dict()
+            case TouchRequest(keys=keys):
+                seg.touch(keys)
+            case ReleaseRequest(leases=leases):
+                for key, lease in leases:
+                    seg.release(key, lease)
+            case AllocRequest(objects=objects):
+                offsets: list[int | None] = []
+                for o in objects:
+                    try:
+                        offsets.append(seg.allocate(o.key, o.nbytes, o.part_bytes))
+                    except PoolFull as exc:
+                        if not offsets:
+                            return Status.UNSUPPORTED, {"reason": str(exc)}
+                        break  # the writer takes the rest elsewhere
+                return Status.OK, AllocReply(offsets).to_dict()
+            case SealRequest(objects=objects):
+                return Status.OK, SealReply([seg.seal(key, sums) for key, sums in objects]).to_dict()
+            case AbortRequest(keys=keys):
+                for key in keys:
+                    seg.abort(key)
+        return Status.OK, {}
 
     def close(self) -> None:
         """Leave the pool: the lease's revocation drops every entry of this segment at once."""
