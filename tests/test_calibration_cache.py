@@ -25,7 +25,7 @@ from cluster.instance.calibration import CACHE_ENV, cache_dir, cache_key, cache_
 from cluster.instance.service import InstanceConfig, InstanceService
 from cluster.policies.cost_model import DecodeStepModel, InstanceProfile, PrefillCostModel
 from engine.config import EngineConfig
-from server.__main__ import _instance_args, parse_args
+from server.cli import instance_args, parse_args
 from tests.tiny_models import make_tiny_model, write_safetensors
 
 PROFILE = InstanceProfile(PrefillCostModel(c_uu=1e-9, c_up=5e-10, c_u=2e-6, c_0=3e-3),
@@ -257,12 +257,12 @@ def test_recalibrate_measures_again_once_and_restarts_load_the_new_profile(model
 
 def test_recalibrate_reaches_the_instances_the_conductor_starts() -> None:
     before = time.time()
-    args = _instance_args(parse_args(["--recalibrate"]))
+    args = instance_args(parse_args(["--recalibrate"]))
     after = float(args[args.index("--recalibrate-after") + 1])
     assert before <= after <= time.time()
     # What a started instance parses (the Supervisor puts these after --role and --port).
     assert parse_args(["--role", "decode", *args]).recalibrate_after == after
-    assert "--recalibrate-after" not in _instance_args(parse_args([]))
+    assert "--recalibrate-after" not in instance_args(parse_args([]))
 
 
 # -- an instance, started twice --------------------------------------------------------------------

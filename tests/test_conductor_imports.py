@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from bench.harness import launch_server, until
-from server.__main__ import SECRET_ENV
+from server.cli import SECRET_ENV
 
 pytestmark = pytest.mark.processes  # starts a real server process (about 3 s)
 

@@ -15,7 +15,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from server.__main__ import _front_door, _instance_args, parse_args
+from server.cli import instance_args, parse_args
+from server.launch import front_door
 from server.front_door import MIN_CONNECTIONS, RESERVED_FDS, FrontDoor, default_max_connections
 from threaded_server import serve_in_thread
 
@@ -139,8 +140,8 @@ def test_the_limits_and_their_flags():
         with pytest.raises(ValueError):
             FrontDoor(**bad)
     args = parse_args(["--header-timeout-s", "3", "--body-timeout-s", "7", "--max-connections", "900"])
-    assert _front_door(args) == FrontDoor(header_timeout_s=3, body_timeout_s=7, max_connections=900)
-    flags = _instance_args(args)  # the instances a Conductor starts get the same limits
+    assert front_door(args) == FrontDoor(header_timeout_s=3, body_timeout_s=7, max_connections=900)
+    flags = instance_args(args)  # the instances a Conductor starts get the same limits
     for flag, value in (("--header-timeout-s", "3.0"), ("--body-timeout-s", "7.0"), ("--max-connections", "900")):
         assert flags[flags.index(flag) + 1] == value
-    assert "--max-connections" not in _instance_args(parse_args([]))
+    assert "--max-connections" not in instance_args(parse_args([]))

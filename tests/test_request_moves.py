@@ -341,7 +341,7 @@ def test_the_lease_must_span_three_renewal_rounds():
 
 
 def test_the_shipped_defaults_keep_the_lease_rule():
-    from server.__main__ import parse_args
+    from server.cli import parse_args
 
     args = parse_args([])
     ConductorConfig(secret=SECRET, renew_interval_s=args.renew_interval_s,

@@ -26,7 +26,7 @@ import uvicorn
 from bench import harness
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from server.__main__ import parse_args, read_cluster_secret
+from server.cli import parse_args, read_cluster_secret
 from server.app import ServerSettings, build_app
 from engine.async_engine import AsyncLLMEngine
 from prompts import PROMPTS
@@ -739,6 +739,33 @@ def test_cli_help():
                  "--served-model-name", "MOONCAKE_API_KEY", "--public-metrics", "--cluster-secret-file",
                  "MOONCAKE_CLUSTER_SECRET"):
         assert flag in out, flag
+
+
+def test_the_instances_a_conductor_starts_inherit_its_engine_pool_and_front_door_flags():
+    """``instance_args`` renders every flag declared ``passed_on`` (server/cli.py): an instance
+    started with them parses the Conductor's values back; the rest stay the Conductor's own."""
+    from server.cli import instance_args
+
+    conductor = parse_args([
+        "--model", "/m/model.gguf", "--kv-cache-gib", "0.5", "--dtype", "float32", "--quantization", "int8",
+        "--kv-cache-dtype", "bfloat16", "--max-model-len", "4096", "--device", "cpu", "--max-num-seqs", "7",
+        "--max-num-batched-tokens", "1024", "--max-waiting", "9", "--max-connections", "99",
+        "--header-timeout-s", "4", "--body-timeout-s", "8", "--staging-gib", "0.25", "--transfer-timeout-s", "6",
+        "--reservation-lease-s", "40", "--cpp-stages", "2", "--cpp-chunk-tokens", "256", "--cpp-min-tokens", "64",
+        "--pool-dram-gib", "0.5", "--pool-ssd-dir", "/ssd", "--pool-ssd-gib", "2", "--pool-block-tokens", "512",
+        "--etcd", "http://etcd:2379", "--log-level", "debug", "--api-key", "k", "--port", "9000", "--threads", "3"])
+    flags = instance_args(conductor)
+    instance = parse_args(["--role", "decode", *flags])
+    for name in ("model", "kv_cache_gib", "dtype", "quantization", "kv_cache_dtype", "max_model_len", "device",
+                 "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_connections", "header_timeout_s",
+                 "body_timeout_s", "staging_gib", "transfer_timeout_s", "reservation_lease_s", "cpp_stages",
+                 "cpp_chunk_tokens", "cpp_min_tokens", "pool_dram_gib", "pool_ssd_dir", "pool_ssd_gib",
+                 "pool_block_tokens", "etcd", "log_level"):
+        assert getattr(instance, name) == getattr(conductor, name), name
+    assert not {"--api-key", "--port", "--threads", "--no-pool"} & set(flags)  # the Conductor's own
+    # Without the pool, none of its settings: only --no-pool.
+    bare = instance_args(parse_args(["--no-pool", "--pool-ssd-dir", "/ssd"]))
+    assert "--no-pool" in bare and not [f for f in bare if f.startswith("--pool-")]
 
 
 # -- the cluster secret ------------------------------------------------------------------------------

@@ -1,0 +1,293 @@
+"""``python -m server``'s command line: its flags, the cluster secret, and the flags a Conductor
+passes on to the instances it starts.
+
+Each flag is declared once, in ``_parser``; a flag that the instances a Conductor starts inherit
+with its value (the engine's and the pool's settings, the front door's limits) is wrapped in
+``passed_on`` there, and ``instance_args`` renders every such flag from the parsed command line,
+so a new instance flag cannot be forgotten on the way to the instances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import stat
+import time
+
+from engine.model_config import QUANTIZATIONS
+from server.app import DEFAULT_MAX_BODY_BYTES
+from server.front_door import RESERVED_FDS, FrontDoor
+
+SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
+MIN_SECRET_CHARS = 16
+
+
+def _env(name: str, default=None):
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _stage(text: str) -> tuple[int, int]:
+    i, sep, x = text.partition("/")
+    if not sep or not i.isdigit() or not x.isdigit() or not 0 <= int(i) < int(x) or int(x) < 2:
+        raise argparse.ArgumentTypeError(f"a stage is I/X with 0 <= I < X and X >= 2, got {text!r}")
+    return int(i), int(x)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
+    """The parser, and the flags the instances a Conductor starts inherit (in declaration order).
+    Built per call: defaults read the environment as it is then."""
+    inherited: list[argparse.Action] = []
+
+    def passed_on(action: argparse.Action) -> argparse.Action:
+        inherited.append(action)
+        return action
+
+    p = argparse.ArgumentParser(
+        prog="python -m server",
+        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics, /stats) over the mooncake-py engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default=_env("MOONCAKE_HOST", "127.0.0.1"),
+                   help="address to listen on (env MOONCAKE_HOST)")
+    p.add_argument("--port", type=int, default=int(_env("MOONCAKE_PORT", 8000)),
+                   help="port to listen on (env MOONCAKE_PORT)")
+    passed_on(p.add_argument("--model", default=_env("MOONCAKE_MODEL"),
+                             help="HF model folder or .gguf file; default: SmolLM2-135M-Instruct (env MOONCAKE_MODEL)"))
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients pass as 'model'; default: the model's folder/file name")
+    passed_on(p.add_argument("--kv-cache-gib", type=_positive_float,
+                             default=float(v) if (v := _env("MOONCAKE_KV_CACHE_GIB")) else None,
+                             help="KV cache size in GiB; default: 1 on CPU, 90%% of free memory on CUDA "
+                             "(env MOONCAKE_KV_CACHE_GIB)"))
+    p.add_argument("--api-key", default=_env("MOONCAKE_API_KEY"),
+                   help="if set, /v1, /metrics and /stats requests need 'Authorization: Bearer KEY' "
+                   "(env MOONCAKE_API_KEY); /health stays open")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, serve /metrics and /stats without it (e.g. to a scraper)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch intra-op threads; default: all cores")
+    passed_on(p.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available"))
+    passed_on(p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                             help="activations and KV cache, and the weights unless quantized; default: bfloat16 "
+                                  "(float32 on a CPU without bfloat16 units)"))
+    passed_on(p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                             help="the KV cache's dtype; default: float32 on CPU, --dtype on CUDA"))
+    passed_on(p.add_argument("--quantization", choices=["none", *QUANTIZATIONS], default=None,
+                             help="weight-only quantization of the linear layers and the LM head (CPU); default: int4 on "
+                                  "CPU unless --dtype is given, none on CUDA (bench.quality measures what it costs)"))
+    passed_on(p.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                             help="most sequences in one batch"))
+    passed_on(p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512,
+                             help="token budget of one engine step (chunked prefill)"))
+    passed_on(p.add_argument("--max-model-len", type=_positive_int, default=None,
+                             help="context length; default: the model's"))
+    passed_on(p.add_argument("--max-waiting", type=_non_negative_int, default=256,
+                             help="requests allowed to wait for their first token (in the colocated engine, or in each "
+                             "instance); beyond it: HTTP 429"))
+    p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted; beyond it: HTTP 413")
+    passed_on(p.add_argument("--log-level", default="info",
+                             choices=["critical", "error", "warning", "info", "debug"]))
+    passed_on(p.add_argument("--header-timeout-s", type=_positive_float, default=FrontDoor.header_timeout_s,
+                             help="a request's headers must arrive within this many seconds of the connection "
+                             "being ready for it, else it is closed (every HTTP port, instances' too)"))
+    passed_on(p.add_argument("--body-timeout-s", type=_positive_float, default=FrontDoor.body_timeout_s,
+                             help="a request's body must arrive within this many seconds of its headers"))
+    passed_on(p.add_argument("--max-connections", type=_positive_int, default=None,
+                             help="open connections per HTTP port; past it new ones are closed at once "
+                             f"(default: the open-file limit less {RESERVED_FDS})"))
+    c = p.add_argument_group("cluster")
+    c.add_argument("--mode", choices=["disaggregated", "colocated"], default=_env("MOONCAKE_MODE", "disaggregated"),
+                   help="disaggregated: Conductor + prefill and decode instances; colocated: one engine (env MOONCAKE_MODE)")
+    c.add_argument("--role", choices=["prefill", "decode", "both"], default=None,
+                   help="run one instance process of this role instead of a front end")
+    # Not a list default: append would add the flags to it instead of replacing it.
+    c.add_argument("--conductor", action="append", default=None,
+                   help="(instance) a Conductor's URL to register with; repeatable (env MOONCAKE_CONDUCTOR, "
+                   "comma-separated). With --etcd it needs none: every Conductor finds it there")
+    c.add_argument("--conductor-id", default=_env("MOONCAKE_CONDUCTOR_ID"),
+                   help="(Conductor) this Conductor's name to the instances, which keep each Conductor's "
+                   "reservations apart; Conductors fronting the same instances need different ones, and a "
+                   "restarted one its old one. Default: the host:port it is reached at (env MOONCAKE_CONDUCTOR_ID)")
+    c.add_argument("--listen-fd", type=_non_negative_int,
+                   default=int(v) if (v := _env("MOONCAKE_LISTEN_FD")) else None,
+                   help="(instance) serve on this inherited listening socket instead of binding --port; the "
+                   "Supervisor sets it (env MOONCAKE_LISTEN_FD) to keep a restarted instance's port its own")
+    c.add_argument("--url", default=None,
+                   help="(instance) the URL the Conductor reaches this instance at; default http://HOST:PORT. "
+                   "(Conductor) the URL other hosts reach the Conductor at: its host is the address the embedded "
+                   "metadata server is advertised by; default HOST, or with --host 0.0.0.0 the address of "
+                   "this host's default route")
+    given = c.add_mutually_exclusive_group()
+    given.add_argument("--cluster-secret-file", metavar="PATH", default=None,
+                       help=f"file holding the shared secret (>= {MIN_SECRET_CHARS} characters) between the "
+                       f"Conductor and instances; default: env {SECRET_ENV}, else generated for the "
+                       "instances this process starts")
+    given.add_argument("--cluster-secret", default=None,
+                       help=f"the shared secret itself; discouraged: other users see command lines (ps), "
+                       f"use env {SECRET_ENV} or --cluster-secret-file")
+    c.add_argument("--instance", action="append", default=[],
+                   help="(Conductor) URL of an instance to poll from the start; repeatable")
+    c.add_argument("--prefill-instances", type=_non_negative_int, default=1,
+                   help="(Conductor) prefill instances to start on this machine")
+    c.add_argument("--decode-instances", type=_non_negative_int, default=1,
+                   help="(Conductor) decode instances to start on this machine")
+    passed_on(c.add_argument("--cpp-stages", type=_positive_int, default=1,
+                             help="chunked pipeline parallel prefill: each prefill instance runs as a group of this many "
+                                  "stage processes, each holding a contiguous range of the layers (1: none)"))
+    passed_on(c.add_argument("--cpp-chunk-tokens", type=_positive_int, default=None,
+                             help="(a pipeline group: --cpp-stages or --stage) prompt tokens per chunk through the "
+                                  "pipeline; default: --max-num-batched-tokens"))
+    passed_on(c.add_argument("--cpp-min-tokens", type=_non_negative_int, default=0,
+                             help="(a pipeline group) a prompt shorter than this goes through the pipeline as one "
+                                  "chunk (0: every prompt is chunked)"))
+    c.add_argument("--stage", type=_stage, default=None, metavar="I/X",
+                   help="(prefill instance, by hand) run stage I of a pipeline group of X stages; stage 0 is "
+                        "the prefill instance the Conductor talks to, and the others join it (--group, --first)")
+    c.add_argument("--group", default=None,
+                   help="(with --stage) the pipeline group's name: a stage joins only the group it names")
+    c.add_argument("--first", default=None, metavar="URL",
+                   help="(with --stage I/X, I > 0) the URL of the group's stage 0 (its --url)")
+    c.add_argument("--instance-threads", type=_positive_int, default=None,
+                   help="(Conductor) torch threads of each started instance; default: cores / instances")
+    passed_on(c.add_argument("--transfer-timeout-s", type=_positive_float, default=30.0,
+                             help="(instance) how long a KV write may take before it fails; receive staging of an "
+                             "abandoned request is reused only after this long"))
+    passed_on(c.add_argument("--staging-gib", type=_positive_float, default=0.5,
+                             help="(instance) size of each KV staging area (send, receive)"))
+    passed_on(c.add_argument("--recalibrate", action="store_true",
+                             help="measure the cost models again instead of loading the profile cached for the same "
+                                  "model, precision, threads, step budget, role and machine (every started instance too)"))
+    c.add_argument("--recalibrate-after", type=float, default=None, metavar="UNIX_TIME",
+                   help="(instance) measure again unless the cached profile is newer than this; the Conductor "
+                        "passes its start time with --recalibrate, so a restarted instance loads what its first "
+                        "run measured")
+    c.add_argument("--scheduler", choices=["random", "load", "local", "global"], default="global",
+                   help="(Conductor) prefill scheduling: global = Algorithm 1 with hot-prefix replication")
+    c.add_argument("--kvcache-balancing-threshold", type=float, default=2.0,
+                   help="(Conductor) pull a prefix from another prefill instance when it is this many times "
+                   "longer than the local one")
+    c.add_argument("--admission", choices=["none", "early", "predictive"], default="none",
+                   help="(Conductor) early rejection (HTTP 429) on predicted load; needs --slo-ttft-s and --slo-tbt-s")
+    c.add_argument("--slo-ttft-s", type=_positive_float, default=None, help="(Conductor) TTFT SLO in seconds")
+    c.add_argument("--slo-tbt-s", type=_positive_float, default=None, help="(Conductor) TBT SLO in seconds")
+    c.add_argument("--predicted-decode-s", type=_positive_float, default=5.0,
+                   help="(Conductor) decode duration assumed by --admission predictive")
+    c.add_argument("--max-queued-prefills", type=_positive_int, default=32,
+                   help="(Conductor) requests allowed to wait on one prefill instance; beyond it: HTTP 429")
+    passed_on(c.add_argument("--reservation-lease-s", type=_positive_float, default=10.0,
+                             help="(instance) a KV reservation the Conductor stops renewing is released after this long; "
+                             "at least 3 x (--renew-interval-s + --renew-timeout-s)"))
+    c.add_argument("--renew-interval-s", type=_positive_float, default=1.0,
+                   help="(Conductor) how often the leases of reservations are renewed, each instance on its own")
+    c.add_argument("--renew-timeout-s", type=_positive_float, default=2.0,
+                   help="(Conductor) a renewal not answered this fast is retried at the next interval")
+    c.add_argument("--max-request-moves", type=int, default=2,
+                   help="(Conductor) a request whose instance is lost (or drops its reservation) is placed "
+                   "again at most this often, with the tokens it streamed as part of its prompt; then HTTP 503")
+    pool = p.add_argument_group("KVCache pool (every node's DRAM and SSD as one store of prefix blocks)")
+    passed_on(pool.add_argument("--no-pool", action="store_true",
+                                help="(Conductor) run without the pool: each instance has only its own prefix cache"))
+    passed_on(pool.add_argument("--etcd", metavar="URL", default=_env("MOONCAKE_ETCD"),
+                                help="(every process) etcd at URL (http://HOST:2379) holds the cluster's membership "
+                                     "(instances announce themselves there; several Conductors can front them) and the pool's "
+                                     "metadata; default: instances register with --conductor, and the pool's metadata is in "
+                                     "the Conductor's embedded server"))
+    pool.add_argument("--pool-metadata", metavar="URL", default=None,
+                      help="(instance) the Conductor's embedded metadata server (the Conductor passes it "
+                           "to the instances it starts)")
+    passed_on(pool.add_argument("--pool-dram-gib", type=_non_negative_float, default=1.0,
+                                help="(instance) host DRAM this instance contributes to the pool (1; 0: none)"))
+    passed_on(pool.add_argument("--pool-ssd-dir", default=None,
+                                help="(instance) directory of this instance's SSD tier (a subdirectory per instance)"))
+    passed_on(pool.add_argument("--pool-ssd-gib", type=_non_negative_float, default=0.0, help="(instance) SSD tier size"))
+    passed_on(pool.add_argument("--pool-block-tokens", type=_positive_int, default=256,
+                                help="(instance) tokens per pool object, a multiple of the KV block size (256)"))
+    return p, inherited
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = _parser()[0].parse_args(argv)
+    if args.conductor is None:
+        args.conductor = [u for u in (_env("MOONCAKE_CONDUCTOR") or "").split(",") if u]
+    return args
+
+
+def instance_args(args: argparse.Namespace) -> list[str]:
+    """The flags a started instance inherits from this command line: every ``passed_on`` flag
+    that is set, with its value."""
+    out: list[str] = []
+    for action in _parser()[1]:
+        value, flag = getattr(args, action.dest), action.option_strings[0]
+        if action.dest == "recalibrate":
+            # Not the flag itself: an instance the Supervisor restarts later must load what its
+            # first run measured, not measure again, so it gets this start's time instead.
+            out += ["--recalibrate-after", repr(time.time())] if value else []
+        elif args.no_pool and action.dest.startswith("pool_"):
+            continue  # no pool: nothing of it to configure
+        elif isinstance(value, bool):
+            out += [flag] if value else []
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def read_cluster_secret(args: argparse.Namespace) -> str | None:
+    """The cluster secret from ``--cluster-secret-file``, ``--cluster-secret`` or the environment,
+    without surrounding whitespace; None when none is given. Raises ``ValueError`` when it cannot be
+    read or is too short to resist guessing."""
+    log = logging.getLogger(__name__)
+    if args.cluster_secret_file is not None:
+        source = f"--cluster-secret-file {args.cluster_secret_file}"
+        try:
+            with open(args.cluster_secret_file, encoding="utf-8") as f:
+                secret = f.read()
+            mode = os.stat(args.cluster_secret_file).st_mode
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the cluster secret from {source}: {e}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("%s can be read by other users; restrict it with chmod 600", args.cluster_secret_file)
+    elif args.cluster_secret is not None:
+        source, secret = "--cluster-secret", args.cluster_secret
+        log.warning("--cluster-secret on the command line is visible to other users of this machine (ps, "
+                    "/proc/PID/cmdline); set %s or use --cluster-secret-file instead", SECRET_ENV)
+    elif (secret := os.environ.get(SECRET_ENV)) is not None:
+        source = SECRET_ENV
+    else:
+        return None
+    secret = secret.strip()
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"the cluster secret from {source} must be at least {MIN_SECRET_CHARS} characters "
+                         f"(got {len(secret)})")
+    return secret
