@@ -10,7 +10,8 @@ something of a step while it runs, layer by layer. ``LLMEngine.step`` stays thre
 * **KV loads** (``Sequence.kv_load``: a prefix read from the pool) fill each layer's blocks just
   before that layer computes (``before_layer``); a load that fails marks its sequence failed;
 * a **first pipeline stage** hands its prompt chunks and loads on to the stages after it
-  (``handed_on``), which run their own sinks and loads on their layers.
+  (``handed_on``: ``PromptChunk``s and ``StageLoad``s), which run their own sinks and loads on
+  their layers.
 
 Invariants: the hooks run on the engine thread, inside ``ModelRunner.run``; once ``on_layer(l)``
 returns, layer ``l`` of every block up to each chunk's ``end`` is final; a sequence in
@@ -60,6 +61,25 @@ class PromptChunk:
                    int(data["end"]), int(data["num_prompt_tokens"]))
 
 
+@dataclass(frozen=True)
+class StageLoad:
+    """A KV load of a step (``engine.sequence.PendingKVLoad``) as a later pipeline stage fills it:
+    request ``request_id``'s ``block_ids``, in order, the first ``skip`` of them cached already.
+    Plain data, like ``PromptChunk``: each stage read its own layers of the load beforehand, and
+    needs only which blocks to fill."""
+
+    request_id: str
+    block_ids: list[int]
+    skip: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StageLoad:
+        return cls(str(data["request_id"]), [int(b) for b in data["block_ids"]], int(data["skip"]))
+
+
 class KVSink(Protocol):
     """Where a prefill instance's engine sends the KV of the prompts it computes: the stream to a
     decode instance (cluster/kv_stream/), the KVCache pool (cluster/instance/pool_io.py).
@@ -99,7 +119,7 @@ class StepHooks:
                  hands_on: bool) -> None:
         self.on_layer: Callable[[int], None] | None = None
         self.before_layer: Callable[[int], None] | None = None
-        self.handed_on: tuple[list[dict], list[dict]] | None = None
+        self.handed_on: tuple[list[PromptChunk], list[StageLoad]] | None = None
         self._kv_cache = kv_cache
         self._loading = [s.seq for s in batch if s.seq.kv_load is not None]
         self._failed: set[Sequence] = set()
@@ -114,11 +134,8 @@ class StepHooks:
         if self._loading:
             self.before_layer = self._load_layer
         if hands_on:
-            # The later stages loaded their layers of each load beforehand (``PoolIO``); they
-            # need only which blocks to fill.
-            self.handed_on = ([c.to_dict() for c in chunks],
-                              [{"request_id": seq.request_id, "block_ids": seq.kv_load.block_ids,
-                                "skip": seq.kv_load.skip} for seq in self._loading])
+            self.handed_on = (chunks, [StageLoad(seq.request_id, seq.kv_load.block_ids, seq.kv_load.skip)
+                                       for seq in self._loading])
 
     def _load_layer(self, i: int) -> None:
         """Layer ``i`` of each load into its blocks, just before layer ``i`` computes. A load

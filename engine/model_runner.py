@@ -14,6 +14,7 @@ import torch
 import mooncake_kernels as kernels
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
+from engine.hooks import PromptChunk, StageLoad
 from engine.kv_layout import KVLayout
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
@@ -67,17 +68,18 @@ class StageStep:
     prefill_seq_lens: list[int]
     prefill_query_start_loc: list[int]
     rows: list[int]
-    chunks: list[dict] = field(default_factory=list)  # the step's prompt chunks (``PromptChunk.to_dict``)
-    # The step's KV loads: ``request_id``, the ``block_ids`` they fill and the blocks they
-    # ``skip`` (as ``engine.sequence.PendingKVLoad``); each stage loaded its layers beforehand.
-    loads: list[dict] = field(default_factory=list)
+    chunks: list[PromptChunk] = field(default_factory=list)  # the step's prompt chunks
+    loads: list[StageLoad] = field(default_factory=list)  # its KV loads; each stage loaded its layers beforehand
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self)  # the chunks and loads as their ``to_dict``s
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StageStep:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        fields = {k: data[k] for k in cls.__dataclass_fields__}
+        fields["chunks"] = [PromptChunk.from_dict(c) for c in fields["chunks"]]
+        fields["loads"] = [StageLoad.from_dict(d) for d in fields["loads"]]
+        return cls(**fields)
 
 
 class StageDownstream(Protocol):
@@ -223,7 +225,7 @@ class ModelRunner:
     def run(
         self, batch: list[ScheduledSeq], on_layer: Callable[[int], None] | None = None,
         before_layer: Callable[[int], None] | None = None,
-        handed_on: tuple[list[dict], list[dict]] | None = None,
+        handed_on: tuple[list[PromptChunk], list[StageLoad]] | None = None,
     ) -> tuple[torch.Tensor, list[ScheduledSeq], list[tuple[Sequence, range, torch.Tensor]]]:
         """Run one step; returns logits for the sequences that sample, those sequences, and the
         prompt positions scored (sequences that asked for prompt logprobs: each with the
@@ -269,7 +271,7 @@ class ModelRunner:
         return logits[:n_sampling], sampling, scores
 
     def _stage_step(self, positions: torch.Tensor, meta: AttentionMetadata, rows: list[int],
-                    chunks: list[dict], loads: list[dict]) -> StageStep:
+                    chunks: list[PromptChunk], loads: list[StageLoad]) -> StageStep:
         self._steps += 1
         return StageStep(
             self._steps, positions.tolist(), meta.slot_mapping.tolist(), meta.num_decodes,

@@ -4,15 +4,18 @@ does, bit for bit, in a prefill and the decode step after it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from cluster.protocol import StageStepCall
 from engine.config import EngineConfig
+from engine.hooks import PromptChunk, StageLoad
 from engine.model import stage_layers
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StageStep
 from engine.scheduler import ScheduledSeq
 from tests.tiny_models import make_tiny_model
 
@@ -25,6 +28,16 @@ def test_stage_layers_split_contiguously_and_evenly():
         stage_layers(2, 0, 3)  # more stages than layers
     with pytest.raises(ValueError):
         EngineConfig(device="cpu", role="both", stage=(0, 2))  # only prefill instances are staged
+
+
+def test_a_step_crosses_to_the_next_stage_with_its_chunks_and_loads():
+    """A step's prompt chunks and KV loads travel as plain data and arrive typed, as they left."""
+    step = StageStep(step_id=3, positions=[0, 1], slot_mapping=[0, 1], num_decodes=0, decode_block_tables=[],
+                     decode_seq_lens=[], prefill_block_tables=[[0]], prefill_seq_lens=[2],
+                     prefill_query_start_loc=[0, 2], rows=[1], chunks=[PromptChunk("r", [4, 5], 16, 18, 18)],
+                     loads=[StageLoad("r", [4], 1)])
+    wire = json.loads(json.dumps(StageStepCall(step.to_dict()).to_dict()))
+    assert StageStep.from_dict(StageStepCall.from_dict(wire).step) == step
 
 
 def _runner(model: Path, stage: tuple[int, int] | None) -> ModelRunner:
@@ -230,7 +243,6 @@ def test_a_step_the_next_stage_cannot_take_fails_naming_that_stage(tmp_path):
     from cluster.cpp.stage import StageLink, StageWorker
     from cluster.messenger import MessengerConfig, Messenger
     from cluster.messenger.errors import TransferError
-    from engine.model_runner import StageStep
 
     model = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", tie=True, seed=11)
     ends = [Messenger(MessengerConfig(secret=b"stage link test secret 0123456789", transport="tcp"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +29,17 @@ from cluster.pool.layerwise import LayerwiseStore, LayerwiseStores
 from cluster.pool.objects import PoolGeometry
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from cluster.messenger import Messenger
+from engine.hooks import StageLoad
 from engine.kv_layout import unpack_layer
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """This stage's parts of a request's loaded objects, one tensor per object (layer-major),
+    and the staging they lie in."""
+
+    views: list[torch.Tensor]
+    staging: StagingRange
 
 
 class StagePool:
@@ -41,7 +52,7 @@ class StagePool:
         self.geometry = geometry
         self.layers = layers
         self.stores = LayerwiseStores(area, geometry, layers)
-        self._loads: dict[str, tuple[list[torch.Tensor], StagingRange]] = {}
+        self._loads: dict[str, _Loaded] = {}
         self._lock = threading.Lock()
 
     def load(self, request_id: str, leases: dict) -> int:
@@ -69,21 +80,20 @@ class StagePool:
             return 0
         views = [self.stores.object_view(off) for off in offsets[:good]]
         with self._lock:
-            self._loads[request_id] = (views, r)
+            self._loads[request_id] = _Loaded(views, r)
         return good
 
-    def before_layer(self, loads: list[dict], kv_cache: torch.Tensor) -> Callable[[int], None] | None:
+    def before_layer(self, loads: list[StageLoad], kv_cache: torch.Tensor) -> Callable[[int], None] | None:
         """The ``before_layer`` of a step carrying ``loads`` (``StageStep.loads``). Raises
         ``KeyError`` for a load this stage does not hold (the step cannot run right)."""
         if not loads:
             return None
         with self._lock:
-            mine = [(self._loads[d["request_id"]][0], [int(b) for b in d["block_ids"]], int(d["skip"]))
-                    for d in loads]
+            mine = [(self._loads[load.request_id].views, load) for load in loads]
 
         def load_layer(i: int) -> None:
-            for views, block_ids, skip in mine:
-                unpack_layer(kv_cache, i, [v[i : i + 1] for v in views], block_ids, skip)
+            for views, load in mine:
+                unpack_layer(kv_cache, i, [v[i : i + 1] for v in views], load.block_ids, load.skip)
 
         return load_layer
 
@@ -91,7 +101,7 @@ class StagePool:
         with self._lock:
             held = self._loads.pop(request_id, None)
         if held is not None:
-            self._area.release(held[1])
+            self._area.release(held.staging)
 
     def plan(self, request_id: str, reservation: dict, first_blocks: list[int]) -> bool:
         """Take this stage's parts of the reserved objects, to be written layer by layer as the

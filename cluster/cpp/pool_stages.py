@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class PoolStages(ABC):
+    """What a prefill instance's ``PoolIO`` asks of the stages that hold its layers, around each
+    load and store (see the module doc). The calls block."""
+
     # Whether a load is read layer by layer, each layer taken by the engine as it arrives,
     # rather than in one transfer before the prompt runs.
     reads_layerwise: bool

@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
@@ -41,7 +40,7 @@ from cluster.protocol import (
     StagePoolStore, StagePoolStoreEnd, StagePoolStoreEndReply, StagePoolStoreReply, StagePoolUnload, StageStepCall,
     TensorSlot)
 from engine.config import parse_dtype
-from engine.hooks import PromptChunk, sinks_on_layer
+from engine.hooks import sinks_on_layer
 from engine.model_runner import ModelRunner, StageStep
 
 log = logging.getLogger(__name__)
@@ -56,6 +55,21 @@ class StagePeer:
 
     address: str
     region: RegionHandle
+
+
+@dataclass(frozen=True)
+class _Arrived:
+    """A step a stage worker runs, with the hidden states and residual it arrived with."""
+
+    step: StageStep
+    hidden: tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Unload:
+    """A pool load a stage worker lets go of, queued behind the steps sent before it."""
+
+    request_id: str
 
 
 class _Mailbox:
@@ -284,7 +298,7 @@ class StageWorker:
         self._box = _Mailbox(transfer, nbytes, timeout_s)
         self.next: StagePeer | None = None
         self.first: StagePeer | None = None
-        self._steps: queue.SimpleQueue = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue[_Arrived | _Unload | None] = queue.SimpleQueue()
         transfer.serve(self._on_step, (StageStepCall.OP,))
         transfer.serve(self._on_kv, (StageExpect.OP, StageFinish.OP))
         transfer.serve(self._on_pool, (StagePoolLoad.OP, StagePoolUnload.OP, StagePoolStore.OP, StagePoolStoreEnd.OP))
@@ -303,7 +317,7 @@ class StageWorker:
     def _on_step(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
         m = StageStepCall.from_dict(request)
         x, residual = self._box.take(m.tensors)
-        self._steps.put((StageStep.from_dict(m.step), (x, residual)))
+        self._steps.put(_Arrived(StageStep.from_dict(m.step), (x, residual)))
         return Status.OK, {}
 
     def _on_pool(self, request: dict, peer_hello: dict) -> tuple[Status, dict]:
@@ -313,7 +327,7 @@ class StageWorker:
         op = request["op"]
         if op == StagePoolUnload.OP:
             # Behind every step sent before it.
-            self._steps.put(("unload", StagePoolUnload.from_dict(request).request_id))
+            self._steps.put(_Unload(StagePoolUnload.from_dict(request).request_id))
             return Status.OK, {}
         if op == StagePoolLoad.OP:
             load = StagePoolLoad.from_dict(request)
@@ -340,10 +354,6 @@ class StageWorker:
             return Status.OK, StageFinishReply(str(exc) or type(exc).__name__).to_dict()
         return Status.OK, StageFinishReply().to_dict()
 
-    def _on_layer(self, step: StageStep) -> Callable[[int], None] | None:
-        chunks = [PromptChunk.from_dict(c) for c in step.chunks] if self._sinks else []
-        return sinks_on_layer(self._sinks, self.runner.kv_cache, chunks)
-
     def _unload(self, request_id: str) -> None:
         self.pool.unload(request_id)
         if self.next is not None:
@@ -354,17 +364,18 @@ class StageWorker:
             item = self._steps.get()
             if item is None:
                 return
-            step, hidden = item
-            if step == "unload":
-                self._unload(hidden)
+            if isinstance(item, _Unload):
+                self._unload(item.request_id)
                 continue
+            step = item.step
             try:
                 before_layer = None
                 if step.loads:
                     if self.pool is None:
                         raise RuntimeError("a step loads KV, but this stage is not in a KVCache pool")
                     before_layer = self.pool.before_layer(step.loads, self.runner.kv_cache)
-                out = self.runner.run_stage(step, hidden, self._on_layer(step), before_layer)
+                on_layer = sinks_on_layer(self._sinks, self.runner.kv_cache, step.chunks)
+                out = self.runner.run_stage(step, item.hidden, on_layer, before_layer)
                 if self.runner.model.last:
                     if step.rows:
                         self._box.post(self.first, StageLogits(step.step_id), [out])

@@ -23,8 +23,9 @@
 
 The first stage of a pipeline group holds only its layers: it leases and reserves for the
 group, reads and writes its own layers' parts, and has every later stage do the same with
-theirs. What that changes is ``stages``' (``cluster.cpp.pool_stages``: ``OneStage`` for an
-instance that holds every layer, ``LaterStages`` for a group's first stage).
+theirs. What a group changes (when a load is read, how a store is sealed, whether a prompt is
+stored from the prefix cache) is asked of ``stages`` (``cluster.cpp.pool_stages``: ``OneStage``
+for an instance that holds every layer, ``LaterStages`` for a group's first stage).
 
 The pool is a cache: whatever goes wrong with it costs a prompt its hit or its store, never its
 answer. Every look at the pool's index (``_index``) runs on this instance's own pool threads
