@@ -524,7 +524,14 @@ def test_freed_memory_goes_back_to_the_os_once_the_engine_is_idle(servers, monke
     import engine.async_engine as async_engine
     from engine.cpu_runtime import return_freed_memory
 
+    # The engine thread's trims are recorded from here on, not done: none lands in the middle of
+    # the measurement below.
+    trims = []
+    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", 1.0)
+    monkeypatch.setattr(async_engine, "return_freed_memory", lambda: trims.append(time.monotonic()))
+
     # What the trim does: 400 MB freed into the tuned heap stays resident until it is returned.
+    return_freed_memory()  # from a trimmed heap, so the block below takes fresh pages
     before = _rss_anon_kib()
     block = b"x" * (400 << 20)  # written, so resident (calloc'd pages might not be)
     del block
@@ -533,10 +540,6 @@ def test_freed_memory_goes_back_to_the_os_once_the_engine_is_idle(servers, monke
     assert _rss_anon_kib() - before < 100 << 10
 
     # That the engine thread calls it: after its steps, once, when it has been idle a while.
-    trims = []
-    monkeypatch.setattr(async_engine, "IDLE_TRIM_S", 1.0)
-    monkeypatch.setattr(async_engine, "return_freed_memory", lambda: trims.append(time.monotonic()))
-
     async def generate() -> None:
         async for _ in servers.client.generate("trim", PROMPT, SamplingParams(max_tokens=2)):
             pass
