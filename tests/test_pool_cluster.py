@@ -48,6 +48,7 @@ class PoolCluster(Cluster):
     def __init__(self, etcd: str | None, workdir: Path) -> None:
         self.etcd = etcd
         self.workdir = workdir
+        self.metadata = None  # until the cluster is up: a start that fails closes without it
         # A ~1,000-token prompt is one engine step of seconds: it keeps its instance busy.
         flags = ["--prefill-instances", "2", "--decode-instances", "1", "--max-num-batched-tokens", "2048",
                  "--pool-dram-gib", "0", "--pool-block-tokens", "64", *(["--etcd", etcd] if etcd else [])]
@@ -118,9 +119,12 @@ class PoolCluster(Cluster):
         super().assert_clean(also=pool_held)
 
     def close(self) -> None:
-        self.stop_pool_node()
-        self.metadata.close()
-        super().close()
+        try:
+            self.stop_pool_node()
+            if self.metadata is not None:
+                self.metadata.close()
+        finally:
+            super().close()
 
 
 # What reads or writes the pool's index runs on both metadata backends; what happens inside a
