@@ -114,7 +114,7 @@ def test_the_rows_of_issue_31s_scenarios_count_what_they_measured(tmp_path):
                        "summary": "served", "frozen_node": {"baseline_s": [2.0], "frozen_s": [9.0], "bound_s": 5.0,
                                                             "slowed": 1, "node_never_asked": 0,
                                                             "segment_timeouts": 1, "segments_passed_over": 4}})
-    figures = dict.fromkeys(("rss_mib", "anon_mib", "shmem_mib", "threads", "fds", "memfds"), [10, 10])
+    figures = dict.fromkeys(("rss_mib", "anon_mib", "shmem_mib", "threads", "fds", "memfds", "memfd_maps"), [10, 10])
     extra = {"restarts": {"restarts": 10, "killed_busy": 9, "restart_s": [5.0], "totals": figures,
                           "grown": ["prefill http://p shmem_mib 2000 -> 3000"], "survivors_lost": []},
              "disconnect": {"streams": 32, "prompts": 6, "streams_dropped_mid_decode": 32,
@@ -129,10 +129,10 @@ def test_the_rows_of_issue_31s_scenarios_count_what_they_measured(tmp_path):
                               chaos.SSD_UNCOUNTED, chaos.FROZEN_SLOW, chaos.FROZEN_UNASKED)] == [1, 4, 700, 1, 1, 1, 0]
     table = chaos.format_table(report)
     assert "RESULT: FAIL" in table and "grown: prefill http://p shmem_mib 2000 -> 3000" in table
-    for label in ("survivors' open memfds, before -> after", "still held 5 s after they left",
+    for label in ("survivors' memfds mapped (summed), before -> after", "still held 5 s after they left",
                   "corrupt read not counted", "prompts slower than the bound"):
         assert label in table and table.split(label)[1].split("\n")[0].endswith("<-- FAIL") == (
-            label != "survivors' open memfds, before -> after"), label
+            not label.startswith("survivors'")), label
 
 
 def test_owns_only_processes_started_for_its_conductor(tmp_path):

@@ -147,9 +147,10 @@ def _new_rows(report: dict[str, Any], row: Callable[..., str]) -> list[str]:
     object, a frozen pool node."""
     lines = []
     if restarts := report.get("restarts"):
-        lines.append(f"fault: {restarts['restarts']} kill -9 restarts of a decode instance ({restarts['killed_busy']} "
-                     f"killed holding a request), each back in {restarts['restart_s']} s")
-        lines += [row(f"  survivors' {LABELS[fig]}, before -> after", f"{b} -> {a}")
+        lines.append(f"fault: {restarts['restarts']} kill -9 restarts of a decode instance, after "
+                     f"{restarts.get('warmup_restarts', 0)} to warm up ({restarts['killed_busy']} killed holding a "
+                     f"request), each back in {restarts['restart_s']} s")
+        lines += [row(f"  survivors' {LABELS[fig]} (summed), before -> after", f"{b} -> {a}")
                   for fig, (b, a) in restarts["totals"].items()]
         lines.append(row("  survivor figures grown beyond tolerance", report["must_be_zero"][RESTART_GROWTH],
                          RESTART_GROWTH))
