@@ -3,7 +3,8 @@
     python -m bench.simulate schedulers   # FAST'25 Fig. 5: mean TTFT per prefill scheduler
     python -m bench.simulate hitrate      # FAST'25 Fig. 9: hit rate vs cache capacity
     python -m bench.simulate global       # FAST'25 Fig. 10: local vs global KV cache (and a pool)
-    python -m bench.simulate overload     # arXiv Table 3, Fig. 9/10: admission under 2x load
+    python -m bench.simulate overload     # arXiv Table 3, Fig. 9/10: admission under 2x load, and elastic roles
+    python -m bench.simulate switch_cost  # issue 32: elastic roles under 2x load against the cost of a switch
     python -m bench.simulate cpp          # arXiv §5.1: long prompts' TTFT with chunked pipeline parallel groups
 
 Each prints a table beside the paper's numbers and writes ``NAME.json`` and PNG plots to
@@ -26,9 +27,10 @@ import numpy as np
 from bench.sim.config import ARXIV_OVERLOAD_HARDWARE, SimConfig
 from bench.sim.hitrate import lru_hit_rate
 from bench.sim.metrics import distribution, summarize
-from bench.sim.plots import plot_bars, plot_hit_curves, plot_latency_cdfs, plot_loads
+from bench.sim.plots import plot_bars, plot_hit_curves, plot_latency_cdfs, plot_loads, plot_switch_cost
 from bench.sim.simulator import COMPLETED, SimResult, simulate
 from bench.trace import TraceEntry, load_trace
+from cluster.policies.elastic_roles import ElasticConfig
 
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces"
 
@@ -166,15 +168,28 @@ def exp_global(args: argparse.Namespace, out: Path) -> None:
     save_json(out, "global", payload)
 
 
-def exp_overload(args: argparse.Namespace, out: Path) -> None:
-    entries = load_trace(str(args.trace or trace_path("conversation")))
+def overload_config(seed: int) -> SimConfig:
+    """The overload experiment's cluster: 8P + 8D of the arXiv-era hardware, the trace at 2x."""
     # t_d = 25 s: the measured per-request decode time here is 26.3 s mean, 26.7 s median; a
     # sweep (bench/README.md) shows no t_d lets the pool-mean prediction beat early rejection.
-    base = SimConfig(
-        speed=2.0, hardware=ARXIV_OVERLOAD_HARDWARE, tbt_target=0.9, decode_time_s=25.0, seed=args.seed
-    )
-    policies = ("per_stage", "early", "predictive", "late_binding")
-    results = run_all({p: replace(base, admission=p) for p in policies}, entries)
+    return SimConfig(speed=2.0, hardware=ARXIV_OVERLOAD_HARDWARE, tbt_target=0.9, decode_time_s=25.0, seed=seed)
+
+
+def elastic_config(base: SimConfig, switch_cost_s: float = ElasticConfig.switch_cost_s,
+                   horizon_s: float = ElasticConfig.horizon_s) -> SimConfig:
+    """Elastic roles (issue 32) on late binding, our best fixed-role admission; an instance
+    dwells in a role as long as the horizon the policy counts on."""
+    knobs = ElasticConfig(switch_cost_s=switch_cost_s, horizon_s=horizon_s, min_dwell_s=horizon_s,
+                          decode_time_s=base.decode_time_s)
+    return replace(base, admission="late_binding", elastic=knobs)
+
+
+def exp_overload(args: argparse.Namespace, out: Path) -> None:
+    entries = load_trace(str(args.trace or trace_path("conversation")))
+    base = overload_config(args.seed)
+    configs = {p: replace(base, admission=p) for p in ("per_stage", "early", "predictive", "late_binding")}
+    configs["elastic"] = elastic_config(base)
+    results = run_all(configs, entries)
     summaries = {k: summarize(r) for k, r in results.items()}
     n = len(entries)
     rows = []
@@ -183,16 +198,52 @@ def exp_overload(args: argparse.Namespace, out: Path) -> None:
         rows.append([
             name, s["rejected"], s["rejected"] / n, paper, paper / 23000, s["rejected_on_arrival"],
             s["rejected_at_decode"], s["wasted_prefill_s"], s["slo_attainment"], s["goodput_req_per_s"],
+            s["switches"],
         ])
-    print(f"\narXiv Table 3: rejected requests under overload (8P + 8D, trace at 2x, {n} requests)")
+    print(f"\narXiv Table 3: rejected requests under overload (8P + 8D at the start, trace at 2x, {n} requests)")
     print_table(
         ["policy", "rejected", "share", "paper", "paper share", "on arrival", "at decode", "wasted prefill s",
-         "SLO met", "goodput req/s"],
+         "SLO met", "goodput req/s", "switches"],
         rows,
     )
     save_json(out, "overload", {"paper_rejected_of_23000": PAPER_TABLE3, "runs": summaries})
-    plot_loads({k: results[k] for k in ("per_stage", "early", "predictive")}, out / "overload_load.png")
+    plot_loads(results, out / "overload_load.png")
     plot_latency_cdfs(results, out / "overload_cdf.png")
+
+
+SWITCH_COSTS_S = (0.0, 10.0, 30.0, 60.0, 90.0, 120.0, 300.0)
+# The default horizon, and one as long as a third of the trace at 2x.
+HORIZONS_S = (ElasticConfig.horizon_s, 600.0)
+
+
+def exp_switch_cost(args: argparse.Namespace, out: Path) -> None:
+    entries = load_trace(str(args.trace or trace_path("conversation")))
+    base = overload_config(args.seed)
+    configs = {"late_binding": replace(base, admission="late_binding")}
+    configs.update({f"elastic {c:g} s, horizon {h:g} s": elastic_config(base, c, h)
+                    for h in HORIZONS_S for c in SWITCH_COSTS_S})
+    results = run_all(configs, entries)
+    summaries = {k: summarize(r) for k, r in results.items()}
+    rows = []
+    for name, s in summaries.items():
+        elastic = results[name].config.elastic
+        first = results[name].switches[0][0] if results[name].switches else math.nan
+        rows.append([
+            "fixed (late binding)" if elastic is None else "elastic", "-" if elastic is None else elastic.switch_cost_s,
+            "-" if elastic is None else elastic.horizon_s, s["rejected"], s["rejected_on_arrival"],
+            s["rejected_at_decode"], s["slo_attainment"], s["goodput_req_per_s"], s["switches"], first,
+        ])
+    print(f"\nElastic roles against the cost of a switch (overload: 8P + 8D at the start, trace at 2x, "
+          f"{len(entries)} requests; no paper figures)")
+    print_table(["roles", "switch cost s", "horizon s", "rejected", "on arrival", "at decode", "SLO met",
+                 "goodput req/s", "switches", "first at s"], rows)
+    save_json(out, "switch_cost", {"switch_costs_s": SWITCH_COSTS_S, "horizons_s": HORIZONS_S, "runs": summaries})
+    curves = {}
+    for h in HORIZONS_S:
+        runs = [summaries[f"elastic {c:g} s, horizon {h:g} s"] for c in SWITCH_COSTS_S]
+        curves[f"horizon {h:g} s"] = ([s["rejected"] for s in runs], [s["slo_attainment"] for s in runs])
+    fixed = summaries["late_binding"]
+    plot_switch_cost(SWITCH_COSTS_S, curves, (fixed["rejected"], fixed["slo_attainment"]), out / "switch_cost.png")
 
 
 LONG_PROMPT_TOKENS = 32768
@@ -232,6 +283,7 @@ EXPERIMENTS: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "hitrate": exp_hitrate,
     "global": exp_global,
     "overload": exp_overload,
+    "switch_cost": exp_switch_cost,
     "cpp": exp_cpp,
 }
 

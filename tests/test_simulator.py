@@ -11,10 +11,11 @@ from bench.sim.config import SimConfig
 from bench.sim.decode import DecodeInstance
 from bench.sim.hitrate import lru_hit_rate, pool_hit_rate, pool_hits
 from bench.sim.metrics import summarize
-from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, simulate
+from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, Simulator, simulate
 from bench.simulate import main
 from bench.trace import TraceEntry, load_trace
 from cluster.policies.cost_model import DecodeStepModel, PipelinedPrefillCost
+from cluster.policies.elastic_roles import ElasticConfig
 from bench.sim.prefill import PrefillInstance
 from cluster.policies.prefix_index import LRUBlockCache
 
@@ -199,9 +200,11 @@ def test_config_is_validated():
         SimConfig(n_prefill=0)
     with pytest.raises(ValueError):
         SimConfig(tbt_target=1.5)
+    with pytest.raises(ValueError):
+        SimConfig(cpp_stages=2, elastic=ElasticConfig())
 
 
-@pytest.mark.parametrize("experiment", ["schedulers", "hitrate", "global", "overload"])
+@pytest.mark.parametrize("experiment", ["schedulers", "hitrate", "global", "overload", "switch_cost"])
 def test_cli_writes_json_and_png(tmp_path, experiment, capsys):
     trace = tmp_path / "t.jsonl"
     trace.write_text(
@@ -419,3 +422,61 @@ def test_cli_cpp(tmp_path, capsys):
     data = json.loads((tmp_path / "out" / "cpp.json").read_text())
     assert set(data) == {"X=1", "X=2", "X=4"} and all(d["completed"] == 60 for d in data.values())
     assert "long TTFT s" in capsys.readouterr().out
+
+
+# -- elastic roles (issue 32) -------------------------------------------------------------------
+
+# Quick enough for a few hundred requests: a decision every 5 s on the last 20 s.
+QUICK_ROLES = ElasticConfig(interval_s=5.0, horizon_s=20.0, min_dwell_s=20.0, switch_cost_s=1.0, decode_time_s=20.0)
+
+
+def distinct_requests(n, gap_ms, blocks, output):
+    return [TraceEntry(i * gap_ms, blocks * BS, output, list(range(1000 * i, 1000 * i + blocks))) for i in range(n)]
+
+
+def test_elastic_roles_that_never_switch_change_nothing():
+    entries = random_trace(200, seed=1, gap_ms=150)
+    fixed = SimConfig(n_prefill=2, n_decode=2, admission="late_binding", speed=3.0)
+    never = simulate(replace(fixed, elastic=replace(QUICK_ROLES, margin=1.0)), entries)  # a gain is <= 1
+    r = simulate(fixed, entries)
+    assert not never.switches
+    for field in ("status", "ttft_s", "tbt_s", "finish_s"):
+        assert np.array_equal(getattr(r, field), getattr(never, field), equal_nan=True), field
+
+
+def test_decode_short_of_capacity_takes_a_prefill_node():
+    # Short prompts, long outputs: 1 decode node refuses most; 3 prefill nodes idle.
+    entries = distinct_requests(400, 150, 4, 1500)
+    fixed = SimConfig(n_prefill=3, n_decode=1, admission="late_binding", tbt_slo_s=0.05)
+    sim = Simulator(replace(fixed, elastic=QUICK_ROLES), entries)
+    elastic = sim.run()
+    assert [role for _, _, role in elastic.switches] == ["decode", "decode"]  # down to 1 prefill node
+    # A prefill node turned decode keeps its prefix cache for when it comes back.
+    assert all(len(sim.prefill[node].cache) for _, node, _ in elastic.switches)
+    assert elastic.switches[0][0] >= QUICK_ROLES.min_dwell_s  # the roles dwell from the start
+    assert max(elastic.decode_instances) == 3 and min(elastic.prefill_instances) == 1
+    s = summarize(elastic)
+    assert s["completed"] + s["rejected"] == len(entries)
+    assert s["rejected"] < summarize(simulate(fixed, entries))["rejected"]
+
+
+def test_prefill_short_of_capacity_takes_a_decode_node_that_drains_first():
+    # Long prompts: 1 prefill node queues past the TTFT SLO; 3 decode nodes have room.
+    entries = distinct_requests(150, 1000, 40, 400)
+    fixed = SimConfig(n_prefill=1, n_decode=3, admission="late_binding")
+    sim = Simulator(replace(fixed, elastic=QUICK_ROLES), entries)
+    r = sim.run()
+    [(ordered, node, role)] = r.switches
+    assert role == "prefill" and max(r.prefill_instances) == 2
+    s = summarize(r)
+    assert s["slo_attainment"] > summarize(simulate(fixed, entries))["slo_attainment"] + 0.3
+    assert s["completed"] + s["rejected"] == len(entries)
+    done = r.status == COMPLETED
+    assert (r.finish_s[done] >= r.arrival_s[done] + r.ttft_s[done]).all()
+    # What was routed to the node went elsewhere; what ran on it finished there, and only then
+    # (and the switch cost later) did it take the prefill role.
+    d = sim.decode[node]
+    steps_before = int(np.searchsorted(d.step_end, ordered, side="right"))
+    assert all(d.join_step[i] <= steps_before for i in np.flatnonzero(sim.decode_of == node))
+    assert d.step_end[-1] > ordered  # it had a batch to finish
+    assert sim.roles.changed_at[node] == pytest.approx(d.step_end[-1] + QUICK_ROLES.switch_cost_s)

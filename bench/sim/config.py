@@ -14,6 +14,7 @@ from cluster.policies.cost_model import (
     PrefillCostModel,
     TransferModel,
 )
+from cluster.policies.elastic_roles import ElasticConfig
 
 SCHEDULERS = ("random", "load_balancing", "local", "global")
 ADMISSIONS = ("none", "per_stage", "early", "predictive", "late_binding")
@@ -66,6 +67,9 @@ class SimConfig:
     # go through a group as one chunk, longer ones in chunks of prefill_chunk.
     cpp_stages: int = 1
     cpp_min_tokens: int = 0
+    # Elastic roles (issue 32): None = fixed roles; else the policy's knobs. Nodes start as
+    # n_prefill prefill and n_decode decode instances and the policy moves them between roles.
+    elastic: ElasticConfig | None = None
     output_tokens: int | None = None  # force every output to this length (FAST'25 Fig. 10 uses 1)
     profile_noise: float = 0.03  # relative error of the profiled prefill times the Conductor fits
     sample_interval_s: float = 5.0
@@ -89,6 +93,8 @@ class SimConfig:
         if self.cpp_stages < 1 or self.n_prefill % self.cpp_stages or self.cpp_min_tokens < 0:
             raise ValueError(f"{self.n_prefill} prefill nodes do not make groups of {self.cpp_stages} stages "
                              f"(or cpp_min_tokens {self.cpp_min_tokens} < 0)")
+        if self.elastic is not None and self.cpp_stages != 1:
+            raise ValueError("elastic roles move single nodes: they need cpp_stages 1")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.admission not in ADMISSIONS:

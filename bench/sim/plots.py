@@ -44,16 +44,39 @@ def plot_latency_cdfs(results: Mapping[str, SimResult], path: Path) -> None:
 
 
 def plot_loads(results: Mapping[str, SimResult], path: Path) -> None:
-    """Prefill and decode pool load over time, one panel per run (arXiv Fig. 9/10 style)."""
+    """Prefill and decode pool load over time, one panel per run (arXiv Fig. 9/10 style); where
+    roles moved, the number of prefill instances serving on a second axis."""
     plt = _pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.6 * len(results)), sharex=True, squeeze=False)
     for ax, (name, r) in zip(axes[:, 0], results.items()):
         ax.plot(r.sample_t, r.prefill_load, label="prefill load (queue / TTFT SLO)", lw=0.9)
         ax.plot(r.sample_t, r.decode_load, label="decode load (step time / TBT SLO)", lw=0.9)
         ax.axhline(1.0, color="grey", ls="--", lw=0.8)
-        ax.set(ylabel="load", title=name)
+        switches = len(r.switches)
+        ax.set(ylabel="load", title=f"{name} ({switches} switch{'es' if switches > 1 else ''})" if switches else name)
+        if switches:
+            count = ax.twinx()
+            count.step(r.sample_t, r.prefill_instances, where="post", color="black", lw=0.8)
+            count.set(ylabel="prefill instances (black)", ylim=(0, r.prefill_instances[0] + r.decode_instances[0]))
     axes[0, 0].legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("simulated time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_switch_cost(costs: Sequence[float], curves: Mapping[str, tuple[Sequence[int], Sequence[float]]],
+                     fixed: tuple[int, float], path: Path) -> None:
+    """Rejections and SLO attainment of elastic roles against the cost of a switch, one line per
+    ``curves`` entry (name: rejected, SLO met at each cost), beside the fixed roles' (``fixed``)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (ax, label) in enumerate(((axes[0], "rejected requests"), (axes[1], "SLO attainment"))):
+        for name, values in curves.items():
+            ax.plot(costs, values[i], marker="o", label=f"elastic roles, {name}")
+        ax.axhline(fixed[i], color="grey", ls="--", lw=0.8, label="fixed roles (late binding)")
+        ax.set(xlabel="switch cost (s)", ylabel=label)
+    axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

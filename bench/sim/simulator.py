@@ -15,6 +15,9 @@ mode (Algorithm 1 with ``pull_from_instances=False``), so a remote prefix is loa
 at the transfer bandwidth instead of pulled from another instance (no NIC queue: the pool spreads
 reads over its replicas). When a prefill ends, its prompt's keys are stored in the pool (keys it
 already holds are touched); a load from the pool touches the loaded keys at arrival.
+
+Every node has a prefill side and a decode side and serves one role (``bench/sim/roles.py``):
+fixed with ``SimConfig.elastic`` None, moved by the elastic-roles policy otherwise (issue 32).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from bench.sim.baselines import LateBindingRejection, PerStageRejection
 from bench.sim.config import SimConfig
 from bench.sim.decode import DecodeInstance
 from bench.sim.prefill import PrefillInstance
+from bench.sim.roles import Roles
 from bench.sim.profiling import fit_prefill_predictor
 from bench.trace import TraceEntry
 from cluster.policies.early_rejection import (
@@ -44,6 +48,7 @@ from cluster.policies.early_rejection import (
 )
 from cluster.conductor.placement import PlacementConfig, Placer
 from cluster.policies.cost_model import PrefillCostModel
+from cluster.policies.elastic_roles import ElasticRolePolicy, TBTPrediction, TTFTPrediction
 from cluster.policies.snapshot import RequestInfo
 from cluster.policies.prefix_index import LRUBlockCache
 from cluster.policies.scheduling import DecodeLoadBalancer, PrefillScheduler
@@ -70,6 +75,9 @@ class SimResult:
     sample_t: list[float] = field(default_factory=list)
     prefill_load: list[float] = field(default_factory=list)
     decode_load: list[float] = field(default_factory=list)
+    prefill_instances: list[int] = field(default_factory=list)  # serving prefill, at each sample
+    decode_instances: list[int] = field(default_factory=list)
+    switches: list[tuple[float, int, str]] = field(default_factory=list)  # (ordered at, node, new role)
     replica_t: list[float] = field(default_factory=list)
     hot_key_replicas: list[float] = field(default_factory=list)  # mean instances holding a hot key
     pool_evictions: int = 0
@@ -148,10 +156,15 @@ class Simulator:
         # A group's stages each hold their layers' share of a token's KV: together as many tokens
         # as each node's DRAM holds whole.
         group_blocks = None if config.cache_capacity_blocks is None else config.cache_capacity_blocks * config.cpp_stages
-        self.prefill = [
-            PrefillInstance(i, LRUBlockCache(group_blocks), config.cpp_stages) for i in range(config.n_prefill_groups)
-        ]
-        self.decode = [DecodeInstance(i, step, self._on_finish) for i in range(config.n_decode)]
+        # Node i is self.prefill[i] and self.decode[i]; self.roles says which side serves.
+        nodes = config.n_prefill_groups + config.n_decode
+        self.prefill = [PrefillInstance(i, LRUBlockCache(group_blocks), config.cpp_stages) for i in range(nodes)]
+        self.decode = [DecodeInstance(i, step, self._on_finish) for i in range(nodes)]
+        policy = None
+        if config.elastic is not None:
+            policy = ElasticRolePolicy(config.elastic, self.slo, step, config.tbt_target)
+        self.roles = Roles(self.prefill, self.decode, config.n_prefill_groups, policy, self._replan)
+        self._moving: set[int] = set()  # requests whose KV is being copied to the decode node they joined
         counts = Counter(k for e in self.entries for k in e.hash_ids)
         self.hot_keys = [k for k, _ in counts.most_common(config.hot_keys)]
         self.result = SimResult(
@@ -193,11 +206,13 @@ class Simulator:
                 continue
             t = min(t_arrival, t_join)
             while next_sample <= t:
+                self.roles.until(next_sample)
                 self._sample_load(next_sample)
                 next_sample += cfg.sample_interval_s
             while next_replica <= t:
                 self._sample_replicas(next_replica)
                 next_replica += cfg.replica_interval_s
+            self.roles.until(t)
             if t_join <= t_arrival:
                 _, request, moved = heapq.heappop(joins)
                 if moved:
@@ -219,6 +234,7 @@ class Simulator:
         for d in self.decode:
             d.drain()
         self._fill_tbt()
+        self.result.switches = [(t, node, role.value) for t, node, role in self.roles.switches]
         if self.pool is not None:
             self.result.pool_evictions = self.pool.evictions
             self.result.pool_blocks_held = len(self.pool)
@@ -231,10 +247,16 @@ class Simulator:
         n = entry.input_length
         pool_blocks = self.pool.match_len(entry.hash_ids) if self.pool is not None else 0
         request = RequestInfo(request_id=i, input_length=n, block_keys=entry.hash_ids, pool_blocks=pool_blocks)
-        plan = self.scheduler.select(request, [p.state(now) for p in self.prefill])
-        for d in self.decode:
+        plan = self.scheduler.select(request, [p.state(now) for p in self.roles.serving_prefill])
+        if self.roles.elastic:
+            cost = self.scheduler.estimator.cost
+            cached_s = cost.seconds(n, 0) - cost.seconds(n, plan.local_prefix_tokens)
+            prediction = TTFTPrediction(plan.instance, len(self.roles.serving_prefill), plan.queue_s,
+                                        plan.transfer_s + plan.prefill_s, cached_s)
+            self.roles.log.add_ttft(now, prediction)
+        for d in self.roles.serving_decode:
             d.advance_to(now)
-        decode_pool = [d.state() for d in self.decode]
+        decode_pool = [d.state() for d in self.roles.serving_decode]
         dplan = self.balancer.select(request, decode_pool)
         if not self.admission.on_arrival(now, request, plan, dplan, decode_pool).accept:
             self.status[i] = REJECTED_ON_ARRIVAL
@@ -268,12 +290,19 @@ class Simulator:
     def _kv_arrives(self, now: float, i: int) -> float | None:
         """The decode side decides; returns when the KV lands elsewhere if it must move first."""
         planned = int(self.decode_of[i])
-        for d in self.decode:
+        for d in self.roles.serving_decode:
             d.advance_to(now)
         del self.decode[planned].incoming[i]
         n = int(self.input_length[i])
         request = RequestInfo(request_id=i, input_length=n, block_keys=self.entries[i].hash_ids)
-        chosen = self.admission.on_decode(request, [d.state() for d in self.decode], planned)
+        pool = [d.state() for d in self.roles.serving_decode]
+        if self.roles.elastic:
+            # The planned instance's batch with this request: one it cannot take is refused, or
+            # moved at the cost of a KV copy in its first gap. (The least loaded instance's
+            # batch, i.e. refusals only, saw too few misses: bench/README.md, issue 32.)
+            own = next(s for s in pool if s.index == planned)
+            self.roles.log.add_tbt(now, TBTPrediction(len(pool), own.batch_size + 1, own.context_tokens + n))
+        chosen = self.admission.on_decode(request, pool, planned)
         if chosen is None:
             self.status[i] = REJECTED_AT_DECODE
             return None
@@ -282,6 +311,7 @@ class Simulator:
             self.decode_of[i] = chosen
             landed = now + self.transfer.seconds(n)
             self.decode[chosen].incoming[i] = (landed, n)
+            self._moving.add(i)
             return landed
         self.decode[planned].join(i, n, int(self.output_length[i]) - 1)
         return None
@@ -290,22 +320,38 @@ class Simulator:
         inst = self.decode[self.decode_of[i]]
         inst.advance_to(now)
         del inst.incoming[i]
+        self._moving.discard(i)
         inst.join(i, int(self.input_length[i]), int(self.output_length[i]) - 1)
+
+    def _replan(self, node: int, now: float) -> None:
+        """A decode node starts draining: the requests routed to it whose KV has not landed are
+        routed again over the serving decode nodes, as on arrival (the KV being copied to it
+        already, ``_moving``, joins it)."""
+        draining = self.decode[node]
+        for d in self.roles.serving_decode:
+            d.advance_to(now)
+        for i in [r for r in draining.incoming if r not in self._moving]:
+            ready, n = draining.incoming.pop(i)
+            request = RequestInfo(request_id=i, input_length=n, block_keys=self.entries[i].hash_ids)
+            dplan = self.balancer.select(request, [d.state() for d in self.roles.serving_decode])
+            self.decode_of[i] = dplan.instance
+            self.decode[dplan.instance].incoming[i] = (ready, n)
 
     def _sample_load(self, t: float) -> None:
         for d in self.decode:
             d.advance_to(t)
+        prefill, decode = self.roles.serving_prefill, self.roles.serving_decode
         r = self.result
         r.sample_t.append(t)
-        r.prefill_load.append(
-            sum(p.queue_s(t) for p in self.prefill) / (len(self.prefill) * self.slo.ttft_s)
-        )
-        r.decode_load.append(current_decode_load(self.step_model, self.slo, [d.state() for d in self.decode]))
+        r.prefill_load.append(sum(p.queue_s(t) for p in prefill) / (len(prefill) * self.slo.ttft_s))
+        r.decode_load.append(current_decode_load(self.step_model, self.slo, [d.state() for d in decode]))
+        r.prefill_instances.append(len(prefill))
+        r.decode_instances.append(len(decode))
 
     def _sample_replicas(self, t: float) -> None:
         if not self.hot_keys:
             return
-        held = sum(1 for k in self.hot_keys for p in self.prefill if k in p.cache)
+        held = sum(1 for k in self.hot_keys for p in self.roles.serving_prefill if k in p.cache)
         self.result.replica_t.append(t)
         self.result.hot_key_replicas.append(held / len(self.hot_keys))
 
