@@ -228,8 +228,8 @@ class ElasticRolePolicy:
         tbt_now = self.tbt_misses(view.tbt, n_d)
 
         def inflow(ttft_misses: int) -> float:
-            # What prefill admits goes on to decode, a TTFT and more later: without this, moves
-            # to prefill on a decode load that had not caught up yet overshot.
+            # What prefill admits goes on to decode: a move to prefill that saves TTFT misses
+            # also grows decode's batches, which decode's own predictions cannot show yet.
             return (arrivals - ttft_misses) / max(arrivals - ttft_now, 1)
 
         options: list[RoleSwitch] = []
