@@ -12,6 +12,7 @@
 * ``export_prefix``: cached prefix blocks are packed into a buffer for another instance (or for
   the KVCache pool); ``add_loading``: a request whose prefix arrives from the pool layer by layer
   during its first step;
+* ``switch_role``: a prefill engine becomes a decode one or back (issue 32), once it holds nothing;
 * ``layout`` / ``cache_report``: the KV page geometry, and what the prefix cache holds (as
   changes since a version the caller saw).
 
@@ -230,6 +231,19 @@ class KVHandoff:
             seq.num_computed_tokens = cached * bs
         e.seqs[request_id] = seq
         e.scheduler.add(seq)
+
+    # -- role -----------------------------------------------------------------------------------------
+    def switch_role(self, role: str) -> bool:
+        """Serve ``role`` ("prefill" or "decode") from the next step on, when the engine holds no
+        sequence (none waiting, running or reserved); False, and nothing changed, otherwise. The
+        prefix cache and the KV pool are the same for both roles and stay as they are."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"an engine switches between prefill and decode, not to {role!r}")
+        e = self._engine
+        if e.seqs or e.has_unfinished():
+            return False
+        e.role = role
+        return True
 
     # -- reporting ----------------------------------------------------------------------------------
     def cache_report(self, since: int | None) -> CacheReport:

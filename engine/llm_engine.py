@@ -50,6 +50,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
+        # What a prompt's first token ends: here the engine's ``role``, not the config's, because
+        # an elastic instance changes it between steps once it holds nothing (``KVHandoff.switch_role``).
+        self.role = config.role
         if config.device == "cpu":
             configure_cpu_runtime(config.threads)
         else:
@@ -190,7 +193,7 @@ class LLMEngine:
         ):
             reason = "length"
         sampler_state = None
-        if reason is None and self.config.role == "prefill":
+        if reason is None and self.role == "prefill":
             # Not flushing the detokenizer: text it holds back (half a character, a possible
             # stop string) is emitted by the decode instance, which replays this token.
             reason = "handoff"

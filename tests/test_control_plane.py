@@ -34,6 +34,7 @@ from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.registry import Registry
 from cluster.kv_stream import KVDestination
 from cluster.instance.routes import InstanceRoutes
+from cluster.instance.roles import RoleState
 from cluster.messenger import RegionHandle
 from cluster.protocol import (
     CONTROL,
@@ -233,7 +234,8 @@ def _instance(url: str) -> tuple[Starlette, list[int]]:
 
     info = InstanceInfo("i-" + url, "prefill", 1, 64, LAYOUT, {}, None, "w" * 32, "float32", "none")
     service = SimpleNamespace(
-        config=SimpleNamespace(secret=SECRET, url=url, role="prefill"), ready=True, error=None,
+        config=SimpleNamespace(secret=SECRET, url=url, role="prefill"), role="prefill", roles=RoleState("prefill"),
+        ready=True, error=None,
         receiver=SimpleNamespace(observe=observe), info=lambda: info,
         state=lambda since: InstanceState(info.instance_id, CacheDelta(0, [])))
     return Starlette(routes=InstanceRoutes(service).routes()), epochs
@@ -425,7 +427,8 @@ def test_a_prefill_whose_caller_hangs_up_is_cancelled_at_once():
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     service = SimpleNamespace(ready=True, error=None, prefiller=SimpleNamespace(prefill=prefill),
                               receiver=SimpleNamespace(observe=lambda fence: asyncio.sleep(0)),
-                              config=SimpleNamespace(secret=SECRET, url=url, role="prefill"))
+                              config=SimpleNamespace(secret=SECRET, url=url, role="prefill"),
+                              role="prefill", roles=RoleState("prefill"))
     with serve_in_thread(Starlette(routes=InstanceRoutes(service).routes()), sock=sock):
         dest = KVDestination("127.0.0.1:1", RegionHandle("e", "127.0.0.1:1", 0, 1 << 20), 0, 0, 1).to_dict()
         body = PrefillRequest("p1", [1, 2, 3], SamplingParams(max_tokens=1), dest).to_dict()

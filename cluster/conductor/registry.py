@@ -48,6 +48,11 @@ class InstanceRecord:
     failed_to_start: bool = False  # its engine could not load: it will not come up by itself
     misfit: str | None = None  # why it does not fit the instances up (kept down), if it does not
     state: InstanceState | None = None
+    # Elastic roles (issue 32): the role the instance drains toward (its polled state), and the
+    # one this Conductor decided to move it to (set before the instance knows, until it serves
+    # it or gave up). Either keeps it out of placement (``Registry.up``).
+    switching_to: str | None = None
+    moving_to: str | None = None
     cached: set[bytes] = field(default_factory=set)
     cache_version: int | None = None
     # Set while the instance is down: calls in flight to it give up (``InstanceClient``).
@@ -68,7 +73,8 @@ class InstanceRecord:
     def describe(self) -> dict[str, Any]:
         stats = self.state.stats if self.state is not None else {}
         return {
-            "url": self.url, "up": self.up, "role": self.role, "instance_id": self.instance_id,
+            "url": self.url, "up": self.up, "role": self.role, "switching_to": self.switching_to or self.moving_to,
+            "instance_id": self.instance_id,
             "pid": self.info.pid if self.info is not None else None, "last_error": self.last_error,
             "misfit": self.misfit,
             # The instance's cache_version this view is at: compare with the instance's own /stats
@@ -107,7 +113,8 @@ class Registry:
             log.info("instance %s removed", rec.url)
 
     def up(self, *roles: str) -> list[InstanceRecord]:
-        return [r for r in self.records if r.up and r.role in roles]
+        """The instances up in one of ``roles`` and not switching role (they take no new work)."""
+        return [r for r in self.records if r.up and r.role in roles and r.switching_to is None and r.moving_to is None]
 
     def start(self) -> None:
         if self._task is None:
@@ -165,6 +172,10 @@ class Registry:
                 return
             self._apply_cache(rec, state.cache)
             rec.state = state
+            if state.role is not None and state.role != rec.role:
+                log.info("instance %s serves %s now (was %s)", rec.url, state.role, rec.role)
+                rec.role = state.role
+            rec.switching_to = state.switching_to
             if not rec.up:
                 if (misfit := self._misfit(rec)) is not None:
                     if misfit != rec.misfit:

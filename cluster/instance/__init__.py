@@ -10,5 +10,7 @@
   (``cluster/kv_stream/``, below the instances: a pipeline stage streams too);
 * ``decode.py``: continue decoding from received KV, and whole (colocated) requests;
 * ``replication.py``: hot-prefix push and adopt;
+* ``roles.py``: an elastic instance's role and its switch between prefill and decode (drain, then
+  change; issue 32);
 * ``routes.py``: the ``/instance/*`` control routes over all of these.
 """

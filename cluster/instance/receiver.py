@@ -116,7 +116,7 @@ class Receiver:
         ``ValueError`` (never servable, or the id is taken: ``BadRequest``), ``UnknownReservation``
         (aborted meanwhile) or ``WrongEpoch``."""
         await self.observe(fence)
-        self._check_current(fence)
+        self.check_current(fence)
         if request_id in self._leases:
             raise BadRequest(f"request {request_id!r} already holds a reservation")
         if request_id in self._released:
@@ -178,7 +178,7 @@ class Receiver:
         for rid in stale:
             await self.release(rid, settled=False)
 
-    def _check_current(self, fence: Fence) -> None:
+    def check_current(self, fence: Fence) -> None:
         """``WrongEpoch`` unless ``fence`` is its Conductor's newest incarnation seen here (after
         ``observe``)."""
         newest = self.epochs[fence.conductor]

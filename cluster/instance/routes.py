@@ -15,6 +15,9 @@ signed requests, ``cluster/protocol/``), and ``/health`` / ``/stats``:
 * ``POST /instance/abort``    drop a request wherever it is (idempotent)
 * ``POST /instance/push``     (prefill) send cached prefix blocks into another instance's
   reservation; ``POST /instance/adopt`` there keeps them as cached blocks
+* ``POST /instance/role``     (prefill/decode) switch to the other role (``SwitchRoleRequest``,
+  a Conductor with ``--elastic-roles``): new work is refused while it drains what it holds
+  (``roles.py``); its state shows the switch and, once drained, the new role
 * ``POST /instance/stage/join`` (a first pipeline stage whose later stages are started by hand,
   ``cluster.cpp.group``) a later stage takes its ``StageSpec``, then its links
 
@@ -41,6 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cluster.instance.roles import Work
 from cluster.instance.service import InstanceService
 from cluster.kv_stream import KVDestination
 from cluster.cpp.group import peer_from
@@ -50,7 +54,7 @@ from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
     InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
-    RenewReply, RenewRequest, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, stream_line)
+    RenewReply, RenewRequest, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, SwitchRoleRequest, stream_line)
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
 from engine.outputs import RequestOutput
@@ -113,8 +117,10 @@ class InstanceRoutes:
                 if needs_ready and not s.ready:
                     # "fatal": the engine could not start and will not by itself (a bad model, say).
                     return _answer(InstanceNotReady(s.error or "instance is starting", fatal=s.error is not None))
-                if roles is not None and s.config.role not in roles:
-                    return _answer(BadRequest(f"a {s.config.role} instance does not do this"))
+                if roles is not None and s.role not in roles:
+                    if s.roles.switches:  # the caller has not seen the switch yet: not the request's fault
+                        return _answer(InstanceBusy(f"this instance serves {s.role} now", 1.0))
+                    return _answer(BadRequest(f"a {s.role} instance does not do this"))
                 try:
                     if s.receiver is not None:
                         await s.receiver.observe(_fence(request))
@@ -130,7 +136,7 @@ class InstanceRoutes:
     async def health(self, request: Request) -> Response:
         s = self.s
         if s.ready and s.client.is_ready:
-            return JSONResponse({"status": "ok", "role": s.config.role})
+            return JSONResponse({"status": "ok", "role": s.role})
         return JSONResponse({"status": "error" if s.error else "starting", "error": s.error}, status_code=503)
 
     async def stats(self, request: Request) -> Response:
@@ -146,7 +152,8 @@ class InstanceRoutes:
     # -- requests ----------------------------------------------------------------------------------
     async def reserve(self, request: Request) -> Response:
         r = ReserveRequest.from_dict(await _body(request))
-        dest = await self.s.receiver.reserve(r.request_id, r.prompt_token_ids, r.params, _fence(request))
+        with self.s.roles.work(Work.RESERVE):
+            dest = await self.s.receiver.reserve(r.request_id, r.prompt_token_ids, r.params, _fence(request))
         return JSONResponse(ReserveReply(dest.to_dict()).to_dict())
 
     async def renew(self, request: Request) -> Response:
@@ -155,6 +162,10 @@ class InstanceRoutes:
 
     async def prefill(self, request: Request) -> Response:
         r = PrefillRequest.from_dict(await _body(request))
+        with self.s.roles.work(Work.PREFILL):
+            return await self._prefill(request, r)
+
+    async def _prefill(self, request: Request, r: PrefillRequest) -> Response:
         work = asyncio.ensure_future(
             self.s.prefiller.prefill(r.request_id, r.prompt_token_ids, r.params, KVDestination.from_dict(r.dest)))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -174,7 +185,7 @@ class InstanceRoutes:
     async def generate(self, request: Request) -> Response:
         r = GenerateRequest.from_dict(await _body(request))
         if r.prefilled is None:
-            if self.s.config.role != "both":
+            if self.s.role != "both":
                 raise BadRequest("a decode instance only continues requests whose KV it received")
             stream = self.s.decoder.whole(r.request_id, r.prompt_token_ids, r.params)
         else:
@@ -195,12 +206,17 @@ class InstanceRoutes:
 
     async def push(self, request: Request) -> Response:
         r = PushRequest.from_dict(await _body(request))
-        pushed = await self.s.replicator.push(r.request_id, r.prompt_token_ids, KVDestination.from_dict(r.dest))
+        with self.s.roles.work(Work.PUSH):
+            pushed = await self.s.replicator.push(r.request_id, r.prompt_token_ids, KVDestination.from_dict(r.dest))
         return JSONResponse(PushReply(pushed).to_dict())
 
     async def adopt(self, request: Request) -> Response:
         r = AdoptRequest.from_dict(await _body(request))
         return JSONResponse(AdoptReply(await self.s.replicator.adopt(r.request_id, r.ok)).to_dict())
+
+    async def switch_role(self, request: Request) -> Response:
+        r = SwitchRoleRequest.from_dict(await _body(request))
+        return JSONResponse(self.s.switch_role(r.role, _fence(request), r.drain_s).to_dict())
 
     async def stage_join(self, request: Request) -> Response:
         """A later pipeline stage started by hand: without ``peer``, its ``StageSpec``; with it,
@@ -241,6 +257,7 @@ class InstanceRoutes:
             Route("/instance/abort", c(needs_ready=False)(self.abort), methods=["POST"]),
             Route("/instance/push", c(("prefill", "both"), max_body=PROMPT_BODY)(self.push), methods=["POST"]),
             Route("/instance/adopt", c()(self.adopt), methods=["POST"]),
+            Route("/instance/role", c(("prefill", "decode"))(self.switch_role), methods=["POST"]),
             Route("/instance/stage/join", c(("prefill",), needs_ready=False)(self.stage_join), methods=["POST"]),
         ]
 

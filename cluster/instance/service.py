@@ -13,6 +13,7 @@ instance look dead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -28,6 +29,7 @@ from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.pool_io import PoolIO
 from cluster.instance.receiver import Receiver
 from cluster.instance.replication import Replicator
+from cluster.instance.roles import RoleState
 from cluster.instance.decode import Decoder
 from cluster.instance.prefill import Prefiller
 from cluster.kv_stream import KVSender
@@ -39,7 +41,7 @@ from cluster.pool.metadata.membership import LeasedKey, announce
 from cluster.pool.metadata import MetadataUnavailable, connect_metadata
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
-from cluster.protocol import CONTROL, MESSENGER, ControlAuth, StageSpec, derive_key
+from cluster.protocol import CONTROL, MESSENGER, BadRequest, ControlAuth, Fence, StageSpec, SwitchRoleReply, derive_key
 from cluster.protocol import InstanceInfo, InstanceState, PoolNaming, RegisterReply, RegisterRequest
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _GIB = 1 << 30
 _REREGISTER_S = 5.0  # registration again while a Conductor has this instance up
+_DRAIN_POLL_S = 0.05  # how often a draining instance looks whether it holds nothing any more
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,9 @@ class InstanceService:
         self.rendezvous = (StageRendezvous(config.stage_group, config.engine.stage[1])
                            if config.stage_group is not None else None)
         self.mirror = CacheMirror()
+        self.roles = RoleState(config.role)
+        self._handoff: KVHandoff | None = None  # once the engine is up
+        self._staging_bytes = 0  # each staging area's size, once known
         self._info: InstanceInfo | None = None  # once ready
         self._tasks: list[asyncio.Task] = []
 
@@ -154,12 +160,7 @@ class InstanceService:
             # Loads and stores go through their own staging, a few objects at a time.
             pool_staging = 0 if geometry is None else max(
                 8 * geometry.nbytes, layout.nbytes(-(-facts["max_model_len"] // layout.block_size)))
-            sender = None
-            if cfg.role in ("prefill", "both"):
-                self.send = StagingArea(transfer, staging)
-                layers = await self.client.call(lambda e: e.runner.model.layer_range)
-                sender = KVSender(transfer, self.send, layout, write_window_s=cfg.transfer_timeout_s, layers=layers)
-                await self.client.call(lambda _: handoff.add_sink(sender))
+            self._handoff, self._staging_bytes = handoff, staging
             if cfg.engine.stage is not None and cfg.engine.stage[1] > 1:
                 # The later pipeline stages: child processes, or processes that join it, up before
                 # calibration runs through them.
@@ -182,19 +183,14 @@ class InstanceService:
             self.recv = StagingArea(transfer, staging)
             self.receiver = Receiver(self.client, handoff, self.recv, transfer.address,
                                      cfg.reservation_lease_s, cfg.transfer_timeout_s)
-            self.replicator = Replicator(self.client, handoff, transfer, self.send, self.receiver,
-                                         cfg.transfer_timeout_s)
             if geometry is not None:
                 layers = await self.client.call(lambda e: e.runner.model.layer_range)
                 self.pool = await loop.run_in_executor(None, self._join_pool, transfer, handoff, geometry, pool_staging,
                                                        layers)
-                if sender is not None:  # a prefill instance stores its prompts layer by layer
-                    pool_io = self.pool
-                    await self.client.call(lambda _: handoff.add_sink(pool_io))
-            if sender is not None:
-                self.prefiller = Prefiller(self.client, sender, cfg.transfer_timeout_s, self.pool,
-                                           self.stages.link if self.stages is not None else None,
-                                           aborted=self.receiver.aborted if self.receiver is not None else None)
+            if cfg.role in ("prefill", "both"):
+                await self._open_prefill_side()
+            else:
+                self.replicator = self._replicator()
             self.decoder = Decoder(self.client, self.receiver, self.pool)
             self.profile = await self.client.call(
                 lambda e: cached_profile(e, cfg.calibration_seed, cfg.recalibrate_after))
@@ -215,6 +211,72 @@ class InstanceService:
         except Exception as e:  # noqa: BLE001 -- reported through /health
             self.error = f"instance failed to start: {type(e).__name__}: {e}"
             log.exception("instance failed to start")
+
+    async def _open_prefill_side(self) -> None:
+        """What sending KV takes: send staging, the ``KVSender``, the prompt sinks (the sender's,
+        and with a pool its layer-wise stores: a prefill instance stores its prompts layer by
+        layer), the ``Prefiller`` and a ``Replicator`` that pushes from that staging. At start for
+        a prefill or colocated instance; on its first switch to prefill for a decode one."""
+        cfg, handoff, transfer = self.config, self._handoff, self.transfer
+        self.send = StagingArea(transfer, self._staging_bytes)
+        layers = await self.client.call(lambda e: e.runner.model.layer_range)
+        sender = KVSender(transfer, self.send, handoff.layout, write_window_s=cfg.transfer_timeout_s, layers=layers)
+        await self.client.call(lambda _: handoff.add_sink(sender))
+        if self.pool is not None:
+            pool_io = self.pool
+            await self.client.call(lambda _: handoff.add_sink(pool_io))
+        self.prefiller = Prefiller(self.client, sender, cfg.transfer_timeout_s, self.pool,
+                                   self.stages.link if self.stages is not None else None, aborted=self.receiver.aborted)
+        self.replicator = self._replicator()
+
+    def _replicator(self) -> Replicator:
+        return Replicator(self.client, self._handoff, self.transfer, self.send, self.receiver,
+                          self.config.transfer_timeout_s)
+
+    # -- elastic roles (issue 32) -----------------------------------------------------------------
+    @property
+    def role(self) -> str:
+        """The role served now: the one started with, until a Conductor switches it."""
+        return self.roles.role
+
+    def switch_role(self, to: str, fence: Fence, drain_s: float) -> SwitchRoleReply:
+        """Begin a switch to ``to`` for ``fence``'s Conductor (``roles.py``): the drain runs as a
+        task of its own, and the Conductor sees its end in this instance's state. Raises
+        ``WrongEpoch``, ``BadRequest`` (a colocated instance, a pipeline stage) and
+        ``InstanceBusy`` (switching the other way)."""
+        self.receiver.check_current(fence)
+        if self.config.engine.stage is not None and self.config.engine.stage[1] > 1:
+            raise BadRequest("a pipeline stage group serves prefill only: it does not switch roles")
+        if self.roles.begin(to, fence, time.monotonic(), drain_s):
+            log.info("switching from %s to %s (asked by Conductor %s): draining", self.role, to, fence.header())
+            self._tasks.append(asyncio.create_task(self._drain_to(to)))
+        return self.roles.reply()
+
+    async def _drain_to(self, to: str) -> None:
+        """Wait until nothing is held (no call in flight, no reservation, no sequence in the
+        engine), then change the engine's role; past the deadline, give up."""
+        roles = self.roles
+        switched = False
+        try:
+            if to == "prefill" and self.prefiller is None:
+                await self._open_prefill_side()
+            while time.monotonic() < roles.deadline:
+                # The engine's own check runs on its thread: a take-over or a request admitted
+                # between this loop's look and the change keeps the old role for another round.
+                if not roles.in_flight and not len(self.receiver):
+                    handoff = self._handoff
+                    if await self.client.call(lambda _: handoff.switch_role(to)):
+                        switched = True
+                        break
+                await asyncio.sleep(_DRAIN_POLL_S)
+        except Exception:  # noqa: BLE001 -- the instance keeps its old role and says so
+            log.exception("switching to %s failed", to)
+        finally:
+            roles.finish(switched)
+        if switched:
+            log.info("now serving %s (switch %d)", to, roles.switches)
+        else:
+            log.warning("gave up switching to %s: still serving %s", to, roles.role)
 
     def _stage_died(self, reason: str) -> None:
         """A later pipeline stage is gone: this group cannot prefill any more. The process exits
@@ -331,14 +393,17 @@ class InstanceService:
 
     # -- what the Conductor polls ------------------------------------------------------------------
     def info(self) -> InstanceInfo:
-        return self._info
+        return dataclasses.replace(self._info, role=self.role)
 
     def state(self, since: int | None) -> InstanceState:
         return InstanceState(self.instance_id, self.mirror.report(since), self.stats())
 
     def stats(self) -> dict[str, Any]:
         s = self.client.stats()
-        s["role"] = self.config.role
+        s["role"] = self.role
+        s["switching_to"] = self.roles.switching_to
+        s["role_switches"] = self.roles.switches
+        s["role_switches_given_up"] = self.roles.given_up
         s["num_reservations"] = len(self.receiver) if self.receiver is not None else 0
         s["reservations_by_conductor"] = self.receiver.by_conductor() if self.receiver is not None else {}
         s["cache_version"] = self.mirror.version  # of the cached prefix keys the Conductor polls

@@ -88,7 +88,8 @@ from cluster.protocol.fields import (
 from cluster.protocol.messages import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, CacheDelta, GenerateRequest, InstanceInfo,
     InstanceState, PoolNaming, PrefillReply, PrefillRequest, Prefilled, PushReply, PushRequest,
-    RegisterReply, RegisterRequest, RenewReply, RenewRequest, ReserveReply, ReserveRequest,
+    RegisterReply, RegisterRequest, RenewReply, RenewRequest, ReserveReply, ReserveRequest, SWITCHABLE_ROLES,
+    SwitchRoleReply, SwitchRoleRequest,
     output_from_dict, output_to_dict, read_stream_line, stream_line
 )
 from cluster.protocol.stage import (
@@ -111,7 +112,8 @@ __all__ = [
     "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "PROMPT_BODY", "PoolNaming", "PrefillReply",
     "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",
     "RegisterReply", "RegisterRequest", "RenewReply", "RenewRequest", "RequestError", "ReserveReply",
-    "ReserveRequest", "SIGNATURE_HEADER", "SMALL_BODY", "StageExpect", "StageFinish", "StageFinishReply",
+    "ReserveRequest", "SIGNATURE_HEADER", "SMALL_BODY", "SWITCHABLE_ROLES", "SwitchRoleReply", "SwitchRoleRequest",
+    "StageExpect", "StageFinish", "StageFinishReply",
     "StageJoin", "StageLinks", "StageLogits", "StagePing", "StagePoolLoad", "StagePoolLoadReply",
     "StagePoolStore", "StagePoolStoreEnd", "StagePoolStoreEndReply", "StagePoolStoreReply",
     "StagePoolUnload", "StageSpec", "StageSpecReply", "StageStepCall", "TIMESTAMP_HEADER", "TensorSlot",

@@ -10,7 +10,7 @@ from typing import Any
 
 from cluster.protocol.errors import BadRequest, InstanceFailed, ProtocolError, error_from
 from cluster.protocol.fields import (
-    _bytes, _dest, _dict, _field, _flag, _int, _keys, _params, _str, _strings, _text, _unbytes, token_ids,
+    _bytes, _dest, _dict, _field, _flag, _int, _keys, _number, _params, _str, _strings, _text, _unbytes, token_ids,
 )
 from engine.outputs import Logprobs, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -299,6 +299,44 @@ class AdoptReply:
 # -- polls and registration -------------------------------------------------------------------------
 
 _ROLES = ("prefill", "decode", "both")
+SWITCHABLE_ROLES = ("prefill", "decode")  # the roles an elastic instance moves between (issue 32)
+
+
+@dataclass(frozen=True)
+class SwitchRoleRequest:
+    """``POST /instance/role`` (a Conductor started with ``--elastic-roles``): serve ``role`` from
+    now on. The instance stops taking new work, drains what it holds, then changes role; a drain
+    longer than ``drain_s`` gives up and it serves its old role again."""
+
+    role: str
+    drain_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "drain_s": self.drain_s}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SwitchRoleRequest:
+        role, drain_s = _str(data, "role"), _number(data, "drain_s")
+        if role not in SWITCHABLE_ROLES:
+            raise BadRequest(f"an instance switches to one of {', '.join(SWITCHABLE_ROLES)}, not {role!r}")
+        if not drain_s > 0:
+            raise BadRequest(f"drain_s must be positive, got {drain_s}")
+        return cls(role, drain_s)
+
+
+@dataclass(frozen=True)
+class SwitchRoleReply:
+    """The instance's role now and, while it drains, the role it is switching to (else None)."""
+
+    role: str
+    switching_to: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "switching_to": self.switching_to}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SwitchRoleReply:
+        return cls(_str(data, "role"), _str(data, "switching_to", optional=True))
 
 
 @dataclass(frozen=True)
@@ -402,11 +440,21 @@ class InstanceState:
     keys as changes since ``VERSION``, and ``stats``, the instance's own ``/stats`` (engine load,
     blocks, reservations, staging, pool counters). The Conductor shows and totals ``stats`` in its
     ``/stats`` but places by its ledger, never by them, so their keys stay the engine's to name.
-    On the wire one flat object, ``stats`` beside the other fields, as an instance's ``/stats``."""
+    On the wire one flat object, ``stats`` beside the other fields, as an instance's ``/stats``.
+    Two of its keys are read by name (``from_dict`` checks them): ``role``, the role it serves now
+    (an elastic instance's changes, issue 32), and ``switching_to``, the role it drains toward."""
 
     instance_id: str
     cache: CacheDelta
     stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str | None:
+        return self.stats.get("role")
+
+    @property
+    def switching_to(self) -> str | None:
+        return self.stats.get("switching_to")
 
     def to_dict(self) -> dict[str, Any]:
         return {"instance_id": self.instance_id, **self.stats, **self.cache.to_dict()}
@@ -414,6 +462,9 @@ class InstanceState:
     @classmethod
     def from_dict(cls, data: Any) -> InstanceState:
         instance_id, cache = _str(data, "instance_id"), CacheDelta.from_dict(data)
+        for name in ("role", "switching_to"):
+            if (value := _str(data, name, optional=True)) is not None and value not in _ROLES:
+                raise BadRequest(f"{name} must be one of {', '.join(_ROLES)}")
         return cls(instance_id, cache, {k: v for k, v in data.items() if k not in _STATE_FIELDS})
 
 
