@@ -15,6 +15,7 @@ import os
 import stat
 import time
 
+from cluster.policies.elastic_roles import ElasticConfig
 from engine.model_config import QUANTIZATIONS
 from server.app import DEFAULT_MAX_BODY_BYTES
 from server.front_door import RESERVED_FDS, FrontDoor
@@ -206,6 +207,25 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                    help="(Conductor) decode duration assumed by --admission predictive")
     c.add_argument("--max-queued-prefills", type=_positive_int, default=32,
                    help="(Conductor) requests allowed to wait on one prefill instance; beyond it: HTTP 429")
+    e = ElasticConfig()
+    c.add_argument("--elastic-roles", action="store_true",
+                   help="(Conductor) move instances between prefill and decode as the load shifts (issue 32), "
+                   "weighing the SLO misses it predicts (needs --slo-ttft-s and --slo-tbt-s; --predicted-decode-s "
+                   "is the decode time it assumes to predict a decode instance's drain); off: the roles stay as started")
+    c.add_argument("--elastic-interval-s", type=_positive_float, default=e.interval_s,
+                   help="(Conductor) how often elastic roles decide")
+    c.add_argument("--elastic-horizon-s", type=_positive_float, default=e.horizon_s,
+                   help="(Conductor) the predictions elastic roles read, and how long a new split must pay off within")
+    c.add_argument("--elastic-min-dwell-s", type=_non_negative_float, default=e.min_dwell_s,
+                   help="(Conductor) a role that took an instance (or started) this recently gives none up")
+    c.add_argument("--elastic-margin", type=_non_negative_float, default=e.margin,
+                   help="(Conductor) the least net share of requests a switch must save")
+    c.add_argument("--elastic-switch-cost-s", type=_non_negative_float, default=e.switch_cost_s,
+                   help="(Conductor) the seconds a switch is assumed to cost beyond its drain")
+    c.add_argument("--elastic-min-per-role", type=_positive_int, default=e.min_per_role,
+                   help="(Conductor) the fewest instances either role keeps")
+    c.add_argument("--elastic-drain-s", type=_positive_float, default=60.0,
+                   help="(Conductor) a switch not done within this long is given up on (the instance keeps its role)")
     passed_on(c.add_argument("--reservation-lease-s", type=_positive_float, default=10.0,
                              help="(instance) a KV reservation the Conductor stops renewing is released after this long; "
                              "at least 3 x (--renew-interval-s + --renew-timeout-s)"))

@@ -196,6 +196,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
 
     from cluster.conductor.conductor import Conductor, ConductorConfig
     from cluster.conductor.placement import PlacementConfig
+    from cluster.policies.elastic_roles import ElasticConfig
     from cluster.conductor.supervisor import Supervisor
 
     # No thread settings: the Conductor loads no torch (tests/test_conductor_imports.py), and its
@@ -222,6 +223,12 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
             instances=tuple(args.instance) + tuple(supervisor.instances), placement=placement,
             renew_interval_s=args.renew_interval_s, renew_timeout_s=args.renew_timeout_s,
             max_request_moves=args.max_request_moves, conductor_id=conductor_id, epoch=epoch,
+            elastic=ElasticConfig(
+                interval_s=args.elastic_interval_s, horizon_s=args.elastic_horizon_s,
+                min_dwell_s=args.elastic_min_dwell_s, margin=args.elastic_margin,
+                switch_cost_s=args.elastic_switch_cost_s, decode_time_s=args.predicted_decode_s,
+                min_per_role=args.elastic_min_per_role) if args.elastic_roles else None,
+            elastic_drain_s=args.elastic_drain_s,
         )
         config.check_lease(args.reservation_lease_s)  # the lease of the instances it starts
     except (ValueError, RuntimeError) as e:  # RuntimeError: the id is held, or etcd does not answer

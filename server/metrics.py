@@ -74,6 +74,19 @@ class _EngineCollector(Collector):
                     s["num_free_blocks"])
         yield gauge("mooncake:kv_blocks_cached", "KV blocks holding a reusable prefix, unused.",
                     s["num_cached_blocks"])
+        instances = s.get("instances")
+        if instances is not None:  # a Conductor: each instance's role (elastic roles move them, issue 32)
+            roles = GaugeMetricFamily("mooncake:instance_role", "1 for the role each instance serves now "
+                                      "(switching: the role it is leaving).", labels=["model_name", "instance", "role"])
+            for rec in instances:
+                if rec.get("role") is not None:
+                    roles.add_metric([self.model_name, rec["url"], rec["role"]], 1.0)
+            yield roles
+        if "role_switches" in s:  # a Conductor with --elastic-roles
+            yield counter("mooncake:role_switches", "Instances this Conductor moved between prefill and decode.",
+                          s["role_switches"])
+            yield counter("mooncake:role_switches_given_up", "Role switches given up on (the drain took too long).",
+                          s["role_switches_given_up"])
         pool = s.get("pool")
         if pool is not None:  # a Conductor with a KVCache pool
             yield gauge("mooncake:pool_objects", "Objects in the KVCache pool (DRAM and SSD).", pool["objects"])

@@ -3,7 +3,8 @@
 Without processes: the instance's state machine (``cluster/instance/roles.py``), the engine's
 switch (``KVHandoff.switch_role``: only once it holds nothing), and a real ``InstanceService``
 on a tiny model, in this process, drained and switched both ways (its prefill side opened on
-the first switch to prefill; a drain that outlasts its deadline gives up).
+the first switch to prefill; a drain that outlasts its deadline gives up); the Conductor's side
+(``cluster/conductor/elastic.py``) on scripted instances.
 """
 
 from __future__ import annotations
@@ -14,11 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from cluster.conductor.elastic import ElasticRoles
+from cluster.conductor.ledger import Ledger
+from cluster.conductor.registry import Registry
 from cluster.conductor.supervisor import free_port
 from cluster.instance.calibration import CACHE_ENV
 from cluster.instance.roles import RoleState, Work
 from cluster.instance.service import InstanceConfig, InstanceService
-from cluster.protocol import BadRequest, Fence, InstanceBusy, NoKVRoom, WrongEpoch
+from cluster.policies.cost_model import DecodeStepModel
+from cluster.policies.early_rejection import SLO
+from cluster.policies.elastic_roles import ElasticConfig, TBTPrediction, TTFTPrediction
+from cluster.protocol import BadRequest, Fence, InstanceBusy, NoKVRoom, SwitchRoleReply, WrongEpoch
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
 from engine.llm_engine import LLMEngine
@@ -166,5 +173,55 @@ def test_an_instance_drains_switches_and_reports_its_new_role(model: Path, tmp_p
             assert await service.client.call(lambda e: len(e.seqs)) == 0
         finally:
             await service.shutdown()
+
+    asyncio.run(run())
+
+
+# -- the Conductor's side ----------------------------------------------------------------------------
+
+class _SwitchingClient:
+    """Instances that switch when asked: the next poll shows the new role."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, float]] = []
+
+    async def switch_role(self, url: str, role: str, drain_s: float) -> SwitchRoleReply:
+        self.asked.append((url, role, drain_s))
+        return SwitchRoleReply("prefill", role)
+
+
+def test_the_conductor_moves_the_instance_the_policy_names_and_keeps_it_out_of_placement() -> None:
+    registry = Registry(client=None)
+    ledger = Ledger()
+    recs = [registry.add(f"http://{role}{i}:1") for i, role in enumerate(["prefill", "prefill", "decode"])]
+    for rec, role in zip(recs, ["prefill", "prefill", "decode"]):
+        rec.up, rec.role = True, role
+    step = DecodeStepModel(0.01, 0.002, 1e-5, 4096)
+    client = _SwitchingClient()
+    tasks: list[asyncio.Task] = []
+    config = ElasticConfig(interval_s=1.0, horizon_s=100.0, min_dwell_s=0.0, switch_cost_s=1.0, decode_time_s=5.0)
+
+    async def run() -> None:
+        elastic = ElasticRoles(config, SLO(ttft_s=5.0, tbt_s=0.08), 5.0, client, registry, ledger, lambda: step,
+                               lambda coro: tasks.append(asyncio.ensure_future(coro)) or tasks[-1])
+        now = time.monotonic()
+        for rec in recs:  # first seen long ago: settled in its role
+            elastic._changed_at[elastic._number(rec)] = now - 1000.0
+        # Decode breaks the TBT SLO (a step of 0.13 s; on two instances 0.07 s); prefill has room.
+        for _ in range(50):
+            elastic.log.add_tbt(now, TBTPrediction(1, 40, 4000))
+            elastic.log.add_ttft(now, TTFTPrediction(elastic._number(recs[1]), 2, 0.1, 0.5))
+        elastic.decide_once()
+        (moved,) = [r for r in recs if r.moving_to is not None]
+        assert moved.moving_to == "decode" and moved.role == "prefill"
+        assert moved not in registry.up("prefill")  # no new work from the decision on
+        elastic.decide_once()  # one switch at a time
+        assert len(tasks) == 1
+        await asyncio.sleep(0.3)
+        assert client.asked == [(moved.url, "decode", pytest.approx(5.0, abs=0.5))]
+        moved.role = "decode"  # as the registry's next poll reads it
+        await asyncio.wait_for(tasks[0], 2.0)
+        assert moved.moving_to is None and moved in registry.up("decode")
+        assert elastic.describe() == {"role_switches": 1, "role_switches_given_up": 0, "role_switching": None}
 
     asyncio.run(run())

@@ -25,7 +25,8 @@ from cluster.protocol import CONTROL, EPOCH_HEADER, ControlAuth, Fence, derive_k
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceFailed, InstanceInfo,
     InstanceState, InstanceUnavailable, KVWriteFailed, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
-    RenewReply, RenewRequest, ReserveReply, ReserveRequest, TimedOut, Unreachable, error_from, read_stream_line)
+    RenewReply, RenewRequest, ReserveReply, ReserveRequest, SwitchRoleReply, SwitchRoleRequest, TimedOut, Unreachable,
+    error_from, read_stream_line)
 from engine.engine_client import EngineNotReady
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -147,6 +148,12 @@ class InstanceClient:
     async def adopt(self, url: str, request_id: str, ok: bool) -> int:
         data = await self._post(url, "/instance/adopt", AdoptRequest(request_id, ok).to_dict())
         return _reply(AdoptReply, data, "/instance/adopt").adopted
+
+    # -- elastic roles ------------------------------------------------------------------------------
+    async def switch_role(self, url: str, role: str, drain_s: float) -> SwitchRoleReply:
+        """Ask the instance to switch to ``role`` (it answers at once; the drain runs there)."""
+        data = await self._post(url, "/instance/role", SwitchRoleRequest(role, drain_s).to_dict())
+        return _reply(SwitchRoleReply, data, "/instance/role")
 
     # -- the long calls ------------------------------------------------------------------------------
     async def prefill(self, url: str, request_id: str, token_ids: list[int], params: SamplingParams,

@@ -39,11 +39,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cluster.conductor.client import InstanceClient, InstanceUnavailable
+from cluster.conductor.elastic import ElasticRoles
 from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.pool.metadata.membership import LeasedKey, list_instances
+from cluster.policies.cost_model import DecodeStepModel
+from cluster.policies.early_rejection import SLO
+from cluster.policies.elastic_roles import ElasticConfig
 from cluster.policies.snapshot import RequestInfo
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
 from cluster.pool.metadata import MetadataStore
@@ -89,6 +93,10 @@ class ConductorConfig:
     conductor_id: str = ""
     epoch: int | None = None
     members_interval_s: float = 1.0  # with etcd: how often the announced instances are listed
+    # Elastic roles (issue 32, ``elastic.py``): None: off, the roles stay as started. A switch
+    # that has not ended within elastic_drain_s is given up on (the instance keeps its role).
+    elastic: ElasticConfig | None = None
+    elastic_drain_s: float = 60.0
 
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
@@ -99,6 +107,10 @@ class ConductorConfig:
                 raise ValueError(f"{name} must be positive")
         if self.max_request_moves < 0:
             raise ValueError("max_request_moves must be >= 0")
+        if self.elastic is not None and (self.placement.slo_ttft_s is None or self.placement.slo_tbt_s is None):
+            raise ValueError("elastic roles need both SLOs (TTFT and TBT seconds): the misses they weigh")
+        if not self.elastic_drain_s > 0:
+            raise ValueError("elastic_drain_s must be positive")
 
     def check_lease(self, reservation_lease_s: float) -> None:
         """Refuse instances' reservation lease shorter than three renewal rounds (interval plus
@@ -147,6 +159,11 @@ class Conductor(EngineClient):
         self._ids = itertools.count()
         self._background: set[asyncio.Task] = set()
         self._max_running_seen = 0
+        self.elastic: ElasticRoles | None = None
+        if config.elastic is not None:
+            slo = SLO(config.placement.slo_ttft_s, config.placement.slo_tbt_s)
+            self.elastic = ElasticRoles(config.elastic, slo, config.elastic_drain_s, self.client, self.registry,
+                                        self.ledger, self._decode_model, self._spawn)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -156,6 +173,8 @@ class Conductor(EngineClient):
                 self._tasks.append(asyncio.create_task(self._watch_pool()))
             if self._members is not None:
                 self._tasks.append(asyncio.create_task(self._watch_members()))
+            if self.elastic is not None:
+                self._tasks.append(asyncio.create_task(self.elastic.run_forever()))
             self.registry.start()
 
     async def _load_tokenizer(self) -> None:
@@ -448,7 +467,7 @@ class Conductor(EngineClient):
                pool_blocks: int, admit: bool = True) -> Placement:
         ref = prefills[0]
         layout = ref.layout
-        placer = Placer(self.config.placement, ref.profile.prefill, decodes[0].profile.decode if decodes else None,
+        placer = Placer(self.config.placement, ref.profile.prefill, self._decode_model() if decodes else None,
                         layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids),
                         pool=self._pool is not None)
         # As the engines' prefix cache: at most len-1 tokens can hit (the last is always computed).
@@ -456,13 +475,24 @@ class Conductor(EngineClient):
         info = RequestInfo(next(self._ids), len(ids), keys, min(pool_blocks, len(keys)))
         now = time.monotonic()
         loads = [self.ledger.load(r) for r in prefills]
+        decode_states = [self.ledger.load(r).decode_state(i) for i, r in enumerate(decodes)]
         result = placer.place(
             now, info, [load.prefill_state(i, now, r) for i, (r, load) in enumerate(zip(prefills, loads))],
-            [len(load.prefilling) for load in loads],
-            [self.ledger.load(r).decode_state(i) for i, r in enumerate(decodes)], admit=admit)
-        if not isinstance(result, Placement):
+            [len(load.prefilling) for load in loads], decode_states, admit=admit)
+        placed = isinstance(result, Placement)
+        if self.elastic is not None and decodes and admit:  # arrivals only: a move was counted once
+            self.elastic.on_placed(now, len(ids), result.plan, ref.profile.prefill, prefills,
+                                   decode_states[result.decode_order[0]] if placed else None, len(decodes))
+        if not placed:
             raise self.counters.reject(result.reason, result.retry_after_s)
         return result
+
+    def _decode_model(self) -> DecodeStepModel | None:
+        """The decode step model placement predicts TBT with: a decode instance's, else any
+        instance's (one started as prefill calibrated none, and may serve decode now)."""
+        up = [r for r in self.registry.records if r.up and r.profile is not None]
+        models = [r.profile.decode for r in sorted(up, key=lambda r: r.role != "decode") if r.profile.decode is not None]
+        return models[0] if models else None
 
     async def abort(self, request_id: str) -> None:
         for rec in self.registry.records:
@@ -497,6 +527,8 @@ class Conductor(EngineClient):
             "max_num_running_seen": max(self._max_running_seen, totals.get("max_num_running_seen", 0)),
             "instances": [{**r.describe(), **self.ledger.load(r).describe()} for r in self.registry.records],
         })
+        if self.elastic is not None:
+            totals.update(self.elastic.describe())
         if self._supervisor is not None:
             totals["supervised"] = self._supervisor.status()
         if self._pool_stats is not None:

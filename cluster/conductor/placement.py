@@ -69,6 +69,7 @@ class Placement:
 class Refusal:
     reason: str
     retry_after_s: float
+    plan: PrefillPlan | None = None  # what admission refused (None: refused before any plan)
 
 
 class Placer:
@@ -103,7 +104,7 @@ class Placer:
         decision = admission.on_arrival(now, request, plan, balanced, decodes)
         if admit and not decision.accept:
             return Refusal(f"overloaded: predicted prefill load {decision.prefill_load:.2f}, decode load "
-                           f"{decision.decode_load:.2f} (1.0 = at the SLO)", plan.queue_s)
+                           f"{decision.decode_load:.2f} (1.0 = at the SLO)", plan.queue_s, plan)
         order = sorted(range(len(decodes)),
                        key=lambda i: (decodes[i].index != balanced.instance, admission.tbt_with(request, decodes[i])))
         return Placement(plan, [decodes[i].index for i in order])

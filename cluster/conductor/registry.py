@@ -81,7 +81,7 @@ class InstanceRecord:
             # to tell whether the Conductor has seen its latest cached prefixes.
             "cached_blocks": len(self.cached), "cache_version": self.cache_version,
             **{k: stats.get(k) for k in ("num_running", "num_waiting", "num_free_blocks", "num_used_blocks",
-                                         "num_blocks", "num_reservations")},
+                                         "num_blocks", "num_reservations", "role_switches")},
         }
 
 

@@ -1,0 +1,161 @@
+"""The Conductor's elastic roles (issue 32, ``--elastic-roles``): it moves one instance at a time
+between prefill and decode as the load shifts, instead of only refusing requests.
+
+What it decides with is the simulator's (``bench/sim/roles.py``): the same policy,
+``cluster/policies/elastic_roles.py`` ``ElasticRolePolicy``, asked every ``interval_s`` with
+the predictions of the last ``horizon_s`` (``PredictionLog``). The Conductor feeds the log as it
+places (``Conductor._place``): for each arriving request the TTFT its prefill scheduler predicted
+on the instance it chose (refused ones included, when a plan was made), and for each accepted
+disaggregated one the batch of the decode instance it was planned onto, with it (the simulator
+notes the latter when the KV arrives; here the placement is the last moment the Conductor
+predicts it).
+
+A switch, followed through (``_switch``): the instance leaves placement at once
+(``InstanceRecord.moving_to``); the Conductor waits until its own ledger holds nothing there (a
+request placed on it before the decision finishes there), then asks the instance to switch
+(``POST /instance/role``), which refuses new work, drains what other Conductors hold there, and
+changes role (``cluster/instance/roles.py``); the registry's polls see the new role, and from
+then on the instance is placed in it. Every wait is bounded by ``drain_s``: a switch that does
+not finish in time is given up on, and the instance serves its old role again.
+
+Invariants: at most one switch in flight (the policy's, and ``_switching``); an instance is out
+of placement from the decision until it serves the new role or the switch is given up on; the
+policy sees instances by a number stable for the record's life (``_number``), so the dwell
+(``changed_at``) follows the instance, not its place in a list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from cluster.conductor.client import InstanceClient
+from cluster.conductor.ledger import Ledger
+from cluster.conductor.registry import InstanceRecord, Registry
+from cluster.policies.cost_model import DecodeStepModel, PrefillTime
+from cluster.policies.early_rejection import SLO
+from cluster.policies.elastic_roles import (ElasticConfig, ElasticRolePolicy, PredictionLog, Role, RoleView,
+                                            TBTPrediction, TTFTPrediction)
+from cluster.policies.scheduling import PrefillPlan
+from cluster.policies.snapshot import DecodeInstanceState
+from cluster.protocol import ProtocolError
+
+log = logging.getLogger(__name__)
+
+_SETTLE_POLL_S = 0.1  # how often a switch looks at the ledger and the registry
+
+
+class ElasticRoles:
+    def __init__(self, config: ElasticConfig, slo: SLO, drain_s: float, client: InstanceClient,
+                 registry: Registry, ledger: Ledger, decode_model: Callable[[], DecodeStepModel | None],
+                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task]) -> None:
+        """``decode_model``: the calibrated decode step model the Conductor places with now
+        (None while no instance has one); ``spawn``: runs a switch as a task of the Conductor's."""
+        if not drain_s > 0:
+            raise ValueError(f"drain_s must be positive, got {drain_s}")
+        self.config, self.slo, self.drain_s = config, slo, drain_s
+        self._client, self._registry, self._ledger = client, registry, ledger
+        self._decode_model, self._spawn = decode_model, spawn
+        self.log = PredictionLog(config.horizon_s)
+        self.switches = 0
+        self.given_up = 0
+        self._switching: InstanceRecord | None = None
+        self._numbers: dict[InstanceRecord, int] = {}
+        self._next_number = itertools.count()
+        self._changed_at: dict[int, float] = {}  # number -> when it took its role, or was first seen up
+
+    def _number(self, rec: InstanceRecord) -> int:
+        number = self._numbers.get(rec)
+        if number is None:
+            number = self._numbers[rec] = next(self._next_number)
+            self._changed_at[number] = time.monotonic()  # as started: a dwell before its first move
+        return number
+
+    # -- what the Conductor predicted ------------------------------------------------------------------
+    def on_placed(self, now: float, n: int, plan: PrefillPlan | None, cost: PrefillTime,
+                  prefills: Sequence[InstanceRecord], decode: DecodeInstanceState | None, n_decodes: int) -> None:
+        """Note one arrival's predictions: ``plan`` on ``prefills`` (None: refused before any
+        plan), and ``decode``, the planned decode instance's state before this request joins it
+        (None: refused, or colocated)."""
+        if plan is not None:
+            cached_s = cost.seconds(n, 0) - cost.seconds(n, plan.local_prefix_tokens)
+            self.log.add_ttft(now, TTFTPrediction(self._number(prefills[plan.instance]), len(prefills), plan.queue_s,
+                                                  plan.transfer_s + plan.prefill_s, max(cached_s, 0.0)))
+        if decode is not None:
+            self.log.add_tbt(now, TBTPrediction(n_decodes, decode.batch_size + 1, decode.context_tokens + n))
+
+    # -- deciding ------------------------------------------------------------------------------------
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                self.decide_once()
+            except Exception:  # noqa: BLE001 -- one bad round must not end elastic roles
+                log.exception("elastic roles: the decision failed")
+
+    def decide_once(self) -> None:
+        """Ask the policy once; start the switch it answers, if any."""
+        step = self._decode_model()
+        prefills, decodes = self._registry.up("prefill"), self._registry.up("decode")
+        if step is None or not prefills or not decodes:
+            return
+        now = time.monotonic()
+        ttft, tbt = self.log.window(now)
+        by_number = {self._number(r): r for r in prefills + decodes}
+        view = RoleView(
+            now=now,
+            prefill=[self._ledger.load(r).prefill_state(self._number(r), now, r) for r in prefills],
+            decode=[self._ledger.load(r).decode_state(self._number(r)) for r in decodes],
+            ttft=ttft, tbt=tbt, switching=self._switching is not None, changed_at=self._changed_at)
+        switch = ElasticRolePolicy(self.config, self.slo, step).decide(view)
+        if switch is not None:
+            rec = by_number[switch.instance]
+            log.info("elastic roles: moving %s from %s to %s (predicted gain %.3f of the requests, transit %.1f s)",
+                     rec.url, rec.role, switch.to_role.value, switch.gain, switch.transit_s)
+            self._switching = rec
+            rec.moving_to = switch.to_role.value  # out of placement from now on
+            self._spawn(self._switch(rec, switch.to_role))
+
+    # -- switching -----------------------------------------------------------------------------------
+    async def _switch(self, rec: InstanceRecord, to: Role) -> None:
+        deadline = time.monotonic() + self.drain_s
+        switched = False
+        try:
+            # What this Conductor placed there before the decision finishes there first: a
+            # prefill still to be sent would otherwise be refused by the draining instance.
+            while self._ledger.holds(rec) and time.monotonic() < deadline:
+                await asyncio.sleep(_SETTLE_POLL_S)
+            given_up = _given_up(rec)
+            left = deadline - time.monotonic()
+            if left > 0 and rec.up:
+                reply = await self._client.switch_role(rec.url, to.value, left)
+                # Its polls show the switch through: the new role, or the drain given up.
+                while (rec.role != to.value and _given_up(rec) == given_up and rec.up
+                       and time.monotonic() < deadline + self._registry.poll_timeout_s):
+                    await asyncio.sleep(_SETTLE_POLL_S)
+                switched = rec.role == to.value
+                log.log(logging.INFO if switched else logging.WARNING, "elastic roles: %s %s %s (it answered %s)",
+                        rec.url, "serves" if switched else "did not switch to", to.value, reply.to_dict())
+        except ProtocolError as e:
+            log.warning("elastic roles: switching %s to %s failed: %s", rec.url, to.value, e)
+        finally:
+            rec.moving_to = None
+            self._switching = None
+            if switched:
+                self.switches += 1
+                self._changed_at[self._number(rec)] = time.monotonic()
+            else:
+                self.given_up += 1
+
+    def describe(self) -> dict[str, Any]:
+        return {"role_switches": self.switches, "role_switches_given_up": self.given_up,
+                "role_switching": None if self._switching is None else self._switching.url}
+
+
+def _given_up(rec: InstanceRecord) -> int:
+    """The drains the instance gave up on, as its last poll reported."""
+    return (rec.state.stats.get("role_switches_given_up", 0) if rec.state is not None else 0) or 0
