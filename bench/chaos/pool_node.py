@@ -2,19 +2,22 @@
 
 A ``python -m cluster.pool`` node joins the cluster's pool (its metadata: the bench's etcd, or the
 Conductor's embedded store). Before it starts, ``--frozen-prompts`` fresh long prompts are sent
-one after another: their times are the baseline, and their objects leave every instance's
-segment with less free room than the new, empty node, which is therefore where the pool puts
-the next objects. The node is SIGSTOPped for ``--pool-stop-s``; meanwhile as many fresh long
-prompts again are sent (the store of each is planned on the frozen node first) and a short
-request must be served; then SIGCONT and SIGKILL, and a request must be served again.
+at once: their times are the baseline, and their objects leave every instance's segment with
+less free room than the new, empty node, which is therefore where the pool puts the next
+objects. The node is SIGSTOPped as soon as it is ready, before any instance has talked to it, for
+``--pool-stop-s``: once the Conductor lists it (and a second later every instance), as many
+fresh long prompts again are sent at once (the store of each is planned on the frozen node
+first, within the 5 s its metadata lease outlives it) and a short request must be served; then
+SIGCONT and SIGKILL, and a request must be served again.
 
-A pool call that the node does not answer costs the prompt waiting on it the pool client's call
-timeout (1 s), and the node is then passed over for a while: the instances count both
+A pool call that the node does not answer may cost the prompt waiting on it the pool client's
+call timeout (1 s), and the node is then passed over for a while: the instances count both
 (``segment_timeouts``, ``segments_passed_over``). Must be 0: fresh prompts that took longer
-while the node was frozen than the slowest one before plus that second and ``SLACK_S`` (a 30 s
-transfer timeout per prompt, as before issue 31, shows here), and a freeze that no pool call ran
-into (``segment_timeouts`` did not grow: the row then measured nothing). With
-``--frozen-prompts 0`` (``--quick``) only the short requests are sent, which never reach the pool.
+while the node was frozen than the slowest one before plus that second and ``SLACK_S`` (a
+connection to the frozen node that waits for its handshake, or a transfer timeout per prompt,
+shows here), and a freeze that no pool call ran into (``segment_timeouts`` did not grow: the row
+then measured nothing). With ``--frozen-prompts 0`` (``--quick``) only the short requests are
+sent, which never reach the pool.
 """
 
 from __future__ import annotations
@@ -49,46 +52,46 @@ async def _client_counters(run: Run) -> dict[str, int]:
 
 
 async def _fresh_prompts(run: Run, first: int) -> list[Outcome]:
-    """``frozen_prompts`` new long prompts, one after another (each stores its objects in the pool)."""
-    return [await send_long(run, long_prompt(run.cfg.seed, PROMPT_CLIENT, k, run.cfg.long_words), f"frozen-{k}")
-            for k in range(first, first + run.cfg.frozen_prompts)]
+    """``frozen_prompts`` new long prompts at once (each stores its objects in the pool)."""
+    return list(await asyncio.gather(*(
+        send_long(run, long_prompt(run.cfg.seed, PROMPT_CLIENT, k, run.cfg.long_words), f"frozen-{k}")
+        for k in range(first, first + run.cfg.frozen_prompts))))
 
 
 async def stop_pool_node(run: Run) -> None:
     cluster, cfg = run.cluster, run.cfg
     baseline = await _fresh_prompts(run, 0)
+    before = await _client_counters(run) if cfg.frozen_prompts else {}
     meta = ["--etcd", cluster.etcd.url] if cluster.etcd is not None else ["--metadata", embedded_metadata_url(run)]
     proc, segment = await start_pool_node(meta, cluster.secret, cfg.log_path.parent / "pool-node.log")
     cluster.pool_node = proc
+    fault: dict[str, Any] = {"kind": "SIGSTOP then kill -9", "role": "pool node", "old_pid": proc.pid,
+                             "new_pid": None, "segment": segment, "stopped_s": cfg.pool_stop_s, "at_s": run._elapsed()}
+    run.faults.append(fault)
+    progress(f"pool node {segment} pid {proc.pid}: SIGSTOP as soon as it is ready, for {cfg.pool_stop_s:g} s"
+             f"{f', {cfg.frozen_prompts} fresh long prompts meanwhile' if cfg.frozen_prompts else ''}")
 
     async def listed() -> bool:
         stats = await conductor_stats(run.client, cluster)
         return bool(stats) and segment in ((stats.get("pool") or {}).get("segments") or {})
-    seen = await wait_until(listed, 30.0)
-    if cfg.frozen_prompts:
-        await asyncio.sleep(SEGMENTS_TTL_S)  # every instance's pool client has it on its list now
-        before = await _client_counters(run)
-    fault: dict[str, Any] = {"kind": "SIGSTOP then kill -9", "role": "pool node", "old_pid": proc.pid,
-                             "new_pid": None, "segment": segment, "listed": bool(seen),
-                             "stopped_s": cfg.pool_stop_s, "at_s": run._elapsed()}
-    run.faults.append(fault)
-    progress(f"pool node {segment} pid {proc.pid} (listed: {bool(seen)}): SIGSTOP for {cfg.pool_stop_s:g} s"
-             f"{f', {cfg.frozen_prompts} fresh long prompts meanwhile' if cfg.frozen_prompts else ''}")
 
-    async def while_frozen() -> tuple[list[Outcome], dict[str, Any]]:
+    async def while_frozen() -> tuple[bool, list[Outcome], dict[str, Any]]:
+        seen = bool(await wait_until(listed, 30.0, interval_s=0.2))
+        if cfg.frozen_prompts:
+            await asyncio.sleep(SEGMENTS_TTL_S)  # every instance's pool client has it on its list now
         frozen = await _fresh_prompts(run, cfg.frozen_prompts)
-        return frozen, await bounded_probe(run, cfg.pool_stop_s)
+        return seen, frozen, await bounded_probe(run, cfg.pool_stop_s)
 
     t0 = time.monotonic()
-    frozen, during = await signal_window(proc, cfg.pool_stop_s, while_frozen())
+    fault["listed"], frozen, during = await signal_window(proc, cfg.pool_stop_s, while_frozen())
     fault["frozen_for_s"] = round(time.monotonic() - t0, 1)
     proc.kill()
     proc.wait(10)
     after = await run.probe()
     fault.update(served_while_stopped=during["served"], served=after["served"], served_after_s=after["served_after_s"])
     fault["recovered"] = bool(during["served"] and after["served"])
-    fault["summary"] = (f"served while stopped after {during['served_after_s']} s, after the kill "
-                        f"{after['served_after_s']} s")
+    fault["summary"] = (f"listed while frozen: {fault['listed']}; served while stopped after {during['served_after_s']} "
+                        f"s, after the kill {after['served_after_s']} s")
     if cfg.frozen_prompts:
         grown = {name: n - before[name] for name, n in (await _client_counters(run)).items()}
         base_s = [round(o.latency_s, 2) for o in baseline]
