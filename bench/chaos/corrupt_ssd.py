@@ -29,7 +29,7 @@ import httpx
 
 from bench.chaos.cluster import wait_until
 from bench.chaos.config import HOST, SECRET_ENV, progress
-from bench.chaos.load import long_prompt, send_long
+from bench.chaos.load import POOL_PROMPT_WORDS, long_prompt, send_long
 from bench.harness import ServerProcess, launch_server
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ async def corrupt_ssd_object(run: Run) -> dict[str, Any]:
             raise RuntimeError(f"the SSD-tier cluster was not healthy within {cfg.health_timeout_s:g} s "
                                f"(log: {server.log_path})")
         progress(f"SSD-tier cluster at {server.base_url}: a marker prompt, then fresh ones until it is on the SSD")
-        marker = long_prompt(cfg.seed, PROMPT_CLIENT, 0, cfg.long_words)
+        marker = long_prompt(cfg.seed, PROMPT_CLIENT, 0, POOL_PROMPT_WORDS)
         first = await send_long(run, marker, "ssd-marker", base_url=server.base_url)
         if first.result != "completed":
             raise RuntimeError(f"the SSD-tier cluster did not answer the marker: {first.status} {first.error}")
@@ -111,7 +111,7 @@ async def corrupt_ssd_object(run: Run) -> dict[str, Any]:
             if fillers == MAX_FILLERS:
                 raise RuntimeError(f"the marker was not pushed to the SSD by {MAX_FILLERS} prompts: {inst}")
             fillers += 1
-            await send_long(run, long_prompt(cfg.seed, PROMPT_CLIENT, fillers, cfg.long_words), f"ssd-{fillers}",
+            await send_long(run, long_prompt(cfg.seed, PROMPT_CLIENT, fillers, POOL_PROMPT_WORDS), f"ssd-{fillers}",
                             base_url=server.base_url)
             inst = await wait_until(sealed, 30.0, interval_s=0.2) or await _instances(run.client, server)
         corrupted = corrupt_files(ssd_dir)

@@ -1,7 +1,7 @@
 """bench.chaos: a mass client disconnect, and whether what the clients held comes back (issue 31).
 
 The steady stream and the long prompts are paused (``Run.paused_traffic``) until the cluster
-holds nothing. Then ``--disconnect-streams`` clients stream short prompts with room for
+holds nothing. Then ``disconnect_streams`` clients stream short prompts with room for
 ``STREAM_TOKENS`` tokens and stop reading after 1 to 8 events each (mid-decode), and
 ``disconnect_prompts`` clients send prompts of ``disconnect_words`` words (a few thousand
 tokens) and get no token yet; once the Conductor is prefilling them, every one of these clients

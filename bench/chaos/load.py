@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 _WORDS = ["the", "of", "and", "to", "in", "is", "was", "that", "for", "on", "with", "as", "by", "at", "from", "his", "her", "they", "we", "you", "it", "this", "which", "be", "are", "were", "had", "have", "has", "not", "but", "all", "one", "can", "more", "some", "there", "when", "what", "who", "their", "time", "people", "year", "way", "day", "man", "woman", "child", "world", "life", "hand", "part", "place", "case", "week", "company", "system", "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother", "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end", "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body", "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war", "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air", "teacher", "force", "education", "river", "garden", "window", "market", "table", "road", "light", "music", "field", "paper", "village", "sea", "mountain", "small", "large", "old", "new", "good", "great", "long", "little", "own", "other", "right", "big", "high", "different", "early", "young", "important", "few", "public", "bad", "same", "able", "every", "open", "green", "quiet", "slow", "bright", "cold", "warm", "dark", "simple", "strong", "walk", "run", "read", "write", "speak", "build", "carry", "follow", "begin", "grow", "learn", "remember", "bring", "hold", "stand", "turn", "start", "show", "hear", "play", "move", "live", "believe", "happen", "include", "continue", "set", "lead", "understand", "watch", "stop", "create"]
 
 
+# Words of a prompt whose KV fills two pool objects (256 tokens each) whatever ``--long-words``
+# says: the rows about the pool need prompts the pool stores.
+POOL_PROMPT_WORDS = 500
+
+
 def long_prompt(seed: int, client: int, k: int, n_words: int) -> str:
     """Prompt ``k`` of client ``client``: ``n_words`` words that share no prefix with another."""
     rng = random.Random(f"{seed}/{client}/{k}")

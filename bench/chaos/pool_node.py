@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from bench.chaos.cluster import conductor_stats, start_pool_node, wait_until
 from bench.chaos.config import progress
 from bench.chaos.faults import bounded_probe, signal_window
-from bench.chaos.load import long_prompt, send_long
+from bench.chaos.load import POOL_PROMPT_WORDS, long_prompt, send_long
 from bench.chaos.traffic import Outcome
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ async def _client_counters(run: Run) -> dict[str, int]:
 async def _fresh_prompts(run: Run, first: int) -> list[Outcome]:
     """``frozen_prompts`` new long prompts at once (each stores its objects in the pool)."""
     return list(await asyncio.gather(*(
-        send_long(run, long_prompt(run.cfg.seed, PROMPT_CLIENT, k, run.cfg.long_words), f"frozen-{k}")
+        send_long(run, long_prompt(run.cfg.seed, PROMPT_CLIENT, k, POOL_PROMPT_WORDS), f"frozen-{k}")
         for k in range(first, first + run.cfg.frozen_prompts))))
 
 
