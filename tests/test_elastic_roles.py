@@ -13,6 +13,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cluster.conductor.elastic import ElasticRoles
@@ -45,7 +46,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_draining_instance_refuses_new_work_and_counts_what_it_holds() -> None:
     roles = RoleState("prefill")
     with roles.work(Work.PREFILL):  # in flight before the switch
-        assert roles.begin("decode", FENCE, now=0.0, drain_s=5.0)
+        assert roles.begin("decode", now=0.0, drain_s=5.0)
         assert (roles.role, roles.switching_to, roles.deadline) == ("prefill", "decode", 5.0)
         assert roles.in_flight == 1
         with pytest.raises(InstanceBusy):
@@ -57,9 +58,9 @@ def test_a_draining_instance_refuses_new_work_and_counts_what_it_holds() -> None
         with roles.work(Work.PUSH):  # reads the cache only: still served
             assert roles.in_flight == 2
     assert roles.in_flight == 0
-    assert not roles.begin("decode", Fence("other", 1), now=1.0, drain_s=5.0)  # the same switch: nothing new
+    assert not roles.begin("decode", now=1.0, drain_s=5.0)  # the same switch: nothing new
     with pytest.raises(InstanceBusy):
-        roles.begin("prefill", FENCE, now=1.0, drain_s=5.0)
+        roles.begin("prefill", now=1.0, drain_s=5.0)
     roles.finish(switched=True)
     assert (roles.role, roles.switching_to, roles.switches) == ("decode", None, 1)
     assert roles.reply().to_dict() == {"role": "decode", "switching_to": None}
@@ -69,8 +70,8 @@ def test_a_draining_instance_refuses_new_work_and_counts_what_it_holds() -> None
 
 def test_a_drain_that_gives_up_keeps_the_old_role_and_no_call_stays_counted() -> None:
     roles = RoleState("decode")
-    assert not roles.begin("decode", FENCE, now=0.0, drain_s=1.0)  # it serves decode already
-    assert roles.begin("prefill", FENCE, now=0.0, drain_s=1.0)
+    assert not roles.begin("decode", now=0.0, drain_s=1.0)  # it serves decode already
+    assert roles.begin("prefill", now=0.0, drain_s=1.0)
     roles.finish(switched=False)
     assert (roles.role, roles.switching_to, roles.switches, roles.given_up) == ("decode", None, 0, 1)
     with pytest.raises(RuntimeError):
@@ -83,9 +84,9 @@ def test_a_drain_that_gives_up_keeps_the_old_role_and_no_call_stays_counted() ->
 
 def test_only_prefill_and_decode_instances_switch() -> None:
     with pytest.raises(BadRequest):
-        RoleState("both").begin("decode", FENCE, 0.0, 1.0)
+        RoleState("both").begin("decode", 0.0, 1.0)
     with pytest.raises(BadRequest):
-        RoleState("prefill").begin("both", FENCE, 0.0, 1.0)
+        RoleState("prefill").begin("both", 0.0, 1.0)
 
 
 # -- the engine ------------------------------------------------------------------------------------
@@ -225,3 +226,71 @@ def test_the_conductor_moves_the_instance_the_policy_names_and_keeps_it_out_of_p
         assert elastic.describe() == {"role_switches": 1, "role_switches_given_up": 0, "role_switching": None}
 
     asyncio.run(run())
+
+
+# -- a cluster, under load -------------------------------------------------------------------------
+
+# 1 prefill + 2 decode instances with the engine settings of tests/test_cluster.py (their
+# calibrated profiles are shared). --elastic-roles with an interval longer than the test: the
+# test switches the instance itself, where it wants it (a call signed as a Conductor's, under an
+# id of its own), and the Conductor follows through its polls.
+FLAGS = ("--prefill-instances", "1", "--decode-instances", "2", "--no-pool", "--max-num-batched-tokens", "128",
+         "--elastic-roles", "--slo-ttft-s", "30", "--slo-tbt-s", "5", "--elastic-interval-s", "600")
+
+
+@pytest.mark.processes
+def test_a_decode_instance_switched_under_load_drains_then_prefills(tmp_path: Path, colocated) -> None:
+    from bench.harness import sse_events, until
+    from clusters import CONTROL_AUTH, Cluster
+
+    cluster = Cluster(FLAGS, 3, tmp_path)
+    try:
+        prompt = "Tell me a long story about a dragon."
+        body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+        others = [f"Question {k}: what is {k} plus {k}?" for k in range(4)]
+        with cluster.http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            received = [next(lines) for _ in range(4)]  # decoding on one of the two decode instances
+            (victim,) = [i for i in cluster.instances("decode") if i["running"]]
+            answer = httpx.post(victim["url"] + "/instance/role", json={"role": "prefill", "drain_s": 60.0},
+                                auth=CONTROL_AUTH, headers={"X-Conductor-Epoch": "elastic-test/1"}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            assert answer.json() == {"role": "decode", "switching_to": "prefill"}
+            # While it drains, new requests decode on the other instance (a reservation there is
+            # refused as "no room", or the Conductor already keeps it out of placement).
+            got = asyncio.run(_concurrently(cluster.url, [{"prompt": p, "max_tokens": 8, "temperature": 0}
+                                                          for p in others[:2]]))
+            rest = list(lines)
+        stream = sse_events(received + rest)
+        assert stream.done and stream.error is None, stream.error
+        text = "".join(e["choices"][0]["text"] for e in stream.events if e.get("choices"))
+        (want,) = colocated.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        assert text == want.text
+        until(lambda: [i for i in cluster.instances("prefill") if i["url"] == victim["url"]], 15,
+              "the drained instance to serve prefill")
+        computed = cluster.instance_stats(victim["url"])["num_prompt_tokens_computed"]
+        # Two prefill instances now: concurrent arrivals spread over both.
+        got += asyncio.run(_concurrently(cluster.url, [{"prompt": p, "max_tokens": 8, "temperature": 0}
+                                                       for p in others[2:] + others[:2]]))
+        want = colocated.generate(others[:2] + others[2:] + others[:2], SamplingParams(temperature=0, max_tokens=8))
+        assert [g["choices"][0]["text"] for g in got] == [w.text for w in want]
+        stats = cluster.instance_stats(victim["url"])
+        assert stats["role"] == "prefill" and stats["role_switches"] == 1
+        assert stats["num_prompt_tokens_computed"] > computed  # it prefilled once it switched
+        conductor = cluster.stats()
+        assert conductor["requests_failed"] == 0 and conductor["requests_rejected"] == 0
+        (role,) = [line for line in cluster.http.get("/metrics").text.splitlines()
+                   if line.startswith("mooncake:instance_role{") and f'instance="{victim["url"]}"' in line]
+        assert 'role="prefill"' in role and role.endswith(" 1.0")
+        cluster.assert_clean()
+    finally:
+        cluster.close()
+
+
+async def _concurrently(url: str, bodies: list[dict]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        rs = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+    for r in rs:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in rs]

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
 
-from cluster.protocol import SWITCHABLE_ROLES, BadRequest, Fence, InstanceBusy, NoKVRoom, SwitchRoleReply
+from cluster.protocol import SWITCHABLE_ROLES, BadRequest, InstanceBusy, NoKVRoom, SwitchRoleReply
 
 _BUSY_RETRY_S = 1.0  # what a refused prefill is told to wait: a drain ends in seconds
 
@@ -52,7 +52,6 @@ class RoleState:
     def __init__(self, role: str) -> None:
         self.role = role
         self.switching_to: str | None = None
-        self.asked_by: Fence | None = None  # the Conductor that asked for the switch in progress
         self.deadline = 0.0  # monotonic: when the drain gives up
         self.switches = 0
         self.given_up = 0
@@ -66,7 +65,7 @@ class RoleState:
     def reply(self) -> SwitchRoleReply:
         return SwitchRoleReply(self.role, self.switching_to)
 
-    def begin(self, to: str, fence: Fence, now: float, drain_s: float) -> bool:
+    def begin(self, to: str, now: float, drain_s: float) -> bool:
         """Start draining toward ``to``; False when there is nothing to start (it serves ``to``,
         or drains toward it already). Raises ``BadRequest`` (not a prefill or decode instance,
         or not a role to switch to) and ``InstanceBusy`` (draining toward the other role)."""
@@ -80,7 +79,7 @@ class RoleState:
             raise InstanceBusy(f"already switching from {self.role} to {self.switching_to}", _BUSY_RETRY_S)
         if to == self.role:
             return False
-        self.switching_to, self.asked_by, self.deadline = to, fence, now + drain_s
+        self.switching_to, self.deadline = to, now + drain_s
         return True
 
     @contextmanager
@@ -109,4 +108,4 @@ class RoleState:
             self.switches += 1
         else:
             self.given_up += 1
-        self.switching_to, self.asked_by = None, None
+        self.switching_to = None

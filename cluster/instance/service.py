@@ -247,7 +247,7 @@ class InstanceService:
         self.receiver.check_current(fence)
         if self.config.engine.stage is not None and self.config.engine.stage[1] > 1:
             raise BadRequest("a pipeline stage group serves prefill only: it does not switch roles")
-        if self.roles.begin(to, fence, time.monotonic(), drain_s):
+        if self.roles.begin(to, time.monotonic(), drain_s):
             log.info("switching from %s to %s (asked by Conductor %s): draining", self.role, to, fence.header())
             self._tasks.append(asyncio.create_task(self._drain_to(to)))
         return self.roles.reply()
