@@ -115,6 +115,33 @@ def test_prompt_logprobs_through_the_cluster_equal_the_colocated_engine(cluster,
     cluster.assert_clean()
 
 
+def _open_sockets(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:  # closed meanwhile
+            pass
+    return n
+
+
+def test_the_conductor_keeps_no_connection_per_request(cluster):
+    """Every request streams from its decode instance; the server cancels the relay once the
+    client has its answer, and a close cancelled midway left that connection open for good (one
+    socket per request, in CLOSE_WAIT once the instance hung up). Pooled keep-alive connections
+    are all that may stay."""
+    pid = cluster.server.proc.pid
+    cluster.complete("warm up", max_tokens=2)
+    before = _open_sockets(pid)
+    for i in range(30):
+        cluster.complete(f"Count to {i}:", max_tokens=2)
+        if i % 2:
+            with cluster.http.stream("POST", "/v1/completions",
+                                     json={"prompt": f"Name {i}", "max_tokens": 2, "stream": True}) as r:
+                r.read()
+    assert _open_sockets(pid) - before <= 4
+
+
 def test_hot_prefix_is_replicated_to_the_idle_prefill_instance(cluster, colocated):
     prefix = SHARED * 6  # ~160 tokens: 9 full blocks the request can reuse
     # The Conductor learns what an instance caches by polling it: until that poll, no instance

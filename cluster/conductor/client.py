@@ -172,21 +172,28 @@ class InstanceClient:
         try:
             async with self._http.stream("POST", url + "/instance/generate", json=request.to_dict(),
                                          timeout=timeout) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    raise _error(r, "/instance/generate")
-                lines = r.aiter_lines()
-                while True:
-                    try:
-                        line = await _unless(lost, anext(lines))
-                    except StopAsyncIteration:
-                        raise Unreachable("the stream ended before the request finished") from None
-                    if not line:
-                        continue
-                    out = read_stream_line(line)
-                    yield out
-                    if out.finished:
-                        return
+                try:
+                    if r.status_code != 200:
+                        await r.aread()
+                        raise _error(r, "/instance/generate")
+                    lines = r.aiter_lines()
+                    while True:
+                        try:
+                            line = await _unless(lost, anext(lines))
+                        except StopAsyncIteration:
+                            raise Unreachable("the stream ended before the request finished") from None
+                        if not line:
+                            continue
+                        out = read_stream_line(line)
+                        yield out
+                        if out.finished:
+                            return
+                finally:
+                    # Shielded: the caller is often cancelled right after the last output (the
+                    # client's response is complete), and a close that is cancelled midway
+                    # leaves the socket open for good (one per request, in CLOSE_WAIT once
+                    # the instance hangs up). Closed here, the stream's own exit is a no-op.
+                    await asyncio.shield(r.aclose())
         except httpx.HTTPError as e:
             raise _no_answer("/instance/generate", e) from None
 
