@@ -11,11 +11,12 @@ notes the latter when the KV arrives; here the placement is the last moment the 
 predicts it).
 
 A switch, followed through (``_switch``): the instance leaves placement at once
-(``InstanceRecord.moving_to``); the Conductor waits until its own ledger holds nothing there (a
-request placed on it before the decision finishes there), then asks the instance to switch
-(``POST /instance/role``), which refuses new work, drains what other Conductors hold there, and
-changes role (``cluster/instance/roles.py``); the registry's polls see the new role, and from
-then on the instance is placed in it. Every wait is bounded by ``drain_s``: a switch that does
+(``InstanceRecord.moving_to``); leaving prefill, the Conductor waits until the prefills it
+placed there before the decision are done (one not sent yet would be refused), then asks the
+instance to switch (``POST /instance/role``), which refuses new work, drains what it holds (the
+reservations of requests placed before, whoever placed them, included) and changes role
+(``cluster/instance/roles.py``); the registry's polls see the new role, and from then on the
+instance is placed in it. Every wait is bounded by ``drain_s``: a switch that does
 not finish in time is given up on, and the instance serves its old role again.
 
 Invariants: at most one switch in flight (the policy's, and ``_switching``); an instance is out
@@ -125,9 +126,10 @@ class ElasticRoles:
         deadline = time.monotonic() + self.drain_s
         switched = False
         try:
-            # What this Conductor placed there before the decision finishes there first: a
-            # prefill still to be sent would otherwise be refused by the draining instance.
-            while self._ledger.holds(rec) and time.monotonic() < deadline:
+            # A prefill this Conductor placed there before the decision, and has not sent yet,
+            # would be refused by the draining instance: those are done there first. Leaving decode
+            # needs no wait: a reservation the instance refuses goes to the next decode instance.
+            while to is Role.DECODE and self._ledger.load(rec).prefilling and time.monotonic() < deadline:
                 await asyncio.sleep(_SETTLE_POLL_S)
             given_up = _given_up(rec)
             left = deadline - time.monotonic()
