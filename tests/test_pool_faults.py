@@ -64,6 +64,32 @@ def engine():
 # -- a frozen pool node ----------------------------------------------------------------------------
 
 
+def test_a_frozen_node_met_for_the_first_time_costs_the_call_timeout_not_a_transfer_timeout():
+    """Frozen before anyone talked to it (SIGSTOP right after it started): its kernel still
+    accepts a connection, and the handshake hangs. A call's timeout bounds the connect and the
+    handshake as well as the answer, and a second caller queued behind the same peer's connect
+    gives up as soon; the error says the peer did not answer, not that the secret was wrong."""
+    import socket
+
+    from cluster.messenger import TransferError
+
+    with socket.socket() as listener, Messenger(MessengerConfig(secret=SECRET, timeout_s=30.0)) as caller:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # never accepted, never answered: as a stopped process
+        address = "127.0.0.1:%d" % listener.getsockname()[1]
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(caller.call, address, {"op": "lease"}, 1.0) for _ in range(2)]
+            errors = []
+            for call in calls:
+                with pytest.raises(TransferError) as e:
+                    call.result(60)
+                errors.append(str(e.value))
+        took = time.monotonic() - t0
+    assert took < 2.5, f"two calls to a frozen peer took {took:.1f} s"
+    assert not [e for e in errors if "secret" in e], errors
+
+
 def test_a_frozen_node_costs_a_prompt_about_a_second_once_then_is_passed_over():
     """A node that stops answering (SIGSTOP, a partition: here its lease and alloc handlers hang)
     holds the prompts that want its objects for the call timeout (1 s), not for a transfer

@@ -15,7 +15,7 @@ import socket
 import struct
 import time
 
-from .errors import AuthenticationError
+from .errors import AuthenticationError, PeerError
 from .wire import decode_json, encode_json, recv_exact
 
 MAGIC = b"MCPYTE01"
@@ -56,7 +56,9 @@ def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
         sock.sendall(client_nonce + mac + _LEN.pack(len(body)) + body)
         server_mac = _recv(sock, MAC_BYTES)
         server_body = _recv_hello(sock)
-    except (ConnectionError, socket.timeout) as exc:
+    except socket.timeout as exc:  # a frozen or overloaded peer, not a refusal
+        raise PeerError(f"no handshake from the peer within {sock.gettimeout():g} s") from exc
+    except ConnectionError as exc:
         # The Messenger closes without a word when our proof is wrong.
         raise AuthenticationError(f"peer refused the handshake (wrong cluster secret?): {exc}") from exc
     if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce, server_body)):

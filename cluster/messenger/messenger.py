@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,7 +23,7 @@ import torch
 
 from .batch import Batch, Request
 from .config import MessengerConfig
-from .errors import RdmaUnavailable, TransferError
+from .errors import PeerError, RdmaUnavailable, TransferError
 from .region_server import ControlHandler, RegionServer
 from .wire import Op, Status, decode_json, encode_json
 from .rdma import RdmaDevice, RdmaTransport
@@ -190,13 +191,14 @@ class Messenger:
         bound, past which a silent peer's link is closed."""
         if self._closed:
             raise TransferError("engine is closed")
-        control = self._link(peer).control
         if timeout_s is None:
-            status, _, payload = control.call(Op.SERVICE, encode_json(body))
+            status, _, payload = self._link(peer).control.call(Op.SERVICE, encode_json(body))
         else:
-            reply = control.request(Op.SERVICE, encode_json(body))
+            # One budget for the link (made now if there is none) and the answer.
+            deadline = time.monotonic() + timeout_s
+            reply = self._link(peer, timeout_s).control.request(Op.SERVICE, encode_json(body))
             try:
-                status, _, payload = reply.result(timeout_s)
+                status, _, payload = reply.result(max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise TransferError(f"{peer}: no answer to {body.get('op')!r} within {timeout_s:g} s") from None
         return Status(status), (decode_json(payload) if payload else {})
@@ -276,16 +278,21 @@ class Messenger:
             raise TransferError(f"region {handle.region_id} is not a region of this engine")
         return handle
 
-    def _link(self, peer: str) -> _Link:
+    def _link(self, peer: str, timeout_s: float | None = None) -> _Link:
+        """The link to ``peer``, connected now if there is none. ``timeout_s`` bounds the wait for
+        another thread's connect to the same peer and this one's (default: the transfer timeout)."""
         with self._lock:
             lock = self._link_locks.setdefault(peer, threading.Lock())
-        with lock:  # one connect per peer at a time; other peers are not held up
+        # One connect per peer at a time; other peers are not held up.
+        if not lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise PeerError(f"{peer}: another connect to it has taken over {timeout_s:g} s")
+        try:
             link = self._links.get(peer)
             if link is not None and link.control.alive:
                 return link
             if link is not None:
                 link.close()  # reconnect on the next request after a failure
-            sock, hello = connect(peer, self.config, self._hello)
+            sock, hello = connect(peer, self.config, self._hello, timeout_s)
             # A link whose peer dies is closed and forgotten at once, not when (or if) that
             # address is asked for again: a restarted peer usually comes back elsewhere, and the
             # dead one's mapped memory and threads would stay with us for ever.
@@ -299,6 +306,8 @@ class Messenger:
                     raise TransferError("engine is closed")
                 self._links[peer] = link
             return link
+        finally:
+            lock.release()
 
     def _forget(self, peer: str, control: Stream) -> None:
         """Called when ``control`` dies: close the link it belongs to and drop it, if it is still

@@ -51,10 +51,13 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def connect(address: str, config: MessengerConfig, hello: dict) -> tuple[socket.socket, dict]:
-    """Open and authenticate one connection; returns it with the server's hello."""
+def connect(address: str, config: MessengerConfig, hello: dict,
+            timeout_s: float | None = None) -> tuple[socket.socket, dict]:
+    """Open and authenticate one connection; returns it with the server's hello. ``timeout_s``
+    bounds the connect and each wait of the handshake (default: the transfer timeout): a caller
+    that gives up on a peer after a second must not wait longer for a frozen one to say hello."""
     try:
-        sock = socket.create_connection(split_address(address), timeout=config.timeout_s)
+        sock = socket.create_connection(split_address(address), timeout=timeout_s or config.timeout_s)
     except OSError as exc:
         raise PeerError(f"cannot connect to {address}: {exc}") from exc
     try:
