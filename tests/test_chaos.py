@@ -205,29 +205,7 @@ def test_faults_of_one_instance_lose_no_request_and_mark_no_healthy_one_down(rep
     assert must[chaos.LOST] == 0, report["lost"]
     assert must[chaos.MARKED_DOWN] == 0, report["marked_down"]
     assert report["monitor_samples"] > 50 and report["long_prompts"]["completed"] > 10, report["long_prompts"]
-    kinds = {(f["kind"], f["role"]) for f in report["faults"]}
-    assert {("SIGSTOP", "metadata store (etcd)"), ("SIGSTOP then kill -9", "pool node")} <= kinds, kinds
     assert all(f["recovered"] for f in report["faults"]), report["faults"]
-
-
-@pytest.mark.processes
-def test_one_of_two_conductors_killed_costs_the_other_nothing(report):
-    """Issue 31: a second Conductor finds the instances in etcd; its kill -9 under load restarts no
-    instance, its reservations go within one lease, and the first one's requests lose nothing
-    (the LOST and MARKED_DOWN rows above cover the whole run, this phase included)."""
-    (second,) = [f for f in report["faults"] if f["role"] == "second Conductor"]
-    assert second["found_instances_s"] is not None and second["instances_restarted"] == 0, second
-    assert second["released_s"] is not None and second["released_s"] <= 15.0, second
-    assert second["recovered"], second
-    assert report["lost_by_phase"].get("second Conductor killed", 0) == 0
-
-
-@pytest.mark.processes
-def test_idle_and_slow_header_connections_are_closed_by_the_front_door(report):
-    (conns,) = [f for f in report["faults"] if f["kind"] == "connections"]
-    assert conns["still_open"] == 0 and conns["closed_after_s_max"] <= 3.0 + 5.0, conns  # quick: a 3 s deadline
-    assert conns["connections_after"] <= conns["connections_before"] + 16, conns
-    assert report["lost_by_phase"].get("idle and slow-header connections", 0) == 0
 
 
 @pytest.mark.processes

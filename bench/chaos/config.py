@@ -52,6 +52,7 @@ ENGINE_FAILED = "the engine failed while serving the request"
 FAMILIES = ("kill", "sigstop", "etcd", "pool-node", "second-conductor", "connections", "disconnect",
             "corrupt-ssd", "restarts", "stale-epoch", "huge-body", "burst", "fuzz", "framing", "slow-clients")
 FULL_ONLY = ("disconnect", "corrupt-ssd", "restarts")
+QUICK_SKIPS = ("etcd", "pool-node", "second-conductor", "connections")  # see ``ChaosConfig.quick``
 
 
 @dataclass
@@ -120,7 +121,12 @@ class ChaosConfig:
                    # One kill and one SIGSTOP: a killed or frozen prefill instance is
                    # tests/test_cluster.py's and tests/test_cluster_races.py's.
                    kill_roles=("decode",), stop_role="decode",
-                   families=tuple(f for f in FAMILIES if f not in FULL_ONLY), frozen_prompts=0)
+                   # And none of the families that have a test of their own (CI's time): etcd
+                   # stopped and a frozen pool node are tests/test_pool_faults.py's, one of two
+                   # Conductors killed tests/test_across_hosts.py's, idle and slow-header
+                   # connections tests/test_front_door.py's. So no etcd and no pool node either.
+                   families=tuple(f for f in FAMILIES if f not in FULL_ONLY + QUICK_SKIPS),
+                   etcd=False, pool_node=False, second_conductor=False, frozen_prompts=0)
         return replace(base, **overrides)
 
 
