@@ -18,6 +18,7 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from bench.chaos.load import open_fds
 from bench.harness import sse_events, until
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.placement import PlacementConfig
@@ -116,13 +117,7 @@ def test_prompt_logprobs_through_the_cluster_equal_the_colocated_engine(cluster,
 
 
 def _open_sockets(pid: int) -> int:
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-        except OSError:  # closed meanwhile
-            pass
-    return n
+    return sum(target.startswith("socket:") for target in open_fds(pid))
 
 
 def test_the_conductor_keeps_no_connection_per_request(cluster):

@@ -24,6 +24,7 @@ import pytest
 import uvicorn
 
 from bench import harness
+from bench.chaos.load import proc_status
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from server.cli import parse_args, read_cluster_secret
@@ -513,8 +514,7 @@ def test_an_abort_that_overtakes_its_request_is_remembered(servers):
 
 
 def _rss_anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+    return proc_status(os.getpid(), ("RssAnon",))["RssAnon"]
 
 
 def test_freed_memory_goes_back_to_the_os_once_the_engine_is_idle(servers, monkeypatch):
