@@ -100,9 +100,13 @@ DEFAULT_TRACE = TRACE_DIR / "conversation_trace.jsonl"
 DEFAULT_OUT = Path("out") / "disagg" / "disagg.json"
 
 # Elastic roles on a live cluster decide on a shorter clock than the simulator's defaults (its
-# 30 s / 120 s suit an hour-long trace): the phases here last minutes, so the policy is asked
-# every 5 s over the last 30 s of predictions, and a role keeps an instance it took for 30 s.
-ELASTIC_KNOBS = ["--elastic-interval-s", "5", "--elastic-horizon-s", "30", "--elastic-min-dwell-s", "30"]
+# 30 s / 120 s suit an hour-long trace): the phases here last a minute or two, so the policy is
+# asked every 5 s over the last 60 s of predictions, and a role keeps an instance it took for
+# 30 s. A switch here costs about a second beyond its drain (the role is a setting: no weights
+# reload), not the simulator's 10 s; with 10 s and a decode drain of ~15 s, a 60 s horizon would
+# leave a move to prefill too little time to pay.
+ELASTIC_KNOBS = ["--elastic-interval-s", "5", "--elastic-horizon-s", "60", "--elastic-min-dwell-s", "30",
+                 "--elastic-switch-cost-s", "2"]
 THREE = ["--instance-threads", "1", "--no-pool"]
 # The server flags of each deployment (after ``python -m server --host H --port P``).
 DEPLOYMENTS: dict[str, list[str]] = {
