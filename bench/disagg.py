@@ -100,12 +100,12 @@ DEFAULT_TRACE = TRACE_DIR / "conversation_trace.jsonl"
 DEFAULT_OUT = Path("out") / "disagg" / "disagg.json"
 
 # Elastic roles on a live cluster decide on a shorter clock than the simulator's defaults (its
-# 30 s / 120 s suit an hour-long trace): the phases here last a minute or two, so the policy is
-# asked every 5 s over the last 60 s of predictions, and a role keeps an instance it took for
-# 30 s. A switch here costs about a second beyond its drain (the role is a setting: no weights
-# reload), not the simulator's 10 s; with 10 s and a decode drain of ~15 s, a 60 s horizon would
-# leave a move to prefill too little time to pay.
-ELASTIC_KNOBS = ["--elastic-interval-s", "5", "--elastic-horizon-s", "60", "--elastic-min-dwell-s", "30",
+# 30 s / 120 s suit an hour-long trace): the phases here last a minute or two, and the policy
+# reads the predictions of its horizon, so with a horizon of 60 s it went on seeing the last
+# phase's load for most of the next one. Asked every 5 s over the last 20 s; a role keeps an
+# instance it took for 30 s. A switch here costs about a second beyond its drain (the role is a
+# setting: no weights reload), not the simulator's 10 s, which a 20 s horizon could not pay back.
+ELASTIC_KNOBS = ["--elastic-interval-s", "5", "--elastic-horizon-s", "20", "--elastic-min-dwell-s", "30",
                  "--elastic-switch-cost-s", "2"]
 THREE = ["--instance-threads", "1", "--no-pool"]
 # The server flags of each deployment (after ``python -m server --host H --port P``).
@@ -383,6 +383,11 @@ def format_table(summaries: dict[str, dict[str, dict]], slos: dict | None = None
                     lines.append(f"{w}: {d}/{base} goodput = {_x(c['goodput'])}, "
                                  f"TBT p90 ratio = {_x(c['tbt_p90'])}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def needs_slos(deployment: str) -> bool:
+    """Whether the deployment's server is given the benchmark's SLOs (``NEEDS_SLOS``)."""
+    return any(f in DEPLOYMENTS[deployment] for f in NEEDS_SLOS)
 
 
 def fixed_split_of(deployment: str) -> str | None:
@@ -717,10 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="poisson: output length, fixed or MIN MAX")
     g.add_argument("--phases", type=_list(("prefill", "decode")), default="prefill,decode,prefill",
                    help="shifting: the phases in order")
-    g.add_argument("--phase-s", type=float, default=90.0, help="shifting: seconds of arrivals per phase")
-    g.add_argument("--prefill-phase", type=float, nargs=3, default=[1024, 8, 1.0], metavar=("PROMPT", "OUTPUT", "RATE"),
+    g.add_argument("--phase-s", type=float, default=120.0, help="shifting: seconds of arrivals per phase")
+    g.add_argument("--prefill-phase", type=float, nargs=3, default=[256, 8, 2.4], metavar=("PROMPT", "OUTPUT", "RATE"),
                    help="shifting: a prefill phase's prompt and output lengths (tokens, +-25%%) and req/s")
-    g.add_argument("--decode-phase", type=float, nargs=3, default=[64, 160, 1.5], metavar=("PROMPT", "OUTPUT", "RATE"),
+    g.add_argument("--decode-phase", type=float, nargs=3, default=[32, 96, 2.4], metavar=("PROMPT", "OUTPUT", "RATE"),
                    help="shifting: a decode phase's prompt and output lengths (tokens, +-25%%) and req/s")
     g.add_argument("--repeats", type=int, default=3,
                    help="replays of each workload per deployment (medians and ranges reported)")
@@ -769,7 +774,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     out: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                  "slos": None, "deployments": {}, "summary": {}, "ratios": {}}
-    slos: dict | None = None
+    # Both SLOs given: they hold from the start (a deployment that needs them may run first).
+    slos: dict | None = (derive_slos(None, slo_ttft_ms=args.slo_ttft_ms, slo_tbt_ms=args.slo_tbt_ms)
+                         if args.slo_ttft_ms is not None and args.slo_tbt_ms is not None else None)
+    if slos is None and deployments and deployments[0] in DEPLOYMENTS and needs_slos(deployments[0]):
+        sys.exit(f"error: {deployments[0]} needs the SLOs before any baseline has measured them: add "
+                 f"{BASELINE} to --deployments, or give --slo-ttft-ms and --slo-tbt-ms")
     interrupted = False
     try:
         for d in deployments:
@@ -782,7 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cwd = args.out.parent
                 cwd.mkdir(parents=True, exist_ok=True)
             else:
-                if any(f in DEPLOYMENTS[d] for f in NEEDS_SLOS) and slos is not None:
+                if needs_slos(d) and slos is not None:
                     extra[d] += ["--slo-ttft-s", f"{slos['ttft_ms'] / 1000:.4f}",
                                  "--slo-tbt-s", f"{slos['tbt_ms'] / 1000:.4f}"]
                 cmd = server_command(d, port, python=args.python, extra=extra[d], drop_flags=drop)

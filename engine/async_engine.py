@@ -111,6 +111,10 @@ class AsyncLLMEngine(EngineClient):
         self._max_running_seen = 0
         self._max_batch_seen = 0
         self._num_steps = 0
+        # Steps that computed no prompt token (decodes only): their count, seconds, sequences and
+        # KV tokens, summed. What a decode step costs live, beside other processes on the same
+        # cores, which the Conductor sets against the model calibrated on an idle one.
+        self._decode_steps = [0, 0.0, 0, 0]
         self._num_step_errors = 0
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # engine thread only
         self._observers: list[Callable[[LLMEngine], None]] = []
@@ -367,6 +371,9 @@ class AsyncLLMEngine(EngineClient):
             log.exception("abort failed for %s", request_id)
 
     def _step(self, engine, live, outbox) -> None:
+        computed, running = engine.num_prompt_tokens_computed, engine.scheduler.running
+        batch, context = len(running), sum(seq.num_tokens for seq in running)
+        started = time.perf_counter()
         try:
             outputs = engine.step()
         except Exception as e:  # noqa: BLE001
@@ -378,6 +385,9 @@ class AsyncLLMEngine(EngineClient):
             live.clear()
             return
         self._num_steps += 1
+        if batch and engine.num_prompt_tokens_computed == computed:
+            d = self._decode_steps
+            d[0], d[1], d[2], d[3] = d[0] + 1, d[1] + time.perf_counter() - started, d[2] + batch, d[3] + context
         running = len(engine.scheduler.running)
         self._max_running_seen = max(self._max_running_seen, running + sum(o.finished for o in outputs))
         self._max_batch_seen = max(self._max_batch_seen, len(outputs))
@@ -419,6 +429,10 @@ class AsyncLLMEngine(EngineClient):
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
             "num_generated_tokens": s.num_generated_tokens,
             "num_steps": self._num_steps,
+            "decode_steps": self._decode_steps[0],
+            "decode_step_seconds": self._decode_steps[1],
+            "decode_step_seqs": self._decode_steps[2],
+            "decode_step_context_tokens": self._decode_steps[3],
             "num_step_errors": self._num_step_errors,
             "max_num_running_seen": self._max_running_seen,
             "max_batch_size_seen": self._max_batch_seen,

@@ -288,3 +288,11 @@ def test_role_poller_keeps_each_change_of_the_split(fake_server):  # noqa: F811
     for _ in range(5):
         poller._sample(http)
     assert [(c["prefill"], c["decode"]) for c in poller.changes] == [(2, 1), (1, 1), (1, 2)]
+
+
+def test_a_deployment_that_needs_the_slos_first_is_refused_unless_they_are_given(capsys):
+    with pytest.raises(SystemExit) as e:
+        disagg.main(["--deployments", "elastic-2p1d", "--workloads", "shifting", "--phase-s", "1"])
+    assert "needs the SLOs" in str(e.value) and "--slo-ttft-ms" in str(e.value)
+    assert disagg.needs_slos("elastic-2p1d") and disagg.needs_slos("disaggregated-early")
+    assert not disagg.needs_slos("split-2p1d") and not disagg.needs_slos("colocated")

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.conductor.elastic import ElasticRoles
+from cluster.conductor.elastic import ElasticRoles, StepSlowdown
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.registry import Registry
 from cluster.conductor.supervisor import free_port
@@ -26,7 +26,7 @@ from cluster.instance.service import InstanceConfig, InstanceService
 from cluster.policies.cost_model import DecodeStepModel
 from cluster.policies.early_rejection import SLO
 from cluster.policies.elastic_roles import ElasticConfig, TBTPrediction, TTFTPrediction
-from cluster.protocol import BadRequest, Fence, InstanceBusy, NoKVRoom, SwitchRoleReply, WrongEpoch
+from cluster.protocol import BadRequest, CacheDelta, Fence, InstanceBusy, InstanceState, NoKVRoom, SwitchRoleReply, WrongEpoch
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
 from engine.llm_engine import LLMEngine
@@ -223,7 +223,70 @@ def test_the_conductor_moves_the_instance_the_policy_names_and_keeps_it_out_of_p
         moved.role = "decode"  # as the registry's next poll reads it
         await asyncio.wait_for(tasks[0], 2.0)
         assert moved.moving_to is None and moved in registry.up("decode")
-        assert elastic.describe() == {"role_switches": 1, "role_switches_given_up": 0, "role_switching": None}
+        assert elastic.describe() == {"role_switches": 1, "role_switches_given_up": 0, "role_switching": None,
+                                      "decode_step_slowdown": 1.0}
+
+    asyncio.run(run())
+
+
+def _counted(rec, steps: int, seconds: float, seqs: int, context: int) -> None:
+    """The decode step counters, as the registry's next poll of ``rec`` reads them."""
+    rec.state = InstanceState("i", CacheDelta(0, []), {"decode_steps": steps, "decode_step_seconds": seconds,
+                                                       "decode_step_seqs": seqs, "decode_step_context_tokens": context})
+
+
+def test_the_step_slowdown_is_live_seconds_over_the_models_for_the_same_batches() -> None:
+    model = DecodeStepModel(0.01, 0.002, 1e-5, 4096)
+    registry = Registry(client=None)
+    a, b = registry.add("http://d0:1"), registry.add("http://d1:1")
+    slowdown = StepSlowdown()
+    _counted(a, 100, 50.0, 1000, 100_000)
+    _counted(b, 10, 1.0, 10, 1000)
+    assert slowdown.update(model, [a, b]) == 1.0  # first readings: nothing to compare yet
+    # a: 30 steps of 10 sequences and 1,000 tokens (0.04 s each by the model) took 3.6 s; b: 10
+    # steps of 1 sequence and 100 tokens (0.013 s) took 0.39 s: 3.99 s against 1.33 s.
+    _counted(a, 130, 53.6, 1300, 130_000)
+    _counted(b, 20, 1.39, 20, 2000)
+    assert slowdown.update(model, [a, b]) == pytest.approx(3.99 / 1.33)
+    _counted(a, 135, 54.0, 1350, 135_000)  # 5 steps: too few to say; the factor stays
+    assert slowdown.update(model, [a, b]) == pytest.approx(3.99 / 1.33)
+    _counted(a, 3, 0.1, 3, 300)  # a restarted engine counts afresh: no comparison across it
+    a.state.stats.pop("decode_step_seqs")
+    _counted(b, 40, 1.65, 40, 4000)  # 20 steps of 0.013 s in 0.26 s: as the model says
+    assert slowdown.update(model, [a, b]) == pytest.approx(1.0)
+
+
+def test_a_slowdown_the_calibrated_model_does_not_show_moves_an_instance_to_decode() -> None:
+    """Batches of 25 on one decode instance: 0.06 s a step by the calibrated model, within the TBT
+    SLO (0.08 s), so no switch; its steps measured at twice that break it, and the policy, given
+    the model times the slowdown, moves a prefill instance (two decode instances: 0.06 s)."""
+    registry = Registry(client=None)
+    ledger = Ledger()
+    recs = [registry.add(f"http://{role}{i}:1") for i, role in enumerate(["prefill", "prefill", "decode"])]
+    for rec, role in zip(recs, ["prefill", "prefill", "decode"]):
+        rec.up, rec.role = True, role
+    step = DecodeStepModel(0.01, 0.002, 0.0, 4096)
+    config = ElasticConfig(interval_s=1.0, horizon_s=100.0, min_dwell_s=0.0, switch_cost_s=1.0, decode_time_s=5.0)
+    tasks: list[asyncio.Task] = []
+
+    async def run() -> None:
+        elastic = ElasticRoles(config, SLO(ttft_s=5.0, tbt_s=0.08), 5.0, _SwitchingClient(), registry, ledger,
+                               lambda: step, lambda coro: tasks.append(asyncio.ensure_future(coro)) or tasks[-1])
+        now = time.monotonic()
+        for rec in recs:
+            elastic._changed_at[elastic._number(rec)] = now - 1000.0
+        for _ in range(50):
+            elastic.log.add_tbt(now, TBTPrediction(1, 25, 0))
+            elastic.log.add_ttft(now, TTFTPrediction(elastic._number(recs[1]), 2, 0.1, 0.5))
+        _counted(recs[2], 0, 0.0, 0, 0)
+        elastic.decide_once()
+        assert not [r for r in recs if r.moving_to is not None] and elastic.describe()["decode_step_slowdown"] == 1.0
+        _counted(recs[2], 50, 50 * 0.12, 50 * 25, 0)  # 0.12 s a step where the model says 0.06 s
+        elastic.decide_once()
+        (moved,) = [r for r in recs if r.moving_to is not None]
+        assert moved.moving_to == "decode" and elastic.describe()["decode_step_slowdown"] == 2.0
+        for task in tasks:
+            task.cancel()
 
     asyncio.run(run())
 

@@ -19,6 +19,12 @@ reservations of requests placed before, whoever placed them, included) and chang
 instance is placed in it. Every wait is bounded by ``drain_s``: a switch that does
 not finish in time is given up on, and the instance serves its old role again.
 
+The step model the policy predicts TBT with is the calibrated one times ``StepSlowdown``: the
+decode steps' live seconds over what the model predicts for the same batches. Calibration times
+an idle instance; live, instances share cores (three single-thread instances on two cores in
+bench.disagg's elastic deployment), and with the idle model the policy saw no TBT miss coming
+while the real steps broke the SLO.
+
 Invariants: at most one switch in flight (the policy's, and ``_switching``); an instance is out
 of placement from the decision until it serves the new role or the switch is given up on; the
 policy sees instances by a number stable for the record's life (``_number``), so the dwell
@@ -48,6 +54,41 @@ from cluster.protocol import ProtocolError
 log = logging.getLogger(__name__)
 
 _SETTLE_POLL_S = 0.1  # how often a switch looks at the ledger and the registry
+# The decode instances' step counters in their polled stats (engine/async_engine.py): steps that
+# computed no prompt token, their seconds, sequences and KV tokens, summed.
+_STEP_COUNTERS = ("decode_steps", "decode_step_seconds", "decode_step_seqs", "decode_step_context_tokens")
+
+
+class StepSlowdown:
+    """How many times longer the decode instances' steps take live than ``DecodeStepModel``
+    predicts for the same batches. Each ``update`` reads the counters each decode instance
+    reported since the previous one; ``factor`` changes only when they add up to at least
+    ``MIN_STEPS`` steps (a few steps say little), and starts at 1 (the model as calibrated)."""
+
+    MIN_STEPS = 20
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        self._last: dict[InstanceRecord, tuple[float, ...]] = {}
+
+    def update(self, model: DecodeStepModel, decodes: Sequence[InstanceRecord]) -> float:
+        steps, seconds, predicted = 0.0, 0.0, 0.0
+        for rec in decodes:
+            stats = rec.state.stats if rec.state is not None else {}
+            if not all(isinstance(stats.get(k), (int, float)) for k in _STEP_COUNTERS):
+                continue  # not polled yet, or an instance that does not count its steps
+            now = tuple(float(stats[k]) for k in _STEP_COUNTERS)
+            before, self._last[rec] = self._last.get(rec), now
+            if before is None or now[0] <= before[0]:
+                continue  # the first reading, no step since, or a restarted engine counting afresh
+            n = now[0] - before[0]
+            # step_s is linear in both: n steps of the mean batch take what the n steps do.
+            seconds += now[1] - before[1]
+            predicted += n * model.step_s((now[2] - before[2]) / n, (now[3] - before[3]) / n)
+            steps += n
+        if steps >= self.MIN_STEPS and predicted > 0 and seconds > 0:
+            self.factor = seconds / predicted
+        return self.factor
 
 
 class ElasticRoles:
@@ -68,6 +109,7 @@ class ElasticRoles:
         self._numbers: dict[InstanceRecord, int] = {}
         self._next_number = itertools.count()
         self._changed_at: dict[int, float] = {}  # number -> when it took its role, or was first seen up
+        self.slowdown = StepSlowdown()
 
     def _number(self, rec: InstanceRecord) -> int:
         number = self._numbers.get(rec)
@@ -112,7 +154,8 @@ class ElasticRoles:
             prefill=[self._ledger.load(r).prefill_state(self._number(r), now, r) for r in prefills],
             decode=[self._ledger.load(r).decode_state(self._number(r)) for r in decodes],
             ttft=ttft, tbt=tbt, switching=self._switching is not None, changed_at=self._changed_at)
-        switch = ElasticRolePolicy(self.config, self.slo, step).decide(view)
+        live = step.scaled(self.slowdown.update(step, decodes))
+        switch = ElasticRolePolicy(self.config, self.slo, live).decide(view)
         if switch is not None:
             rec = by_number[switch.instance]
             log.info("elastic roles: moving %s from %s to %s (predicted gain %.3f of the requests, transit %.1f s)",
@@ -155,7 +198,8 @@ class ElasticRoles:
 
     def describe(self) -> dict[str, Any]:
         return {"role_switches": self.switches, "role_switches_given_up": self.given_up,
-                "role_switching": None if self._switching is None else self._switching.url}
+                "role_switching": None if self._switching is None else self._switching.url,
+                "decode_step_slowdown": round(self.slowdown.factor, 3)}
 
 
 def _given_up(rec: InstanceRecord) -> int:

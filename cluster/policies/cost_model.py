@@ -214,9 +214,16 @@ class DecodeStepModel:
         if self.kv_capacity_tokens <= 0:
             raise ValueError("kv_capacity_tokens must be positive")
 
-    def step_s(self, batch_size: int, context_tokens: float) -> float:
+    def step_s(self, batch_size: float, context_tokens: float) -> float:
         """One step for ``batch_size`` sequences holding ``context_tokens`` KV tokens in total."""
         return self.base_s + self.per_seq_s * batch_size + self.per_context_token_s * context_tokens
+
+    def scaled(self, factor: float) -> DecodeStepModel:
+        """Every step ``factor`` times as long (the capacity unchanged)."""
+        if not factor > 0:
+            raise ValueError(f"factor must be positive, got {factor}")
+        return DecodeStepModel(self.base_s * factor, self.per_seq_s * factor, self.per_context_token_s * factor,
+                               self.kv_capacity_tokens)
 
     @classmethod
     def from_specs(cls, model: ModelSpec, hw: HardwareSpec) -> DecodeStepModel:

@@ -442,7 +442,9 @@ class InstanceState:
     ``/stats`` but places by its ledger, never by them, so their keys stay the engine's to name.
     On the wire one flat object, ``stats`` beside the other fields, as an instance's ``/stats``.
     Two of its keys are read by name (``from_dict`` checks them): ``role``, the role it serves now
-    (an elastic instance's changes, issue 32), and ``switching_to``, the role it drains toward."""
+    (an elastic instance's changes, issue 32), and ``switching_to``, the role it drains toward.
+    Elastic roles also reads the engine's decode step counters (``decode_steps`` and its three
+    sums, ``cluster/conductor/elastic.py`` ``StepSlowdown``) where they are there."""
 
     instance_id: str
     cache: CacheDelta
