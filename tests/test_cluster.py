@@ -296,7 +296,8 @@ def test_killing_a_prefill_instance_mid_prefill_moves_the_request(cluster, coloc
     """The request goes to the other prefill instance (with a fresh decode reservation) and is
     answered as if nothing happened; the decode reservation made for the first try is released
     once no late write can land in it."""
-    long_prompt = " ".join(f"token{i}" for i in range(900))
+    # ~1,100 tokens: nine steps of 128 on one thread, time enough to be killed mid-prefill.
+    long_prompt = " ".join(f"token{i}" for i in range(300))
     moved = cluster.http.get("/stats").json()["requests_moved"]
 
     async def scenario():

@@ -440,12 +440,12 @@ def test_a_long_prompt_while_etcd_is_stopped_is_answered_and_counted(private_etc
 
     url, etcd = private_etcd
     greedy = {"temperature": 0, "max_tokens": 8}
-    prompt = words("etcdstopped", 300) + " And so?"  # well over one 256-token pool block
+    prompt = words("etcdstopped", 100) + " And so?"  # ~600 tokens: two full 256-token pool blocks
     want = colocated.generate([prompt], SamplingParams(**greedy))[0].text
     cluster = Cluster(["--prefill-instances", "1", "--decode-instances", "1", "--pool-dram-gib", "0.05",
                        "--etcd", url], 2, tmp_path)
     try:
-        cluster.complete(words("etcdwarm", 300), **greedy)  # the pool works
+        cluster.complete(words("etcdwarm", 100), **greedy)  # the pool works
         etcd.send_signal(signal.SIGSTOP)  # slow: nothing answers, every call times out
         started = time.monotonic()
         r = cluster.http.post("/v1/completions", json={"prompt": prompt, **greedy})

@@ -116,8 +116,10 @@ class ChaosConfig:
                    long_clients=2, long_words=150, long_max_tokens=8, etcd_stop_s=2.0, pool_stop_s=2.0,
                    idle_connections=100, slow_header_connections=30, header_timeout_s=3.0,
                    # A shorter transfer timeout: the receive staging of a reservation that ended
-                   # with writes possibly in flight comes back after twice this.
-                   server_args=["--transfer-timeout-s", "5"],
+                   # with writes possibly in flight comes back after twice this. The test
+                   # clusters' KV cache (tests/clusters.py): the instances' engine settings then
+                   # equal theirs, so they load the calibration those measured (CI's time).
+                   server_args=["--transfer-timeout-s", "5", "--kv-cache-gib", "0.25"],
                    # One kill and one SIGSTOP: a killed or frozen prefill instance is
                    # tests/test_cluster.py's and tests/test_cluster_races.py's.
                    kill_roles=("decode",), stop_role="decode",

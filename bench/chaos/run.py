@@ -223,8 +223,8 @@ class Run:
         request must still be served."""
         port = self.cluster.port
         progress(f"slow clients: byte-by-byte requests, {self.cfg.stall_connections} stalled connections")
-        slow = []
-        for prompt in (0, 4):
+
+        async def byte_by_byte(prompt: int) -> dict[str, Any]:
             path = PROMPTS[prompt][0]
             data = http_request(path, json.dumps(request_body(prompt, False, self.cfg.max_tokens)).encode())
             out = await raw_request(port, f"byte by byte ({path})", data, byte_gap_s=self.cfg.slow_request_s / len(data),
@@ -234,7 +234,9 @@ class Run:
                 text = choice_text(json.loads(body), path) if body else None
             except ValueError:
                 text = None
-            slow.append({**asdict(out), "text_as_expected": text == self.expected[prompt]})
+            return {**asdict(out), "text_as_expected": text == self.expected[prompt]}
+
+        slow = list(await asyncio.gather(*(byte_by_byte(prompt) for prompt in (0, 4))))  # one per API, side by side
         body = json.dumps(request_body(0, False, 2)).encode()
         partial = [
             b"",  # connected, says nothing
