@@ -74,6 +74,11 @@ class SSEStream:
         """The error event's ``error`` object, if the stream carried one."""
         return next((e["error"] for e in self.events if "error" in e), None)
 
+    @property
+    def text(self) -> str:
+        """A ``/v1/completions`` stream's text: its events' first choices, joined."""
+        return "".join(e["choices"][0]["text"] for e in self.events if e.get("choices"))
+
 
 def sse_events(lines: Iterable[str]) -> SSEStream:
     """Parse a streamed answer's lines. An event that is not JSON, or any event after ``[DONE]``,

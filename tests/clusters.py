@@ -13,6 +13,7 @@ settings are the ones CI runs; the shipped ones are checked by hand and by bench
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -144,3 +145,12 @@ class Cluster:
         self.stop_pool_node()
         self.http.close()
         self.server.stop(30.0)
+
+
+async def complete_concurrently(url: str, bodies: list[dict]) -> list[dict]:
+    """``POST /v1/completions`` with each body at once; every answer must be a 200."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        rs = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+    for r in rs:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in rs]

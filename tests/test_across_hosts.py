@@ -239,7 +239,7 @@ def test_a_partitioned_decode_instance_loses_its_request_to_the_other(cluster: A
             rest = list(lines)
         stream = sse_events(received + rest)
         assert stream.done and stream.error is None, stream.error
-        text = "".join(e["choices"][0]["text"] for e in stream.events if e.get("choices"))
+        text = stream.text
         (want,) = colocated.generate([prompt], SamplingParams(**params))
         assert text == want.text
         stats = cluster.stats()
@@ -291,7 +291,6 @@ def test_the_embedded_metadata_server_is_reached_from_another_host(cluster: Acro
 def _stream(url: str, prompt: str, max_tokens: int, started: threading.Event | None = None) -> dict:
     """One streamed completion through the Conductor at ``url``: its text, the error that ended it
     (an exception's name, or the stream's error event), whether it finished."""
-    text, error = [], None
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=120, trust_env=False, json={
                 "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -304,11 +303,9 @@ def _stream(url: str, prompt: str, max_tokens: int, started: threading.Event | N
                 if started is not None and line.startswith("data:"):
                     started.set()
             stream = sse_events(lines)
-            text = ["".join(e["choices"][0]["text"] for e in stream.events if e.get("choices"))]
-            return {"text": text[0], "error": stream.error, "done": stream.done}
+            return {"text": stream.text, "error": stream.error, "done": stream.done}
     except httpx.HTTPError as e:
-        error = type(e).__name__
-    return {"text": "".join(text), "error": error, "done": False}
+        return {"text": "", "error": type(e).__name__, "done": False}
 
 
 def test_two_conductors_front_the_instances_and_one_killed_costs_the_other_nothing(

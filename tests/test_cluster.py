@@ -22,7 +22,7 @@ from bench.chaos.load import open_fds
 from bench.harness import sse_events, until
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.placement import PlacementConfig
-from clusters import CONTROL_AUTH, SECRET, STARTUP_S, Cluster
+from clusters import CONTROL_AUTH, SECRET, STARTUP_S, Cluster, complete_concurrently
 from engine import SamplingParams
 from server.app import build_app
 
@@ -58,14 +58,6 @@ PROMPTS = [
 ]
 
 
-async def _concurrently(url: str, bodies: list[dict]) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        rs = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
-    for r in rs:
-        assert r.status_code == 200, r.text
-    return [r.json() for r in rs]
-
-
 def test_outputs_equal_the_colocated_engine(cluster, colocated):
     greedy = dict(temperature=0, max_tokens=24)
     seeded = dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=24)
@@ -76,7 +68,7 @@ def test_outputs_equal_the_colocated_engine(cluster, colocated):
     assert got[4]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
     assert got[0]["choices"][0]["text"].startswith(" Paris")
     # Concurrent and seeded: batching on either side, and the generator state crossing over.
-    got = asyncio.run(_concurrently(cluster.url, [{"prompt": p, **seeded} for p in PROMPTS]))
+    got = asyncio.run(complete_concurrently(cluster.url, [{"prompt": p, **seeded} for p in PROMPTS]))
     want = colocated.generate(PROMPTS, SamplingParams(**seeded))
     assert [g["choices"][0]["text"] for g in got] == [w.text for w in want]
     stats = cluster.http.get("/stats").json()
@@ -246,7 +238,7 @@ def test_killing_a_decode_instance_mid_stream_moves_the_request(cluster, colocat
         rest = list(lines)
     stream = sse_events(received + rest)
     assert stream.done and stream.error is None, stream.error
-    text = "".join(e["choices"][0]["text"] for e in stream.events if e.get("choices"))
+    text = stream.text
     (want,) = colocated.generate([prompt], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
     assert text == want.text
     assert cluster.http.get("/stats").json()["requests_moved"] == moved + 1

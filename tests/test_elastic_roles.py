@@ -304,7 +304,7 @@ FLAGS = ("--prefill-instances", "1", "--decode-instances", "2", "--no-pool", "--
 @pytest.mark.processes
 def test_a_decode_instance_switched_under_load_drains_then_prefills(tmp_path: Path, colocated) -> None:
     from bench.harness import sse_events, until
-    from clusters import CONTROL_AUTH, Cluster
+    from clusters import CONTROL_AUTH, Cluster, complete_concurrently
 
     cluster = Cluster(FLAGS, 3, tmp_path)
     try:
@@ -322,19 +322,19 @@ def test_a_decode_instance_switched_under_load_drains_then_prefills(tmp_path: Pa
             assert answer.json() == {"role": "decode", "switching_to": "prefill"}
             # While it drains, new requests decode on the other instance (a reservation there is
             # refused as "no room", or the Conductor already keeps it out of placement).
-            got = asyncio.run(_concurrently(cluster.url, [{"prompt": p, "max_tokens": 8, "temperature": 0}
+            got = asyncio.run(complete_concurrently(cluster.url, [{"prompt": p, "max_tokens": 8, "temperature": 0}
                                                           for p in others[:2]]))
             rest = list(lines)
         stream = sse_events(received + rest)
         assert stream.done and stream.error is None, stream.error
-        text = "".join(e["choices"][0]["text"] for e in stream.events if e.get("choices"))
+        text = stream.text
         (want,) = colocated.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
         assert text == want.text
         until(lambda: [i for i in cluster.instances("prefill") if i["url"] == victim["url"]], 15,
               "the drained instance to serve prefill")
         computed = cluster.instance_stats(victim["url"])["num_prompt_tokens_computed"]
         # Two prefill instances now: concurrent arrivals spread over both.
-        got += asyncio.run(_concurrently(cluster.url, [{"prompt": p, "max_tokens": 8, "temperature": 0}
+        got += asyncio.run(complete_concurrently(cluster.url, [{"prompt": p, "max_tokens": 8, "temperature": 0}
                                                        for p in others[2:] + others[:2]]))
         want = colocated.generate(others[:2] + others[2:] + others[:2], SamplingParams(temperature=0, max_tokens=8))
         assert [g["choices"][0]["text"] for g in got] == [w.text for w in want]
@@ -349,11 +349,3 @@ def test_a_decode_instance_switched_under_load_drains_then_prefills(tmp_path: Pa
         cluster.assert_clean()
     finally:
         cluster.close()
-
-
-async def _concurrently(url: str, bodies: list[dict]) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        rs = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
-    for r in rs:
-        assert r.status_code == 200, r.text
-    return [r.json() for r in rs]
