@@ -516,10 +516,11 @@ def judge_phases(reqs: Sequence[BenchRequest], results: Sequence[RequestResult],
                  slos: dict) -> list[dict]:
     """Each phase's requests (by arrival) judged alone at SLO scale 1: sent, met, goodput over
     the phase's length. ``results`` are in the order of ``reqs`` sorted by arrival."""
-    ordered = sorted(reqs, key=lambda r: r.arrival_s)
+    by_phase: list[list[RequestResult]] = [[] for _ in phases]
+    for req, res in zip(sorted(reqs, key=lambda r: r.arrival_s), results):
+        by_phase[phase_of(req.arrival_s, phases)].append(res)
     out = []
-    for i, ph in enumerate(phases):
-        mine = [res for req, res in zip(ordered, results) if phase_of(req.arrival_s, phases) == i]
+    for ph, mine in zip(phases, by_phase):
         m = summarize(compute_metrics(mine, ph.duration_s, **scaled(slos, 1.0)))
         out.append({"phase": ph.name, "sent": m["sent"], "completed": m["completed"], "rejected": m["rejected"], "failed": m["failed"],
                     "slo_attainment": m["slo_attainment"], "goodput": m["goodput"],
@@ -650,23 +651,15 @@ def run_deployment(name: str, cmd: list[str], port: int, args: argparse.Namespac
     return rec, slos
 
 
-def _csv(choices: Sequence[str]):
+def _csv(choices: Sequence[str], unique: bool = True):
+    """A comma-separated list of ``choices``; ``unique``: repeats dropped, else kept in order
+    (``prefill,decode,prefill``)."""
     def parse(text: str) -> list[str]:
         items = [x.strip() for x in text.split(",") if x.strip()]
         bad = [x for x in items if x not in choices]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
-        return list(dict.fromkeys(items))
-    return parse
-
-
-def _list(choices: Sequence[str]):
-    """Like ``_csv`` but keeps repeats and order (``prefill,decode,prefill``)."""
-    def parse(text: str) -> list[str]:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if not items or any(x not in choices for x in items):
-            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
-        return items
+        return list(dict.fromkeys(items)) if unique else items
     return parse
 
 
@@ -720,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="poisson: random suffix length, fixed or MIN MAX")
     g.add_argument("--output-len", type=int, nargs="+", default=[16, 64], metavar="N",
                    help="poisson: output length, fixed or MIN MAX")
-    g.add_argument("--phases", type=_list(("prefill", "decode")), default="prefill,decode,prefill",
+    g.add_argument("--phases", type=_csv(("prefill", "decode"), unique=False), default="prefill,decode,prefill",
                    help="shifting: the phases in order")
     g.add_argument("--phase-s", type=float, default=120.0, help="shifting: seconds of arrivals per phase")
     g.add_argument("--prefill-phase", type=float, nargs=3, default=[256, 8, 2.4], metavar=("PROMPT", "OUTPUT", "RATE"),
