@@ -18,7 +18,7 @@ from torch import nn
 
 import mooncake_kernels as kernels
 from engine.model_config import ModelConfig
-from engine.quantization import Int4Weight, linear
+from engine.quantization import Int4Weight, PackedWeight, linear
 
 
 @dataclass
@@ -220,22 +220,34 @@ class CausalLM(nn.Module):
 
     def enable_native_decode(self) -> bool:
         """Run steps of decodes through the native CPU decoder layers (:mod:`kernels.decode_layer`),
-        when every projection is an int4 weight in the native kernel's layout. Returns whether
-        they are on."""
-        weights = [w for layer in self.layers
-                   for w in (layer.attn.qkv_weight, layer.attn.o_weight, layer.gate_up_weight, layer.down_weight)]
-        if not weights or not all(isinstance(w, Int4Weight) and w.native for w in weights):
+        when every projection is an int4 weight in the native kernel's layout (the integer kernels
+        at few rows, its dense copy packed for oneDNN past them) or a float weight packed for
+        oneDNN. Returns whether they are on."""
+        projections = {}
+        for i, layer in enumerate(self.layers):
+            for name, w in (("qkv", layer.attn.qkv_weight), ("o", layer.attn.o_weight),
+                            ("gate_up", layer.gate_up_weight), ("down", layer.down_weight)):
+                if isinstance(w, Int4Weight) and w.native:
+                    projections[i, name] = (w.packed, w.packed_dense, w.max_rows)
+                elif isinstance(w, PackedWeight):
+                    projections[i, name] = (None, w.packed, 0)
+                else:
+                    return False
+        crossovers = {rows for _, _, rows in projections.values()}
+        if not projections or len(crossovers) != 1:
             return False
+        int_rows = crossovers.pop()
         self.native_layers = [
             kernels.native_decode_layer(
-                layer.input_norm, layer.post_attn_norm, layer.attn.qkv_weight.packed, layer.attn.qkv_bias,
-                layer.attn.q_norm, layer.attn.k_norm, layer.attn.o_weight.packed, layer.gate_up_weight.packed,
-                layer.down_weight.packed, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim,
-                self.cfg.rms_norm_eps)
-            for layer in self.layers
+                layer.input_norm, layer.post_attn_norm,
+                {name: projections[i, name][:2] for name in ("qkv", "o", "gate_up", "down")},
+                layer.attn.qkv_bias, layer.attn.q_norm, layer.attn.k_norm, self.cfg.num_heads,
+                self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.intermediate_size, self.cfg.rms_norm_eps,
+                int_rows)
+            for i, layer in enumerate(self.layers)
         ]
-        # Past the weights' crossover the eager layers multiply by the dense copies instead.
-        self.native_rows = min(w.max_rows for w in weights)
+        # Every step of decodes, at any batch, when the dense weights are there.
+        self.native_rows = min(layer.max_rows() for layer in self.native_layers)
         return True
 
     def _native_step(self, meta: AttentionMetadata) -> bool:

@@ -135,10 +135,14 @@ class ModelRunner:
             weight_bytes / _GIB, config.quantization if config.quantization != "none" else config.dtype,
             prefill_copy_bytes(self.model) / _GIB,
             "triton" if self.triton else
-            f"native CPU (decode layers: {'up to %d rows' % self.model.native_rows if native_layers else 'eager'})"
+            f"native CPU (decode layers: {self._native_layers_said() if native_layers else 'eager'})"
             if self.native else "torch twins",
             "; projections packed for oneDNN" if packed else "",
         )
+
+    def _native_layers_said(self) -> str:
+        rows = self.model.native_rows
+        return "every batch" if rows >= self.config.max_num_seqs else f"up to {rows} rows"
 
     @property
     def wire_layout(self) -> KVLayout:

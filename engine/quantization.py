@@ -82,6 +82,13 @@ class QuantizedWeight:
         return c.packed.to_dense() if isinstance(c, PackedWeight) else c
 
     @property
+    def packed_dense(self) -> torch.Tensor | None:
+        """The dense copy in oneDNN's packed layout (:func:`kernels.pack_dense`), None when it is
+        kept plain."""
+        c = self._dense_copy
+        return c.packed if isinstance(c, PackedWeight) else None
+
+    @property
     def shape(self) -> torch.Size:
         return self._dense_copy.shape
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.quantization import Int4Weight
 from mooncake_kernels import cpu_ext
 from mooncake_kernels.decode_attention import decode_attention_native, decode_attention_torch
 from mooncake_kernels.dense_linear import dense_linear_native, dense_linear_torch, pack_dense
@@ -130,14 +131,22 @@ def test_pack_dense_refuses_what_onednn_cannot_take():
             pack_dense(bad)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
-def test_native_decode_layers_equal_the_eager_layers(tmp_path, arch):
+@pytest.mark.parametrize("arch,quantization,int_rows", [
+    ("LlamaForCausalLM", "int4", None), ("Qwen2ForCausalLM", "int4", None), ("Qwen3ForCausalLM", "int4", None),
+    # One row through the integer kernels, 2-4 through oneDNN on the dense copies: both paths of a layer.
+    ("Qwen2ForCausalLM", "int4", 1), ("Qwen3ForCausalLM", "int4", 1),
+    # A float model's packed projections: every step through oneDNN.
+    ("Qwen2ForCausalLM", "none", None), ("Qwen3ForCausalLM", "none", None),
+])
+def test_native_decode_layers_equal_the_eager_layers(tmp_path, monkeypatch, arch, quantization, int_rows):
     """Every step of decodes runs both ways from the same KV cache: the native layers, then the
-    eager ones (the same int4 weights through the same linear kernel, op by op)."""
+    eager ones (the same weights through the same linear kernels, op by op)."""
+    if int_rows is not None:
+        monkeypatch.setitem(Int4Weight.native_crossover_rows, torch.float32, int_rows)
     folder = make_tiny_model(tmp_path / "m", arch, tie=False, seed=5)
-    llm = LLM(str(folder), threads=2, kv_cache_gib=0.01, dtype="float32", quantization="int4")
+    llm = LLM(str(folder), threads=2, kv_cache_gib=0.01, dtype="float32", quantization=quantization)
     model = llm.engine.runner.model
-    assert model.native_rows > 0 and len(model.native_layers) == len(model.layers)
+    assert model.native_rows >= 4 and len(model.native_layers) == len(model.layers)
     forward = model.forward
     errors, kv_errors, layer0 = [], [], []
 

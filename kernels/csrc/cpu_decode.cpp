@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -358,6 +359,13 @@ inline __m256 hsum8x8(const __m256* a) {
 }
 #endif
 
+// Ask for the cache lines of n values from p (one 64-byte line at a time).
+template <typename T>
+inline void prefetch_tile(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
+}
+
 template <typename T>
 inline float to_float(T v) {
   return static_cast<float>(v);
@@ -374,6 +382,7 @@ void accumulate_values(const T* v_cache, int64_t hkv, int64_t bs, int64_t kvh, c
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
     const T* vt = v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
+    if (t + run < t1) prefetch_tile(v_cache + (static_cast<int64_t>(table[(t + run) / bs]) * hkv + kvh) * tile, std::min(bs, t1 - t - run) * d);
     for (int64_t j = 0; j < run; ++j) {
       const __m256 pv = _mm256_set1_ps(p[t - t0 + j]);
       for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pv, load8(vt + j * d + 8 * i), acc[i]);
@@ -397,6 +406,11 @@ void attend_span(const float* q, int64_t group, int64_t d, const T* k_cache, con
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
     const T* kt = k_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
+    if (t + run < t1) {
+      // The next tile is elsewhere in memory (a block of its own): its fetch overlaps this one's work.
+      prefetch_tile(k_cache + (static_cast<int64_t>(table[(t + run) / bs]) * hkv + kvh) * tile, std::min(bs, t1 - t - run) * d);
+      if (t == t0) prefetch_tile(v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d, run * d);
+    }
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * d;
       float* sg = scores.data() + g * n + t - t0;
@@ -605,26 +619,79 @@ c10::optional<torch::Tensor> f32(const c10::optional<torch::Tensor>& t) {
   return t.has_value() ? c10::optional<torch::Tensor>(f32(*t)) : c10::nullopt;
 }
 
-// A decoder layer (engine.model.DecoderLayer, its twin) for a step whose tokens are all decodes.
+// One projection of a decoder layer: its q4 weight (the integer kernels, up to int_rows
+// activation rows), its dense weight packed for oneDNN (bfloat16 or float32, past them), or both.
+struct Projection {
+  c10::optional<torch::Tensor> q4, dense;
+  int64_t n = 0, k = 0;
+
+  Projection(c10::optional<torch::Tensor> q4_, c10::optional<torch::Tensor> dense_, int64_t n_, int64_t k_,
+             const char* name)
+      : q4(std::move(q4_)), dense(std::move(dense_)), n(n_), k(k_) {
+    TORCH_CHECK(q4.has_value() || dense.has_value(), "decoder layer: the ", name, " projection has no weight");
+    if (q4.has_value()) {
+      check_weight(*q4, c10::nullopt, k);
+      TORCH_CHECK(q4->size(0) == n, "decoder layer: the ", name, " projection's q4 weight has ", q4->size(0),
+                  " rows, expected ", n);
+    }
+    if (dense.has_value()) {
+      TORCH_CHECK(dense->dim() == 2 && dense->size(0) == n && dense->size(1) == k, "decoder layer: the ", name,
+                  " projection's dense weight is ", dense->sizes(), ", expected [", n, ", ", k, "]");
+      TORCH_CHECK(dense->scalar_type() == torch::kFloat || dense->scalar_type() == torch::kBFloat16,
+                  "decoder layer: dense weights are float32 or bfloat16");
+    }
+  }
+
+  QWeight int_weight() const { return QWeight::of(*q4, c10::nullopt, k); }
+
+  // out[r * ldo + j] = x_r . w_j (+ bias) for all m rows through oneDNN's matmul on the packed
+  // weight (mkldnn::_linear_pointwise, what kernels.dense_linear calls from Python), outside any
+  // parallel region of ours: oneDNN runs its own on the same OpenMP threads.
+  void dense_rows(const float* x, int64_t m, int64_t ldx, float* out, int64_t ldo, const float* bias) const {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    const auto opts = torch::TensorOptions().dtype(torch::kFloat);
+    torch::Tensor xt =
+        torch::from_blob(const_cast<float*>(x), {m, k}, {ldx, 1}, opts).to(dense->scalar_type()).contiguous();
+    torch::jit::Stack stack{xt, *dense, c10::IValue(), std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                            c10::IValue()};
+    op.callBoxed(&stack);
+    torch::Tensor y = torch::from_blob(out, {m, n}, {ldo, 1}, opts);
+    y.copy_(stack[0].toTensor());
+    if (bias) y.add_(torch::from_blob(const_cast<float*>(bias), {n}, opts));
+  }
+};
+
+// A decoder layer (engine.model.DecoderLayer, its twin) for a step whose tokens are all decodes,
+// any number of them: up to int_rows with the integer kernels inside one parallel region, past
+// them with oneDNN's matmuls on the dense weights between four regions that do the rest (norms,
+// rotary, the KV write, attention, SiLU): no eager op, every row's elementwise work threaded.
 class DecodeLayer {
  public:
-  DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor qkv, c10::optional<torch::Tensor> qkv_bias,
-              c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, torch::Tensor o,
-              torch::Tensor gate_up, torch::Tensor down, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-              double eps)
+  DecodeLayer(torch::Tensor input_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> qkv,
+              c10::optional<torch::Tensor> qkv_dense, c10::optional<torch::Tensor> qkv_bias,
+              c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, c10::optional<torch::Tensor> o,
+              c10::optional<torch::Tensor> o_dense, c10::optional<torch::Tensor> gate_up,
+              c10::optional<torch::Tensor> gate_up_dense, c10::optional<torch::Tensor> down,
+              c10::optional<torch::Tensor> down_dense, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              int64_t intermediate, double eps, int64_t int_rows)
       : input_norm_(f32(input_norm)), post_norm_(f32(post_norm)), qkv_bias_(f32(qkv_bias)), q_norm_(f32(q_norm)),
-        k_norm_(f32(k_norm)), qkv_(qkv), o_(o), gate_up_(gate_up), down_(down), hq_(num_heads), hkv_(num_kv_heads),
-        d_(head_dim), eps_(static_cast<float>(eps)) {
-    hidden_ = input_norm_.numel();
-    inter_ = down.size(1) / Q4_BYTES * QK;
-    check_weight(qkv, c10::nullopt, hidden_);
-    check_weight(o, c10::nullopt, hq_ * d_);
-    check_weight(gate_up, c10::nullopt, hidden_);
-    check_weight(down, c10::nullopt, inter_);
-    TORCH_CHECK(qkv.size(0) == (hq_ + 2 * hkv_) * d_ && o.size(0) == hidden_ && gate_up.size(0) == 2 * inter_ &&
-                    down.size(0) == hidden_,
-                "decoder layer: projection shapes do not match the heads and the hidden size");
+        k_norm_(f32(k_norm)), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), hidden_(input_norm.numel()),
+        inter_(intermediate), eps_(static_cast<float>(eps)), int_rows_(int_rows),
+        qkv_(qkv, qkv_dense, (num_heads + 2 * num_kv_heads) * head_dim, hidden_, "qkv"),
+        o_(o, o_dense, hidden_, num_heads * head_dim, "output"),
+        gate_up_(gate_up, gate_up_dense, 2 * intermediate, hidden_, "gate/up"),
+        down_(down, down_dense, hidden_, intermediate, "down") {
+    for (const Projection* p : {&qkv_, &o_, &gate_up_, &down_}) {
+      // Rows the integer kernels take need every q4 weight; rows past them every dense one.
+      TORCH_CHECK(int_rows_ <= 0 || p->q4.has_value(), "decoder layer: int_rows > 0 needs every q4 weight");
+      all_dense_ = all_dense_ && p->dense.has_value();
+    }
+    TORCH_CHECK(int_rows_ > 0 || all_dense_, "decoder layer: without q4 weights every dense weight is needed");
   }
+
+  // The most rows a step may have: any, with the dense weights; else the integer kernels' limit.
+  int64_t max_rows() const { return all_dense_ ? std::numeric_limits<int64_t>::max() : int_rows_; }
 
   // (hidden states, residual) of the layer, float32 [M, hidden]; residual None on the first layer.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
@@ -634,6 +701,7 @@ class DecodeLayer {
     TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == hidden_,
                 "x: contiguous float32 [M, hidden]");
     const int64_t m = x.size(0);
+    TORCH_CHECK(m >= 1 && m <= max_rows(), "decoder layer: ", m, " rows, this layer takes 1 to ", max_rows());
     const PagedKV kv(k_cache, v_cache, block_tables, seq_lens);
     TORCH_CHECK(kv.hkv == hkv_ && kv.d == d_ && seq_lens.numel() == m, "the KV cache does not match the layer");
     TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.numel() == m && slots.is_contiguous(), "slots: int64 [M]");
@@ -649,66 +717,104 @@ class DecodeLayer {
     TORCH_CHECK(res.scalar_type() == torch::kFloat && res.sizes() == x.sizes(), "residual: float32 like x");
     auto new_res = torch::empty_like(x);
     auto out = torch::empty_like(x);
-    const int64_t nqkv = (hq_ + 2 * hkv_) * d_;
-    h_.resize(m * std::max(hidden_, 2 * inter_));
+    const int64_t nqkv = qkv_.n;
+    const bool integer = m <= int_rows_;
+    xn_.resize(m * hidden_);
+    gu_.resize(m * 2 * inter_);
     qkv_out_.resize(m * nqkv);
     attn_.resize(m * hq_ * d_);
     q_.resize(m * hq_ * d_);
     const int64_t nspans = kv.spans(omp_get_max_threads());
     parts_.resize(kv.parts_size(hq_, nspans));
-    xq_.resize(m, hidden_);
-    oq_.resize(m, hq_ * d_);
-    aq_.resize(m, inter_);
-    const QWeight wqkv = QWeight::of(qkv_, c10::nullopt, hidden_), wo = QWeight::of(o_, c10::nullopt, hq_ * d_),
-                  wgu = QWeight::of(gate_up_, c10::nullopt, hidden_), wd = QWeight::of(down_, c10::nullopt, inter_);
+    if (integer) {
+      xq_.resize(m, hidden_);
+      oq_.resize(m, hq_ * d_);
+      aq_.resize(m, inter_);
+    }
     const float* xin = x.data_ptr<float>();
     const float* rin = res.data_ptr<float>();
     float* rout = new_res.data_ptr<float>();
-    float* h = h_.data();
+    float* o = out.data_ptr<float>();
+    float* xn = xn_.data();
+    float* gu = gu_.data();
     const bool first = !residual.has_value();
     const float* bias = qkv_bias_.has_value() ? qkv_bias_->data_ptr<float>() : nullptr;
+    const float* cs = cos_sin.data_ptr<float>();
 
-#pragma omp parallel
-    {
-      int64_t lo, hi;
-#pragma omp single
+    // The phases between the projections, each inside a parallel region (orphaned worksharing):
+    // every row's work is independent, and the threads share the rows.
+    auto input_norm = [&] {
+#pragma omp for
       for (int64_t r = 0; r < m; ++r) {
         float* rr = rout + r * hidden_;
         for (int64_t i = 0; i < hidden_; ++i) rr[i] = first ? xin[r * hidden_ + i] : xin[r * hidden_ + i] + rin[r * hidden_ + i];
-        rms_norm_row(rr, input_norm_.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
-        xq_.quantize(r, h + r * hidden_);
+        rms_norm_row(rr, input_norm_.data_ptr<float>(), hidden_, eps_, xn + r * hidden_);
+        if (integer) xq_.quantize(r, xn + r * hidden_);
       }
-      my_share(nqkv, &lo, &hi);
-      wqkv.rows(xq_, m, lo, hi, qkv_out_.data(), nqkv, bias);
-#pragma omp barrier
-#pragma omp single
-      for (int64_t r = 0; r < m; ++r) store_and_rotate(r, cos_sin.data_ptr<float>() + r * d_, kv, slots);
+    };
+    auto attention = [&] {
+#pragma omp for
+      for (int64_t r = 0; r < m; ++r) store_and_rotate(r, cs + r * d_, kv, slots);
       kv.attention(q_.data(), hq_, static_cast<float>(scale), attn_.data(), parts_.data(), nspans);
 #pragma omp barrier
-#pragma omp single
-      for (int64_t r = 0; r < m; ++r) oq_.quantize(r, attn_.data() + r * hq_ * d_);
-      my_share(hidden_, &lo, &hi);
-      wo.rows(oq_, m, lo, hi, out.data_ptr<float>(), hidden_, nullptr);
-#pragma omp barrier
-#pragma omp single
+      if (integer) {
+#pragma omp for
+        for (int64_t r = 0; r < m; ++r) oq_.quantize(r, attn_.data() + r * hq_ * d_);
+      }
+    };
+    auto post_norm = [&] {
+#pragma omp for
       for (int64_t r = 0; r < m; ++r) {
         float* rr = rout + r * hidden_;
-        const float* o = out.data_ptr<float>() + r * hidden_;
-        for (int64_t i = 0; i < hidden_; ++i) rr[i] += o[i];
-        rms_norm_row(rr, post_norm_.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
-        xq_.quantize(r, h + r * hidden_);
+        const float* orow = o + r * hidden_;
+        for (int64_t i = 0; i < hidden_; ++i) rr[i] += orow[i];
+        rms_norm_row(rr, post_norm_.data_ptr<float>(), hidden_, eps_, xn + r * hidden_);
+        if (integer) xq_.quantize(r, xn + r * hidden_);
       }
-      my_share(2 * inter_, &lo, &hi);
-      wgu.rows(xq_, m, lo, hi, h_.data(), 2 * inter_, nullptr);
-#pragma omp barrier
-#pragma omp single
+    };
+    auto silu_mul = [&] {
+#pragma omp for
       for (int64_t r = 0; r < m; ++r) {
-        float* g = h + r * 2 * inter_;
+        float* g = gu + r * 2 * inter_;
         for (int64_t i = 0; i < inter_; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter_ + i];
-        aq_.quantize(r, g);
+        if (integer) aq_.quantize(r, g);
       }
-      my_share(hidden_, &lo, &hi);
-      wd.rows(aq_, m, lo, hi, out.data_ptr<float>(), hidden_, nullptr);
+    };
+
+    if (integer) {
+      const QWeight wqkv = qkv_.int_weight(), wo = o_.int_weight(), wgu = gate_up_.int_weight(), wd = down_.int_weight();
+#pragma omp parallel
+      {
+        int64_t lo, hi;
+        input_norm();
+        my_share(nqkv, &lo, &hi);
+        wqkv.rows(xq_, m, lo, hi, qkv_out_.data(), nqkv, bias);
+#pragma omp barrier
+        attention();
+        my_share(hidden_, &lo, &hi);
+        wo.rows(oq_, m, lo, hi, o, hidden_, nullptr);
+#pragma omp barrier
+        post_norm();
+        my_share(2 * inter_, &lo, &hi);
+        wgu.rows(xq_, m, lo, hi, gu, 2 * inter_, nullptr);
+#pragma omp barrier
+        silu_mul();
+        my_share(hidden_, &lo, &hi);
+        wd.rows(aq_, m, lo, hi, o, hidden_, nullptr);
+      }
+    } else {
+#pragma omp parallel
+      input_norm();
+      qkv_.dense_rows(xn, m, hidden_, qkv_out_.data(), nqkv, bias);
+#pragma omp parallel
+      attention();
+      o_.dense_rows(attn_.data(), m, hq_ * d_, o, hidden_, nullptr);
+#pragma omp parallel
+      post_norm();
+      gate_up_.dense_rows(xn, m, hidden_, gu, 2 * inter_, nullptr);
+#pragma omp parallel
+      silu_mul();
+      down_.dense_rows(gu, m, 2 * inter_, o, hidden_, nullptr);
     }
     return {out, new_res};
   }
@@ -716,8 +822,7 @@ class DecodeLayer {
  private:
   // qk-norm (Qwen3) and rotary on q and k, K and V into the cache, q to where attention reads it.
   void store_and_rotate(int64_t r, const float* cs, const PagedKV& kv, const torch::Tensor& slots) {
-    const int64_t nqkv = (hq_ + 2 * hkv_) * d_;
-    float* row = qkv_out_.data() + r * nqkv;
+    float* row = qkv_out_.data() + r * qkv_.n;
     for (int64_t hh = 0; hh < hq_ + hkv_; ++hh) {
       float* v = row + hh * d_;
       if (q_norm_.has_value()) rms_norm_row(v, (hh < hq_ ? *q_norm_ : *k_norm_).data_ptr<float>(), d_, eps_, v);
@@ -746,10 +851,12 @@ class DecodeLayer {
 
   torch::Tensor input_norm_, post_norm_;
   c10::optional<torch::Tensor> qkv_bias_, q_norm_, k_norm_;
-  torch::Tensor qkv_, o_, gate_up_, down_;
   int64_t hq_, hkv_, d_, hidden_, inter_;
   float eps_;
-  std::vector<float> h_, qkv_out_, attn_, q_, parts_;
+  int64_t int_rows_;
+  Projection qkv_, o_, gate_up_, down_;
+  bool all_dense_ = true;
+  std::vector<float> xn_, gu_, qkv_out_, attn_, q_, parts_;
   Q8Batch xq_, oq_, aq_;
 };
 
@@ -759,8 +866,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x [M, K] float32 times a q4 or q8 (with row scales) weight");
   m.def("decode_attention", &decode_attention, "paged decode attention");
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
-                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor,
-                          torch::Tensor, int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          int64_t, int64_t, int64_t, int64_t, double, int64_t>())
+      .def("max_rows", &DecodeLayer::max_rows)
       .def("forward", &DecodeLayer::forward);
 }
