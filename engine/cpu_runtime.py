@@ -66,3 +66,15 @@ def fast_bfloat16() -> bool:
     (``engine.config.EngineConfig``). torch exposes the check only as a private function.
     """
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@functools.cache
+def amx_granted() -> bool:
+    """Whether this process may run AMX tile instructions: the CPU lists them and the kernel grants
+    the process their register state (Linux ``arch_prctl(ARCH_REQ_XCOMP_PERM)``, which torch's
+    ``_init_amx`` asks for). A CPU can list AMX in /proc/cpuinfo while its VM refuses the state:
+    a process that runs a tile instruction without the grant dies of SIGILL (llama.cpp's AMX
+    path did on one of our Xeons). oneDNN asks for the grant itself and uses AMX only with it;
+    this says whether its bfloat16 matmuls run on tiles here, which moves the crossovers of
+    :mod:`engine.quantization`."""
+    return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())

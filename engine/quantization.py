@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mooncake_kernels as kernels
+from engine.cpu_runtime import amx_granted
 from engine.model_config import QUANTIZATIONS
 
 INT4_GROUP = 32
@@ -62,6 +63,10 @@ class QuantizedWeight:
     # is why a model whose dtype is float32 keeps a float32 copy and crosses over later.
     crossover_rows: dict[torch.dtype, int]
     native_crossover_rows: dict[torch.dtype, int]
+    # The native kernels' crossover to a bfloat16 dense copy where oneDNN runs it on AMX tiles
+    # (``engine.cpu_runtime.amx_granted``): there the dense matmul of a few rows costs about what
+    # one row does.
+    amx_crossover_rows: int
 
     def __init__(self, dense: torch.Tensor, dense_dtype: torch.dtype, native: bool) -> None:
         if dense_dtype not in self.crossover_rows:
@@ -73,6 +78,8 @@ class QuantizedWeight:
         if native and kernels.dense_native_available(dense_dtype):
             self._dense_copy = PackedWeight(self._dense_copy)
         self.max_rows = (self.native_crossover_rows if native else self.crossover_rows)[dense_dtype]
+        if native and dense_dtype == torch.bfloat16 and amx_granted():
+            self.max_rows = min(self.max_rows, self.amx_crossover_rows)
         self.kernel_dtype = torch.float32 if native else torch.bfloat16
 
     @property
@@ -154,6 +161,9 @@ class Int8Weight(QuantizedWeight):
     # row (memory bound), 2.93 against 2.96 at 4.
     crossover_rows = {torch.bfloat16: 6, torch.float32: 64}
     native_crossover_rows = {torch.bfloat16: 8, torch.float32: 64}
+    # The LM head on a Xeon with AMX (2 threads): the native kernel 761 us at 1 row, 1,375 at 2;
+    # the packed bfloat16 copy 1,277-1,379 us at 1 to 8 rows.
+    amx_crossover_rows = 1
 
     def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16,
                  native: bool | None = None) -> None:
@@ -188,6 +198,10 @@ class Int4Weight(QuantizedWeight):
     # crossovers were set with one activation level and not retuned for two: issue 30's note.
     crossover_rows = {torch.bfloat16: 16, torch.float32: 64}
     native_crossover_rows = {torch.bfloat16: 8, torch.float32: 64}
+    # Whole decode steps on a Xeon with AMX (2 threads, 300-token contexts), int kernels / dense,
+    # ms: 10.4 / 10.3 at 1 row, 13.4 / 19.6 at 2, 20.4 / 23.7 at 4, 28.3 / 26.4 at 6, 35.1 / 30.6
+    # at 8.
+    amx_crossover_rows = 4
 
     def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16,
                  group: int = INT4_GROUP, native: bool | None = None) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.cpu_runtime import amx_granted
 from engine.quantization import (
     Int4Weight, Int8Weight, PackedWeight, QuantizedWeight, linear, model_bytes, quantize_model,
 )
@@ -179,10 +180,12 @@ def test_the_default_model_quantized_stays_within_the_stated_tolerance(precision
     assert kind in KINDS
     assert model_bytes(llm.engine.runner.model) < {"int8": 0.5, "int4": 0.4}[kind] * float32_bytes
     params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
-    # Four prompts at a time: every decode step has at most 4 rows, which the int kernels take
-    # (more rows would multiply by the dequantized copy, as prefill does).
+    # Four prompts at a time: every decode step has at most 4 rows, which the int4 kernels take
+    # (more rows would multiply by the dequantized copy, as prefill does; so does the int8 LM head
+    # past one row where oneDNN runs bfloat16 on AMX tiles).
     assert 4 <= min(min(rows.values()) for cls in (Int8Weight, Int4Weight)
                     for rows in (cls.crossover_rows, cls.native_crossover_rows))
+    assert Int4Weight.amx_crossover_rows >= 4
     runs = [r for i in range(0, len(PROMPTS), 4) for r in llm.generate(PROMPTS[i : i + 4], params)]
 
     prompt_diffs = [abs(a.logprob - b.logprob) for ra, rb in zip(ref, runs)
@@ -222,8 +225,10 @@ def test_many_rows_take_the_dequantized_matmul_and_agree(kind, dense_dtype, nati
     cls: type[QuantizedWeight] = KINDS[kind]
     g = torch.Generator().manual_seed(1)
     q = cls(torch.randn(64, 64, generator=g), dense_dtype, native=native)
-    rows = cls.native_crossover_rows if native else cls.crossover_rows
-    assert q.dense.dtype == dense_dtype and q.max_rows == rows[dense_dtype]
+    rows = (cls.native_crossover_rows if native else cls.crossover_rows)[dense_dtype]
+    if native and dense_dtype == torch.bfloat16 and amx_granted():
+        rows = min(rows, cls.amx_crossover_rows)
+    assert q.dense.dtype == dense_dtype and q.max_rows == rows
     x = torch.randn(q.max_rows + 8, 64, generator=g, dtype=dense_dtype)
     few, many = linear(x[: q.max_rows], q), linear(x, q)  # one way each
     assert few.dtype == many.dtype == dense_dtype
@@ -243,3 +248,30 @@ def test_the_cpu_default_precision_follows_the_cpus_bfloat16_units(monkeypatch):
         EngineConfig(device="cpu", dtype="float16", quantization="int4")
     with pytest.raises(ValueError, match="not supported"):
         Int8Weight(torch.randn(8, 32), torch.float16)
+
+
+def test_amx_is_used_only_where_the_os_grants_it(monkeypatch):
+    """A CPU that lists AMX but whose kernel refuses the process its tile state must not count as
+    AMX: a tile instruction would kill the process. Where it is granted, a bfloat16 matmul (which
+    oneDNN then runs on tiles) completes in a fresh process."""
+    import subprocess
+    import sys
+
+    import engine.cpu_runtime as rt
+
+    monkeypatch.setattr(rt.torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(rt.torch.cpu, "_init_amx", lambda: False)  # listed, not granted
+    rt.amx_granted.cache_clear()
+    try:
+        assert rt.amx_granted() is False
+        q = Int4Weight(torch.randn(64, 64), torch.bfloat16, native=True)
+        assert q.max_rows == Int4Weight.native_crossover_rows[torch.bfloat16]
+    finally:
+        rt.amx_granted.cache_clear()
+    monkeypatch.undo()
+    if rt.amx_granted():
+        code = ("import torch; from engine.cpu_runtime import amx_granted; assert amx_granted(); "
+                "x = torch.randn(64, 576).bfloat16(); w = torch.randn(3072, 576).bfloat16(); "
+                "print(float(torch.nn.functional.linear(x, w).float().abs().sum()) > 0)")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr
