@@ -126,7 +126,8 @@ def test_a_float_model_packs_its_projections_for_onednn(tmp_path, dtype):
         before = kernels.mode()
         kernels.set_mode(mode)
         try:
-            llm = LLM(str(model), threads=2, kv_cache_gib=0.01, dtype=dtype)
+            # One KV dtype both ways (the default follows the kernels): the packing alone differs.
+            llm = LLM(str(model), threads=2, kv_cache_gib=0.01, dtype=dtype, kv_cache_dtype="float32")
             got[mode] = [[lp.logprob for lp in r.prompt_logprobs[1:]] for r in llm.generate(prompts, params)]
         finally:
             kernels.set_mode(before)
@@ -241,7 +242,11 @@ def test_the_cpu_default_precision_follows_the_cpus_bfloat16_units(monkeypatch):
     for fast, dtype in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(engine.config, "fast_bfloat16", lambda fast=fast: fast)
         cfg = EngineConfig(device="cpu")
-        assert (cfg.dtype, cfg.quantization, cfg.kv_cache_dtype) == (dtype, "int4", "float32")
+        assert (cfg.dtype, cfg.quantization, cfg.kv_cache_dtype) == (dtype, "int4", "bfloat16")
+    # Without the native kernels the torch twins attend in float32: the cache stays float32.
+    monkeypatch.setattr(kernels, "native_cpu", lambda: False)
+    assert EngineConfig(device="cpu").kv_cache_dtype == "float32"
+    monkeypatch.undo()
     # Given a dtype, the weights stay in it unless told otherwise, on any CPU.
     assert EngineConfig(device="cpu", dtype="bfloat16").quantization == "none"
     with pytest.raises(ValueError, match="float32 or bfloat16"):
