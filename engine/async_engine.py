@@ -413,6 +413,7 @@ class AsyncLLMEngine(EngineClient):
         sched = engine.scheduler
         self._stats = {
             "model": self._model_name,
+            "kernels": engine.runner.kernels,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "num_reserved": s.num_reserved,

@@ -121,6 +121,8 @@ class ModelRunner:
         self._steps = 0
         # The Triton kernels (CUDA) or their torch twins (CPU) run this model's attention and KV ops.
         self.triton = kernels.use_triton(self.kv_cache)
+        # Which kernels run this model's ops, as /stats reports it.
+        self.kernels = "triton" if self.triton else "native CPU" if self.native else "torch twins"
         # Allocated once so decode attention allocates nothing per step (CUDA-graph friendly).
         self.decode_workspace = (
             kernels.DecodeWorkspace(config.max_num_seqs, cfg.num_heads, cfg.head_dim, device=self.device)
@@ -134,9 +136,8 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.kv_cache_dtype,
             weight_bytes / _GIB, config.quantization if config.quantization != "none" else config.dtype,
             prefill_copy_bytes(self.model) / _GIB,
-            "triton" if self.triton else
-            f"native CPU (decode layers: {self._native_layers_said() if native_layers else 'eager'})"
-            if self.native else "torch twins",
+            self.kernels if not self.native else
+            f"{self.kernels} (decode layers: {self._native_layers_said() if native_layers else 'eager'})",
             "; projections packed for oneDNN" if packed else "",
         )
 

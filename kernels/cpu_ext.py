@@ -8,8 +8,10 @@ cores); a later one loads the cached library in well under a second. Processes t
 together (a cluster's instances) share the build: torch's builder holds a lock in its folder.
 
 ``MOONCAKE_KERNELS=torch`` turns the native kernels off (the torch twins everywhere, see
-:mod:`kernels.dispatch`). With them on and no C++ compiler, the engine fails at start and says
-so rather than running slower code silently.
+:mod:`kernels.dispatch`). A machine with no C++ compiler and no cached build cannot have them:
+:func:`available` says so once, in a warning that names what is missing and how to get the fast
+path, and the engine serves with the torch twins (its /stats says which kernels run). A build
+that fails with a compiler present is an error, not a reason to run slower code silently.
 """
 
 from __future__ import annotations
@@ -60,6 +62,34 @@ def build_key() -> str:
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's builder would run (``$CXX``, else ``c++``), if it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+_missing: str | None = None  # what `available` found missing, once it looked
+
+
+def available() -> bool:
+    """Whether the native kernels can be had here: built already for this machine kind (in the
+    cache), or buildable (a C++ compiler; ninja comes with the package). When not, a warning
+    says so once per process."""
+    global _missing
+    if _ext is not None:
+        return True
+    if _missing is None:
+        built = any((cache_root() / "cpu-kernels" / f"mooncake_cpu_decode_{build_key()}").glob("*.so"))
+        _missing = "" if built or compiler() is not None else (
+            f"no C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH) and no cached build")
+        if _missing:
+            log.warning(
+                "native CPU kernels unavailable: %s. Serving with the torch twins, which decode several "
+                "times slower. For the fast path install a C++ compiler (Debian/Ubuntu: apt-get install g++; "
+                "or set CXX) and restart: the first start builds them in ~30 s. MOONCAKE_KERNELS=torch "
+                "chooses the twins without this warning.", _missing)
+    return not _missing
 
 
 def load() -> ModuleType:

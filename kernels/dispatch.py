@@ -4,7 +4,8 @@
 
 * ``auto`` (default): Triton for CUDA tensors; for CPU tensors the native CPU kernels where an op
   has one (:mod:`kernels.cpu_ext`: decode attention, the quantized linears, a whole decode
-  layer), the torch twin for the rest.
+  layer), the torch twin for the rest; on a machine that cannot build the native kernels (no
+  C++ compiler), the twins, with one warning that says so.
 * ``triton``: Triton everywhere; on a machine without CUDA the kernels run in Triton's
   interpreter, so ``TRITON_INTERPRET=1`` is set here, before any kernel module imports
   ``triton`` (the interpreter is chosen when a kernel is decorated). Slow: for tests.
@@ -53,5 +54,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def native_cpu() -> bool:
-    """True when CPU tensors run the native CPU kernels (mode ``auto``)."""
-    return _mode == "auto"
+    """True when CPU tensors run the native CPU kernels: mode ``auto`` on a machine that has them
+    or can build them (:func:`kernels.cpu_ext.available`, which warns once where it cannot)."""
+    from . import cpu_ext
+
+    return _mode == "auto" and cpu_ext.available()

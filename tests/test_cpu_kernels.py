@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -214,6 +216,26 @@ def test_a_failed_build_says_how_to_run_without_it(monkeypatch, tmp_path):
     monkeypatch.setenv("MOONCAKE_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="MOONCAKE_KERNELS=torch"):
         cpu_ext.load()
+
+
+def test_without_a_compiler_the_engine_serves_with_the_twins_and_says_so(tmp_path):
+    """No C++ compiler and no cached build: the engine starts on the torch twins, answers, warns
+    once with what is missing and how to get the fast path, and reports which kernels run."""
+    import subprocess
+    import sys
+
+    folder = make_tiny_model(tmp_path / "m", "LlamaForCausalLM", tie=True, seed=2)
+    code = ("import logging; logging.basicConfig(level=logging.WARNING); from engine import LLM, SamplingParams; "
+            f"llm = LLM({str(folder)!r}, threads=1, kv_cache_gib=0.01); "
+            "out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)); "
+            "print('kernels:', llm.engine.runner.kernels, llm.engine.config.kv_cache_dtype, len(out[0].token_ids))")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "MOONCAKE_CACHE_DIR": str(tmp_path / "cache"),
+           "MOONCAKE_KERNELS": "auto"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "kernels: torch twins float32 3" in done.stdout
+    warnings = [line for line in done.stderr.splitlines() if "native CPU kernels unavailable" in line]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "apt-get install g++" in warnings[0]
 
 
 def test_a_build_killed_midway_does_not_hang_the_next_start():
