@@ -1,7 +1,8 @@
 """Kernel micro-benchmarks: achieved memory bandwidth against the device's copy bandwidth.
 
-Run with ``python -m bench.kernels`` (``--help`` for the flags). Needs CUDA; without it, it
-prints one line and exits 0.
+Run with ``python -m bench.kernels`` (``--help`` for the flags). With CUDA it measures the Triton
+kernels as below; without, the native CPU kernels against the machine's roofline
+(:mod:`bench.cpu_kernels`).
 
 Method:
   * every figure is ``bytes that must move / time``: the bytes each op has to read and write at
@@ -34,6 +35,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+from bench import cpu_kernels
 
 from mooncake_kernels.activation import silu_and_mul_triton
 from mooncake_kernels.decode_attention import decode_attention_triton
@@ -330,10 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     p.add_argument("--transfer-blocks", type=int, nargs="+", default=list(TRANSFER_BLOCKS))
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    cpu_kernels.add_arguments(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench.kernels: CUDA is required (no CUDA device found); nothing measured.")
-        return 0
+        # No GPU: the native CPU kernels against this machine's roofline (bench/cpu_kernels.py).
+        return cpu_kernels.run(args)
     torch.manual_seed(0)
     copy_bw = measure_copy(args)
     elementwise = bench_elementwise(args, copy_bw)

@@ -262,6 +262,20 @@ def model_bytes(model: nn.Module) -> int:
     return total + sum(w.stored_bytes() for w in _held(model, (QuantizedWeight, PackedWeight)))
 
 
+def step_weight_bytes(model: nn.Module, rows: int) -> int:
+    """The bytes of weights a step of ``rows`` token rows reads: each quantized projection's
+    codes up to its crossover, its dense copy past it; packed and float weights whole."""
+    total = 0
+    for _, _, w in _projections(model):
+        if isinstance(w, QuantizedWeight):
+            total += w.stored_bytes() if rows <= w.max_rows else w.dense_bytes()
+        elif isinstance(w, PackedWeight):
+            total += w.stored_bytes()
+        else:
+            total += w.numel() * w.element_size()
+    return total
+
+
 def prefill_copy_bytes(model: nn.Module) -> int:
     """The bytes of the dequantized copies the quantized weights keep for prefill chunks."""
     return sum(w.dense_bytes() for w in _held(model, QuantizedWeight))

@@ -48,7 +48,14 @@ def test_report_renders_and_marks_targets():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-def test_main_without_cuda(capsys):
-    assert bk.main([]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and "CUDA is required" in out[0]
+def test_main_without_cuda_measures_the_cpu_kernels(capsys):
+    """Without CUDA the bench measures the native CPU kernels against the roofline: every table,
+    the native and eager steps side by side, and the batch-1 bandwidth target."""
+    args = ["--rows", "1", "3", "--context", "40", "--attn-seqs", "2", "--repeats", "1", "--threads", "1"]
+    assert bk.main(args) == 0
+    out = capsys.readouterr().out
+    assert "roofline: read " in out and "GFLOP/s float32" in out
+    assert "int4 3072x576" in out and "2 x 40 tokens, bfloat16" in out
+    for rows in (1, 3):
+        assert f"rows {rows}: native " in out
+    assert "target: 1 row >= 50% of read bandwidth: " in out
