@@ -44,6 +44,17 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// Ask for the cache lines of n values from p (one 64-byte line at a time).
+template <typename T>
+inline void prefetch_tile(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
+}
+
+// How many weight rows ahead the matrix-vector loops ask for: the hardware prefetcher alone left
+// the int4 kernel's memory reads and its arithmetic one after the other.
+constexpr int64_t PF_ROWS = 4;
+
 // One row of activations quantized per block of 32 in two 8-bit levels: x ~= d * (q + r / 256),
 // where r codes what q rounded off. 8 bits alone were too coarse for this model's activations
 // (outliers set a block's scale): mean |logprob error| of short prompts against float32 went
@@ -268,6 +279,7 @@ struct QWeight {
     for (int64_t n = n0; n < n1; ++n) {
       if (q4) {
         const uint8_t* wr = data + n * nb * Q4_BYTES;
+        if (n + PF_ROWS < n1) prefetch_tile(wr + PF_ROWS * nb * Q4_BYTES, nb * Q4_BYTES);
         int64_t r = 0;
         for (; r + 4 <= m; r += 4) dot_q4<4>(wr, x, r, nb, out + r * ldo + n, ldo);
         for (; r + 2 <= m; r += 2) dot_q4<2>(wr, x, r, nb, out + r * ldo + n, ldo);
@@ -275,6 +287,7 @@ struct QWeight {
         if (bias) for (r = 0; r < m; ++r) out[r * ldo + n] += bias[n];
       } else {
         const int8_t* wr = reinterpret_cast<const int8_t*>(data) + n * k;
+        if (n + PF_ROWS < n1) prefetch_tile(wr + PF_ROWS * k, k);
         for (int64_t r = 0; r < m; ++r) out[r * ldo + n] = dot_q8(wr, x.row(r), nb) * row_scale[n] + (bias ? bias[n] : 0.f);
       }
     }
@@ -358,13 +371,6 @@ inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 #endif
-
-// Ask for the cache lines of n values from p (one 64-byte line at a time).
-template <typename T>
-inline void prefetch_tile(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
-}
 
 template <typename T>
 inline float to_float(T v) {
