@@ -399,6 +399,66 @@ void accumulate_values(const T* v_cache, int64_t hkv, int64_t bs, int64_t kvh, c
 }
 #endif
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The two 8-lane halves of v added: its lane sums kept as 8 partial sums.
+inline __m256 fold16(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// AVX-512: out_g[0:16*NV] = sum_t p_g[t - t0] * v_t for G query heads at once, so each value row
+// is loaded (and widened) once for the G heads; their outputs in G * NV registers.
+template <typename T, int NV, int G>
+void accumulate_values_heads(const T* v_cache, int64_t hkv, int64_t bs, int64_t kvh, const int32_t* table, int64_t t0,
+                             int64_t t1, const float* const* p, float* const* out) {
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  const int64_t d = 16 * NV, tile = bs * d;
+  for (int64_t t = t0; t < t1;) {
+    const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
+    const T* vt = v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
+    if (t + run < t1) prefetch_tile(v_cache + (static_cast<int64_t>(table[(t + run) / bs]) * hkv + kvh) * tile, std::min(bs, t1 - t - run) * d);
+    for (int64_t j = 0; j < run; ++j) {
+      __m512 v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = load16(vt + j * d + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pv = _mm512_set1_ps(p[g][t - t0 + j]);
+        for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(pv, v[i], acc[g][i]);
+      }
+    }
+    t += run;
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out[g] + 16 * i, acc[g][i]);
+}
+
+// The group's query heads in chunks of up to G (G * NV accumulators and NV operands fit the 32
+// registers: G = 4 at head_dim 64, 2 at 128).
+template <typename T, int NV, int G>
+void accumulate_values_group(const T* v_cache, int64_t hkv, int64_t bs, int64_t kvh, const int32_t* table, int64_t t0,
+                             int64_t t1, const float* scores, int64_t n, int64_t group, float* part) {
+  const int64_t d = 16 * NV;
+  for (int64_t g0 = 0; g0 < group; g0 += G) {
+    const float* p[G];
+    float* o[G];
+    const int64_t gn = std::min<int64_t>(G, group - g0);
+    for (int64_t g = 0; g < gn; ++g) p[g] = scores + (g0 + g) * n, o[g] = part + (g0 + g) * (d + 2) + 2;
+    switch (gn) {
+      case 1: accumulate_values_heads<T, NV, 1>(v_cache, hkv, bs, kvh, table, t0, t1, p, o); break;
+      case 2: if constexpr (G >= 2) accumulate_values_heads<T, NV, 2>(v_cache, hkv, bs, kvh, table, t0, t1, p, o); break;
+      case 3: if constexpr (G >= 3) accumulate_values_heads<T, NV, 3>(v_cache, hkv, bs, kvh, table, t0, t1, p, o); break;
+      case 4: if constexpr (G >= 4) accumulate_values_heads<T, NV, 4>(v_cache, hkv, bs, kvh, table, t0, t1, p, o); break;
+    }
+  }
+}
+#endif
+
 // One (sequence, KV head, span of its context) of decode attention: the `group` query heads that
 // share KV head `kvh` against tokens [t0, t1), read tile by tile through the block table. Writes
 // the span's softmax partial: per query head its max score, its sum of exp(score - max) and its
@@ -421,6 +481,21 @@ void attend_span(const float* q, int64_t group, int64_t d, const T* k_cache, con
       const float* qg = q + g * d;
       float* sg = scores.data() + g * n + t - t0;
       int64_t j = 0;
+#if defined(__AVX512F__)
+      if (d % 16 == 0) {  // 16 lanes; each key's sum folded to 8 partials, then as below
+        for (; j + 8 <= run; j += 8) {
+          __m512 a[8];
+          for (int jj = 0; jj < 8; ++jj) a[jj] = _mm512_setzero_ps();
+          for (int64_t i = 0; i < d; i += 16) {
+            const __m512 qv = _mm512_loadu_ps(qg + i);
+            for (int jj = 0; jj < 8; ++jj) a[jj] = _mm512_fmadd_ps(qv, load16(kt + (j + jj) * d + i), a[jj]);
+          }
+          __m256 h[8];
+          for (int jj = 0; jj < 8; ++jj) h[jj] = fold16(a[jj]);
+          _mm256_storeu_ps(sg + j, _mm256_mul_ps(hsum8x8(h), _mm256_set1_ps(scale)));
+        }
+      }
+#endif
 #if defined(__AVX2__)
       // Eight keys at a time: eight accumulators summed across their lanes together.
       for (; j + 8 <= run; j += 8) {
@@ -470,6 +545,16 @@ void attend_span(const float* q, int64_t group, int64_t d, const T* k_cache, con
     pg[1] = sum;
     std::fill(pg + 2, pg + 2 + d, 0.f);
   }
+#if defined(__AVX512F__)
+  if (d == 64) {  // the common head size: four query heads' outputs at a time, 4 registers each
+    accumulate_values_group<T, 4, 4>(v_cache, hkv, bs, kvh, table, t0, t1, scores.data(), n, group, part);
+    return;
+  }
+  if (d == 128) {
+    accumulate_values_group<T, 8, 2>(v_cache, hkv, bs, kvh, table, t0, t1, scores.data(), n, group, part);
+    return;
+  }
+#endif
 #if defined(__AVX2__)
   if (d == 64) {  // the common head size: each query head's output stays in 8 registers
     for (int64_t g = 0; g < group; ++g) accumulate_values<T, 8>(v_cache, hkv, bs, kvh, table, t0, t1, scores.data() + g * n, part + g * (d + 2) + 2);
