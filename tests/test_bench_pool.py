@@ -26,9 +26,10 @@ def _rates(size: int, put_mbps: float, get_mbps: float, n: int = 10) -> bp.Rates
 
 
 def test_layer_size_is_one_layer_of_one_pool_object_of_the_default_model():
-    # 256 tokens x 3 KV heads x head_dim 64 x (K and V) x 4 bytes (fp32 KV on CPU).
-    assert bp.pool_layer_bytes() == 256 * 3 * 64 * 2 * 4 == 384 * KiB
-    assert [bp.size_name(s) for s in (64 * KiB, MiB, 384 * KiB)] == ["64 KiB", "1 MiB", "384 KiB"]
+    # 256 tokens x 3 KV heads x head_dim 64 x (K and V) x 2 bytes (bfloat16 KV on CPU with the
+    # native kernels).
+    assert bp.pool_layer_bytes() == 256 * 3 * 64 * 2 * 2 == 192 * KiB
+    assert [bp.size_name(s) for s in (64 * KiB, MiB, 192 * KiB)] == ["64 KiB", "1 MiB", "192 KiB"]
 
 
 def test_throughput_report_ratios_and_target():
@@ -81,7 +82,7 @@ def test_quick_throughput_run(tmp_path):
                          rf"\s+({NUMBER})\s*", line)
         if m:
             rows[section, m.group(1), m.group(2), m.group(3)] = [float(v) for v in m.groups()[3:]]
-    sizes = ("64 KiB", "1 MiB", "384 KiB")
+    sizes = ("64 KiB", "1 MiB", bp.size_name(bp.pool_layer_bytes()))  # the last: one layer of one pool object
     for section in ("one", "16"):  # single-object calls, then calls of 16 objects
         for transport in ("shm", "tcp"):  # "auto" is shared memory between two processes of one host
             for size in sizes:
