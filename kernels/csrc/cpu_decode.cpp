@@ -51,6 +51,12 @@ inline void prefetch_tile(const T* p, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
 }
 
+// KV head kvh's tile [bs, d] in block `block` of a paged cache [blocks, hkv, bs, d].
+template <typename T>
+inline const T* head_tile(const T* cache, int32_t block, int64_t hkv, int64_t kvh, int64_t bs, int64_t d) {
+  return cache + (static_cast<int64_t>(block) * hkv + kvh) * bs * d;
+}
+
 // How many weight rows ahead the matrix-vector loops ask for: the hardware prefetcher alone left
 // the int4 kernel's memory reads and its arithmetic one after the other.
 constexpr int64_t PF_ROWS = 4;
@@ -384,11 +390,11 @@ void accumulate_values(const T* v_cache, int64_t hkv, int64_t bs, int64_t kvh, c
                        int64_t t1, const float* p, float* out) {
   __m256 acc[NV];
   for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
-  const int64_t d = 8 * NV, tile = bs * d;
+  const int64_t d = 8 * NV;
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
-    const T* vt = v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
-    if (t + run < t1) prefetch_tile(v_cache + (static_cast<int64_t>(table[(t + run) / bs]) * hkv + kvh) * tile, std::min(bs, t1 - t - run) * d);
+    const T* vt = head_tile(v_cache, table[t / bs], hkv, kvh, bs, d) + off * d;
+    if (t + run < t1) prefetch_tile(head_tile(v_cache, table[(t + run) / bs], hkv, kvh, bs, d), std::min(bs, t1 - t - run) * d);
     for (int64_t j = 0; j < run; ++j) {
       const __m256 pv = _mm256_set1_ps(p[t - t0 + j]);
       for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pv, load8(vt + j * d + 8 * i), acc[i]);
@@ -419,11 +425,11 @@ void accumulate_values_heads(const T* v_cache, int64_t hkv, int64_t bs, int64_t 
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
-  const int64_t d = 16 * NV, tile = bs * d;
+  const int64_t d = 16 * NV;
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
-    const T* vt = v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
-    if (t + run < t1) prefetch_tile(v_cache + (static_cast<int64_t>(table[(t + run) / bs]) * hkv + kvh) * tile, std::min(bs, t1 - t - run) * d);
+    const T* vt = head_tile(v_cache, table[t / bs], hkv, kvh, bs, d) + off * d;
+    if (t + run < t1) prefetch_tile(head_tile(v_cache, table[(t + run) / bs], hkv, kvh, bs, d), std::min(bs, t1 - t - run) * d);
     for (int64_t j = 0; j < run; ++j) {
       __m512 v[NV];
       for (int i = 0; i < NV; ++i) v[i] = load16(vt + j * d + 16 * i);
@@ -467,15 +473,15 @@ template <typename T>
 void attend_span(const float* q, int64_t group, int64_t d, const T* k_cache, const T* v_cache, int64_t hkv, int64_t bs,
                  int64_t kvh, const int32_t* table, int64_t t0, int64_t t1, float scale, float* part,
                  std::vector<float>& scores) {
-  const int64_t n = t1 - t0, tile = bs * d;
+  const int64_t n = t1 - t0;
   scores.resize(group * n);
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
-    const T* kt = k_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
+    const T* kt = head_tile(k_cache, table[t / bs], hkv, kvh, bs, d) + off * d;
     if (t + run < t1) {
       // The next tile is elsewhere in memory (a block of its own): its fetch overlaps this one's work.
-      prefetch_tile(k_cache + (static_cast<int64_t>(table[(t + run) / bs]) * hkv + kvh) * tile, std::min(bs, t1 - t - run) * d);
-      if (t == t0) prefetch_tile(v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d, run * d);
+      prefetch_tile(head_tile(k_cache, table[(t + run) / bs], hkv, kvh, bs, d), std::min(bs, t1 - t - run) * d);
+      if (t == t0) prefetch_tile(head_tile(v_cache, table[t / bs], hkv, kvh, bs, d) + off * d, run * d);
     }
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * d;
@@ -554,8 +560,7 @@ void attend_span(const float* q, int64_t group, int64_t d, const T* k_cache, con
     accumulate_values_group<T, 8, 2>(v_cache, hkv, bs, kvh, table, t0, t1, scores.data(), n, group, part);
     return;
   }
-#endif
-#if defined(__AVX2__)
+#elif defined(__AVX2__)
   if (d == 64) {  // the common head size: each query head's output stays in 8 registers
     for (int64_t g = 0; g < group; ++g) accumulate_values<T, 8>(v_cache, hkv, bs, kvh, table, t0, t1, scores.data() + g * n, part + g * (d + 2) + 2);
     return;
@@ -567,7 +572,7 @@ void attend_span(const float* q, int64_t group, int64_t d, const T* k_cache, con
 #endif
   for (int64_t t = t0; t < t1;) {
     const int64_t off = t % bs, run = std::min(bs - off, t1 - t);
-    const T* vt = v_cache + (static_cast<int64_t>(table[t / bs]) * hkv + kvh) * tile + off * d;
+    const T* vt = head_tile(v_cache, table[t / bs], hkv, kvh, bs, d) + off * d;
     for (int64_t j = 0; j < run; ++j) {
       const T* vr = vt + j * d;
       for (int64_t g = 0; g < group; ++g) {
