@@ -64,6 +64,11 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+def build_dir() -> Path:
+    """Where this machine kind's build lives (and is looked for)."""
+    return cache_root() / "cpu-kernels" / f"mooncake_cpu_decode_{build_key()}"
+
+
 def compiler() -> str | None:
     """The C++ compiler torch's builder would run (``$CXX``, else ``c++``), if it is on PATH."""
     return shutil.which(os.environ.get("CXX", "c++"))
@@ -80,7 +85,7 @@ def available() -> bool:
     if _ext is not None:
         return True
     if _missing is None:
-        built = any((cache_root() / "cpu-kernels" / f"mooncake_cpu_decode_{build_key()}").glob("*.so"))
+        built = any(build_dir().glob("*.so"))
         _missing = "" if built or compiler() is not None else (
             f"no C++ compiler ({os.environ.get('CXX', 'c++')} is not on PATH) and no cached build")
         if _missing:
@@ -99,32 +104,31 @@ def load() -> ModuleType:
         return _ext
     from torch.utils import cpp_extension
 
-    name = f"mooncake_cpu_decode_{build_key()}"
-    build_dir = cache_root() / "cpu-kernels" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
     _put_ninja_on_path()
     started = time.perf_counter()
     # torch's builder serialises builds with a lock file that a build killed midway leaves behind,
     # and then waits on it forever. filelock's lock (an flock) dies with its process: holding it,
     # no build of this key is running, so a lock file found is stale.
-    lock = filelock.FileLock(build_dir / "build.flock", preserve_lock_file=True)
+    lock = filelock.FileLock(folder / "build.flock", preserve_lock_file=True)
     try:
         lock.acquire(timeout=BUILD_WAIT_S)
     except filelock.Timeout:
-        raise RuntimeError(f"another process has been building the native CPU kernels in {build_dir} for over "
+        raise RuntimeError(f"another process has been building the native CPU kernels in {folder} for over "
                            f"{BUILD_WAIT_S:.0f} s; set MOONCAKE_KERNELS=torch to start without them") from None
     try:
-        (build_dir / "lock").unlink(missing_ok=True)
-        _ext = cpp_extension.load(name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(build_dir), verbose=False)
+        (folder / "lock").unlink(missing_ok=True)
+        _ext = cpp_extension.load(folder.name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(folder), verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise RuntimeError(
-            f"could not build the native CPU kernels in {build_dir} ({type(e).__name__}: {e}); they need a "
+            f"could not build the native CPU kernels in {folder} ({type(e).__name__}: {e}); they need a "
             "C++ compiler (g++) and ninja. Set MOONCAKE_KERNELS=torch to run the torch twins instead (slower)"
         ) from e
     finally:
         lock.release()
-    log.info("native CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, build_dir)
+    log.info("native CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, folder)
     return _ext
 
 

@@ -244,7 +244,7 @@ def test_a_build_killed_midway_does_not_hang_the_next_start():
     import sys
 
     cpu_ext.load()
-    build_dir = cpu_ext.cache_root() / "cpu-kernels" / f"mooncake_cpu_decode_{cpu_ext.build_key()}"
+    build_dir = cpu_ext.build_dir()
     (build_dir / "lock").write_text("")  # as a build killed with SIGKILL leaves it
     code = "import mooncake_kernels.cpu_ext as c; c.load(); print('loaded')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
