@@ -223,28 +223,30 @@ class CausalLM(nn.Module):
         when every projection is an int4 weight in the native kernel's layout (the integer kernels
         at few rows, its dense copy packed for oneDNN past them) or a float weight packed for
         oneDNN. Returns whether they are on."""
-        projections = {}
-        for i, layer in enumerate(self.layers):
+        weights, crossovers = [], set()
+        for layer in self.layers:
+            pairs = {}
             for name, w in (("qkv", layer.attn.qkv_weight), ("o", layer.attn.o_weight),
                             ("gate_up", layer.gate_up_weight), ("down", layer.down_weight)):
                 if isinstance(w, Int4Weight) and w.native:
-                    projections[i, name] = (w.packed, w.packed_dense, w.max_rows)
+                    pairs[name] = (w.packed, w.packed_dense)
+                    crossovers.add(w.max_rows)
                 elif isinstance(w, PackedWeight):
-                    projections[i, name] = (None, w.packed, 0)
+                    pairs[name] = (None, w.packed)
+                    crossovers.add(0)
                 else:
                     return False
-        crossovers = {rows for _, _, rows in projections.values()}
-        if not projections or len(crossovers) != 1:
+            weights.append(pairs)
+        # One crossover for the whole layer: each step runs one path.
+        if len(crossovers) != 1:
             return False
         int_rows = crossovers.pop()
         self.native_layers = [
             kernels.native_decode_layer(
-                layer.input_norm, layer.post_attn_norm,
-                {name: projections[i, name][:2] for name in ("qkv", "o", "gate_up", "down")},
-                layer.attn.qkv_bias, layer.attn.q_norm, layer.attn.k_norm, self.cfg.num_heads,
-                self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.intermediate_size, self.cfg.rms_norm_eps,
-                int_rows)
-            for i, layer in enumerate(self.layers)
+                layer.input_norm, layer.post_attn_norm, pairs, layer.attn.qkv_bias, layer.attn.q_norm,
+                layer.attn.k_norm, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim,
+                self.cfg.intermediate_size, self.cfg.rms_norm_eps, int_rows)
+            for layer, pairs in zip(self.layers, weights)
         ]
         # Every step of decodes, at any batch, when the dense weights are there.
         self.native_rows = min(layer.max_rows() for layer in self.native_layers)
