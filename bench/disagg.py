@@ -52,7 +52,9 @@ compare medians.
 Deployments: ``colocated`` (one engine, 2 threads), ``disaggregated`` (Conductor + 1 prefill +
 1 decode instance, 1 thread each, no admission control: ``python -m server``'s default),
 ``disaggregated-early`` (the same with the Conductor's early rejection, given the benchmark's
-SLOs), and three of three instances for elastic roles: ``split-2p1d`` and ``split-1p2d``
+SLOs), ``disaggregated-shared`` (the two instances draw on one budget of the cores,
+``--share-cores``), ``disaggregated-local`` (a request may prefill on the decode instance,
+``--local-prefill`` with the benchmark's SLOs), and three of three instances for elastic roles: ``split-2p1d`` and ``split-1p2d``
 (fixed splits) and ``elastic-2p1d`` (2 + 1 at the start, ``--elastic-roles`` with the
 benchmark's SLOs and :data:`ELASTIC_KNOBS`). The server command lines live in :data:`DEPLOYMENTS`; ``--server-arg`` (repeatable, all
 deployments), ``--colocated-args`` and ``--disagg-args`` (shell-split strings, the disaggregated
@@ -115,6 +117,11 @@ DEPLOYMENTS: dict[str, list[str]] = {
     # The Conductor's early rejection, judging requests against the benchmark's own SLOs
     # (given to it as --slo-ttft-s / --slo-tbt-s once the baseline has fixed them).
     "disaggregated-early": ["--instance-threads", "1", "--admission", "early"],
+    # The two instances draw on one budget of the two cores (issue 39): an idle one's core goes
+    # to the other.
+    "disaggregated-shared": ["--instance-threads", "1", "--share-cores"],
+    # A request may prefill on the decode instance where that meets the benchmark's SLOs sooner.
+    "disaggregated-local": ["--instance-threads", "1", "--local-prefill"],
     # The same three instance processes, in a fixed split or moved by elastic roles (issue 32).
     "split-2p1d": [*THREE, "--prefill-instances", "2", "--decode-instances", "1"],
     "split-1p2d": [*THREE, "--prefill-instances", "1", "--decode-instances", "2"],
@@ -122,7 +129,7 @@ DEPLOYMENTS: dict[str, list[str]] = {
                      *ELASTIC_KNOBS],
 }
 # Deployments given the benchmark's SLOs (--slo-ttft-s / --slo-tbt-s) once they are known.
-NEEDS_SLOS = ("--admission", "--elastic-roles")
+NEEDS_SLOS = ("--admission", "--elastic-roles", "--local-prefill")
 # The deployments ``--deployments`` runs unless told otherwise (the elastic ones are opt-in: they
 # take three instance processes and the shifting workload to show anything).
 DEFAULT_DEPLOYMENTS = ("colocated", "disaggregated", "disaggregated-early")

@@ -36,7 +36,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
-from engine.cpu_runtime import return_freed_memory
+from engine.core_share import CoreShare
+from engine.cpu_runtime import return_freed_memory, set_threads
 from engine.default_model import default_model_name
 from engine.disaggregation import KVCapacityError
 from engine.llm_engine import LLMEngine
@@ -118,6 +119,8 @@ class AsyncLLMEngine(EngineClient):
         self._num_step_errors = 0
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # engine thread only
         self._observers: list[Callable[[LLMEngine], None]] = []
+        self._share: CoreShare | None = None  # engine thread only, as is _threads
+        self._threads = self.config.threads
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -265,12 +268,21 @@ class AsyncLLMEngine(EngineClient):
                 self._load_error = f"model failed to load: {type(e).__name__}: {e}"
                 log.exception("model failed to load")
                 return
+            if self.config.core_share is not None:
+                try:
+                    self._share = CoreShare(self.config.core_share, self.config.core_slot)
+                except (OSError, ValueError) as e:
+                    self._load_error = f"core share: {e}"
+                    log.error("%s", self._load_error)
+                    return
             self._engine = engine
             log.info("ready: serving %r", self._model_name)  # the engine logged its KV cache
             self._publish_stats(engine)
             self._ready.set()
             self._loop(engine)
         finally:
+            if self._share is not None:
+                self._share.close()  # its cores go back to the others at once
             self._done.set()
 
     def _loop(self, engine: LLMEngine) -> None:
@@ -278,6 +290,8 @@ class AsyncLLMEngine(EngineClient):
         stepped = False  # a step ran since the heap was last trimmed
         while True:
             idle = False
+            if self._share is not None and not engine.has_unfinished():
+                self._share.idle()  # before the wait: the others take these cores from their next step
             with self._cond:
                 while not self._inbox and not engine.has_unfinished() and not self._stopping:
                     if not self._cond.wait(IDLE_TRIM_S if stepped else None):
@@ -373,6 +387,11 @@ class AsyncLLMEngine(EngineClient):
     def _step(self, engine, live, outbox) -> None:
         computed, running = engine.num_prompt_tokens_computed, engine.scheduler.running
         batch, context = len(running), sum(seq.num_tokens for seq in running)
+        if self._share is not None:
+            threads = self._share.busy()
+            if threads != self._threads:
+                set_threads(threads)
+                self._threads = threads
         started = time.perf_counter()
         try:
             outputs = engine.step()
@@ -430,6 +449,7 @@ class AsyncLLMEngine(EngineClient):
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
             "num_generated_tokens": s.num_generated_tokens,
             "num_steps": self._num_steps,
+            "threads": self._threads,  # of the last step: with a core share, what the budget gave
             "decode_steps": self._decode_steps[0],
             "decode_step_seconds": self._decode_steps[1],
             "decode_step_seqs": self._decode_steps[2],

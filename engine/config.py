@@ -44,6 +44,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     threads: int | None = None  # torch intra-op threads; None: all cores
+    # A budget of cores shared with the other engines of this host (``engine.core_share``): the
+    # file ``create`` wrote and this engine's slot in it. Each step then takes cores / busy
+    # engines threads; ``threads`` is what it starts with (and calibrates at). None: ``threads``
+    # always.
+    core_share: str | None = None
+    core_slot: int = 0
     seed: int = 0
     # "both": prefill and decode here (colocated). "prefill": a request ends here after its first
     # token, handed off to a decode instance with its KV (see cluster/instance/prefill.py).
@@ -90,6 +96,8 @@ class EngineConfig:
             else:
                 self.kv_cache_dtype = self.dtype if dtype_given else "bfloat16"
         parse_dtype(self.kv_cache_dtype)
+        if self.core_share is not None and self.device != "cpu":
+            raise ValueError("a core share is for CPU engines (a GPU engine's threads only feed its device)")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -45,6 +45,12 @@ def configure_cpu_runtime(threads: int) -> None:
         log.info("could not tune the C allocator (not glibc); CPU steps may be slower")
 
 
+def set_threads(threads: int) -> None:
+    """Change the calling thread's torch (and OpenMP) thread count between two steps: the native
+    kernels' parallel regions use the same OpenMP runtime (kernels/csrc/cpu_decode.cpp)."""
+    torch.set_num_threads(threads)
+
+
 def return_freed_memory() -> None:
     """Return the heap's free pages to the OS (glibc ``malloc_trim``; elsewhere nothing to do).
 

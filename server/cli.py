@@ -15,6 +15,7 @@ import os
 import stat
 import time
 
+from cluster.conductor.supervisor import CORE_SHARE_ENV
 from cluster.policies.elastic_roles import ElasticConfig
 from engine.model_config import QUANTIZATIONS
 from server.app import DEFAULT_MAX_BODY_BYTES
@@ -62,6 +63,13 @@ def _stage(text: str) -> tuple[int, int]:
     if not sep or not i.isdigit() or not x.isdigit() or not 0 <= int(i) < int(x) or int(x) < 2:
         raise argparse.ArgumentTypeError(f"a stage is I/X with 0 <= I < X and X >= 2, got {text!r}")
     return int(i), int(x)
+
+
+def _core_share(text: str) -> tuple[str, int]:
+    path, sep, slot = text.rpartition(":")
+    if not sep or not path or not slot.isdigit():
+        raise argparse.ArgumentTypeError(f"a core share is PATH:SLOT, got {text!r}")
+    return path, int(slot)
 
 
 def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
@@ -182,6 +190,14 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                    help="(with --stage I/X, I > 0) the URL of the group's stage 0 (its --url)")
     c.add_argument("--instance-threads", type=_positive_int, default=None,
                    help="(Conductor) torch threads of each started instance; default: cores / instances")
+    c.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=False,
+                   help="(Conductor) the instances it starts draw on one budget of this machine's cores: each "
+                   "step takes cores / busy instances threads, so an idle prefill instance's cores go to the "
+                   "decode batch and back (each starts, and calibrates, at --instance-threads)")
+    c.add_argument("--core-share", type=_core_share, default=_core_share(v) if (v := _env(CORE_SHARE_ENV)) else None,
+                   metavar="PATH:SLOT",
+                   help=f"(instance) its slot in a core budget the Supervisor wrote (env {CORE_SHARE_ENV}, which "
+                   "the Supervisor sets with --share-cores)")
     passed_on(c.add_argument("--transfer-timeout-s", type=_positive_float, default=30.0,
                              help="(instance) how long a KV write may take before it fails; receive staging of an "
                              "abandoned request is reused only after this long"))
@@ -203,6 +219,10 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                    help="(Conductor) early rejection (HTTP 429) on predicted load; needs --slo-ttft-s and --slo-tbt-s")
     c.add_argument("--slo-ttft-s", type=_positive_float, default=None, help="(Conductor) TTFT SLO in seconds")
     c.add_argument("--slo-tbt-s", type=_positive_float, default=None, help="(Conductor) TBT SLO in seconds")
+    c.add_argument("--local-prefill", action="store_true",
+                   help="(Conductor) a request may prefill on its decode instance instead of a prefill instance, "
+                   "where the cost models predict that meets both SLOs sooner (no queue, no KV transfer, its "
+                   "chunks between the decode steps); needs --slo-ttft-s and --slo-tbt-s")
     c.add_argument("--predicted-decode-s", type=_positive_float, default=5.0,
                    help="(Conductor) decode duration assumed by --admission predictive")
     c.add_argument("--max-queued-prefills", type=_positive_int, default=32,

@@ -33,6 +33,8 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
     )
     if args.stage is not None:
         kwargs["stage"] = args.stage
+    if args.core_share is not None:
+        kwargs["core_share"], kwargs["core_slot"] = args.core_share
     if kwargs["stage"] is not None:
         # A group's chunk, and a step that takes a prompt below --cpp-min-tokens whole.
         chunk = args.cpp_chunk_tokens or args.max_num_batched_tokens
@@ -203,6 +205,9 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
     # tokenizer encodes one text at a time on the calling thread (HF tokenizers starts its thread
     # pool only for batch calls, which the Conductor makes none of).
     secret = secret or secrets.token_hex(16)
+    if args.share_cores and args.cpp_stages > 1:
+        # A group's later stages are processes of their own that would not draw on the budget.
+        sys.exit("error: --share-cores covers one process per instance; it does not go with --cpp-stages")
     roles = ["prefill"] * args.prefill_instances + ["decode"] * args.decode_instances
     threads = args.instance_threads or max(1, (os.cpu_count() or 1) // max(1, len(roles)))
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -211,10 +216,12 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
             scheduler=args.scheduler, kvcache_balancing_threshold=args.kvcache_balancing_threshold,
             admission=args.admission, slo_ttft_s=args.slo_ttft_s, slo_tbt_s=args.slo_tbt_s,
             predicted_decode_s=args.predicted_decode_s, max_queued_prefills=args.max_queued_prefills,
+            local_prefill=args.local_prefill, local_prefill_chunk_tokens=args.max_num_batched_tokens,
         )
         pool, metadata_server, pool_args = (
             (None, None, []) if args.no_pool else _start_pool(args, secret, args.host, _advertised_host(args)))
-        supervisor = Supervisor(roles, f"http://{local}:{args.port}", secret, threads, instance_args(args) + pool_args)
+        supervisor = Supervisor(roles, f"http://{local}:{args.port}", secret, threads, instance_args(args) + pool_args,
+                                share_cores=(os.cpu_count() or 1) if args.share_cores else None)
         conductor_id = args.conductor_id or f"{_url_host(_advertised_host(args))}:{args.port}"
         members, claim, epoch = _claim_membership(args, conductor_id) if args.etcd else (None, None, None)
         # Polled from the start, so an instance that cannot load shows up in /health at once.
@@ -239,9 +246,10 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
                  metadata_server.url, metadata_server.url)
     app = build_app(conductor, settings,
                     extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
-    log.info("serving %r on http://%s:%d: Conductor over %d prefill + %d decode instances (%d threads each); "
+    log.info("serving %r on http://%s:%d: Conductor over %d prefill + %d decode instances (%d threads each%s); "
              "/health is 503 until they are up", conductor.model_name, args.host, args.port,
-             args.prefill_instances, args.decode_instances, threads)
+             args.prefill_instances, args.decode_instances, threads,
+             f", up to {os.cpu_count()} as the others idle" if args.share_cores else "")
     supervisor.start()
     try:
         serve(app, args.host, args.port, front_door(args), log_level=args.log_level)

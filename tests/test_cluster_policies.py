@@ -15,6 +15,7 @@ from cluster.policies.cost_model import (
     PrefillCostModel,
     TransferModel,
 )
+from cluster.policies.local_prefill import LocalPrefill
 from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState, RequestInfo
 from cluster.policies.prefix_index import LRUBlockCache, prefix_tokens
 from cluster.policies.scheduling import (
@@ -333,3 +334,37 @@ def test_accept_all_never_rejects():
     assert pol.on_arrival(0.0, request([1], n=1), prefill_plan(1e6), DecodePlan(0, 9.0), [decode_state(0, 99)]).accept
     assert pol.on_decode(request([1], n=1), [decode_state(0, 99)], planned=0) == 0
     assert math.isclose(STEP.step_s(99, 0), 1.0)
+
+
+# -- local prefill (issue 39) ----------------------------------------------------------------------
+
+def test_local_prefill_predicts_from_the_decode_instances_models():
+    """1 s a token to prefill (nothing cached, no quadratic term), steps of 0.01 s a sequence,
+    chunks of 2 tokens: a 5-token prompt is 5 s over 3 chunks on a batch of 2 (3 with it)."""
+    prefill = PrefillCostModel(c_uu=0.0, c_up=0.0, c_u=1.0, c_0=0.0)
+    step = DecodeStepModel(base_s=0.0, per_seq_s=0.01, per_context_token_s=0.0, kv_capacity_tokens=10**6)
+    policy = LocalPrefill(prefill, step, SLO(ttft_s=100.0, tbt_s=2.0), chunk_tokens=2, block_size=BS)
+    d = DecodeInstanceState(index=3, running_start_s=[0.0, 0.0], running_prompt=[1, 1], context_tokens=2,
+                            incoming_ready_s=[], incoming_prompt=[], local_prefill_s=4.0)
+    p = policy.plan(request([], n=5), d)
+    assert (p.instance, p.prefix_tokens, p.prefill_s) == (3, 0, 5.0)
+    assert p.stall_s == pytest.approx(0.03 + 5.0 / 3) and p.ttft_s == pytest.approx(4.0 + 5.0 + 3 * 0.03)
+    # Local only where it takes at most 0.8 of the remote plan's TTFT and both SLOs hold.
+    assert policy.choose(request([], n=5), prefill_plan(11.5), d).local  # 9.09 <= 9.2
+    assert not policy.choose(request([], n=5), prefill_plan(11.0), d).local  # sooner, not by the margin
+    tight = LocalPrefill(prefill, step, SLO(ttft_s=100.0, tbt_s=1.5), chunk_tokens=2, block_size=BS)
+    assert not tight.choose(request([], n=5), prefill_plan(20.0), d).local  # a 1.7 s stall breaks 1.5 s
+    late = LocalPrefill(prefill, step, SLO(ttft_s=9.0, tbt_s=2.0), chunk_tokens=2, block_size=BS)
+    assert not late.choose(request([], n=5), prefill_plan(20.0), d).local  # 9.09 s misses the TTFT SLO
+
+
+def test_local_prefill_counts_the_prefix_the_decode_instance_caches():
+    prefill = PrefillCostModel(c_uu=0.0, c_up=0.0, c_u=1.0, c_0=0.0)
+    step = DecodeStepModel(base_s=0.0, per_seq_s=0.0, per_context_token_s=0.0, kv_capacity_tokens=10**6)
+    policy = LocalPrefill(prefill, step, SLO(ttft_s=100.0, tbt_s=100.0), chunk_tokens=BS, block_size=BS)
+    cache = LRUBlockCache(None)
+    cache.insert([1, 2])
+    d = DecodeInstanceState(index=0, running_start_s=[], running_prompt=[], context_tokens=0,
+                            incoming_ready_s=[], incoming_prompt=[], cache=cache)
+    p = policy.plan(request([1, 2, 3], n=3 * BS), d)
+    assert p.prefix_tokens == 2 * BS and p.prefill_s == BS

@@ -529,7 +529,7 @@ def test_placer_and_ledger_spread_a_back_to_back_burst():
         result = placer.place(now, RequestInfo(i, len(ids), []),
                               [load.prefill_state(k, now, r) for k, (r, load) in enumerate(zip(prefills, loads))],
                               [len(load.prefilling) for load in loads],
-                              [ledger.load(r).decode_state(k) for k, r in enumerate(decodes)])
+                              [ledger.load(r).decode_state(k, now, r) for k, r in enumerate(decodes)])
         assert isinstance(result, Placement)
         b = ledger.book()
         b.add(prefills[result.plan.instance], "prefilling", f"r{i}", (now, result.plan.prefill_s))

@@ -42,6 +42,8 @@ def test_conductor_config_rejects_bad_values(bad):
     {"admission": "predictive", "slo_ttft_s": 1.0},
     {"kvcache_balancing_threshold": 0.5},
     {"max_queued_prefills": 0},
+    {"local_prefill": True, "slo_tbt_s": 0.1},  # local prefill needs both SLOs
+    {"local_prefill": True, "slo_ttft_s": 1.0, "slo_tbt_s": 0.1, "local_prefill_chunk_tokens": 0},
 ])
 def test_placement_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
@@ -68,9 +70,13 @@ def test_decode_snapshot_counts_contexts_and_incoming_kv():
     load = InstanceLoad()
     load.running = {"a": RunningDecode(1.0, 100, generated=5), "b": RunningDecode(2.0, 50)}
     load.incoming = {"c": (3.5, 70)}
-    s = load.decode_state(1)
+    s = load.decode_state(1, 4.0)
     assert s.batch_size == 2 and s.context_tokens == 105 + 51
     assert list(s.incoming_ready_s) == [3.5] and list(s.incoming_prompt) == [70]
+    assert s.local_prefill_s == 0.0 and s.cache is None
+    # A prompt it prefills itself (placed at 3.0, predicted 2 s): 1 s of it is left at 4.0.
+    load.prefilling = {"d": (3.0, 2.0)}
+    assert load.decode_state(1, 4.0).local_prefill_s == pytest.approx(1.0)
 
 
 def test_record_matches_the_leading_run_of_cached_keys():

@@ -103,7 +103,8 @@ def test_checker_flags_planted_upward_imports(tmp_path: Path) -> None:
 # itself, as dotted prefixes. Anything of this project not listed is refused.
 # What of the engine loads no torch: the Conductor's share (tests/test_conductor_imports.py).
 _LIGHT_ENGINE = ("engine.outputs", "engine.sampling_params", "engine.engine_client", "engine.prompt",
-                 "engine.tokenizer", "engine.model_config", "engine.default_model", "engine.kv_layout")
+                 "engine.tokenizer", "engine.model_config", "engine.default_model", "engine.kv_layout",
+                 "engine.core_share")
 CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     # pure code on plain snapshots, shared with the simulator
     "cluster.policies": (),

@@ -480,3 +480,47 @@ def test_prefill_short_of_capacity_takes_a_decode_node_that_drains_first():
     assert all(d.join_step[i] <= steps_before for i in np.flatnonzero(sim.decode_of == node))
     assert d.step_end[-1] > ordered  # it had a batch to finish
     assert sim.roles.changed_at[node] == pytest.approx(d.step_end[-1] + QUICK_ROLES.switch_cost_s)
+
+
+# -- local prefill (issue 39): the live Conductor's policy, prefilling on the decode instance ----
+
+def test_a_local_prefill_rides_on_the_decode_steps_and_joins_at_its_last_chunk():
+    firsts, finished = {}, {}
+    step = DecodeStepModel(base_s=1.0, per_seq_s=0.0, per_context_token_s=0.0, kv_capacity_tokens=1000)
+    d = DecodeInstance(0, step, lambda rid, t: finished.setdefault(rid, t), lambda rid, t: firsts.setdefault(rid, t))
+    d.join(0, 10, 5)  # a running stream: steps of 1 s
+    d.prefill_locally(1, 20, [0.5, 0.25], 2)
+    assert d.state().local_prefill_s == 0.75 and d.state().batch_size == 2  # counted as running, as the ledger does
+    d.advance_to(2.0)
+    # Steps of 1.5 s then 1.25 s while the chunks compute; the first token at the second one's end.
+    assert d.step_end[:2] == [1.5, 2.75] and firsts == {1: 2.75}
+    d.drain()
+    assert finished[1] == 2.75 + 2 * 1.0 and finished[0] == 2.75 + 3 * 1.0
+
+
+def burst(n, prompt=4 * BS, output=20):
+    return [TraceEntry(0, prompt, output, [10 * i + k for k in range(4)]) for i in range(n)]
+
+
+def test_local_prefill_takes_a_queued_prompt_where_both_slos_hold():
+    """A burst queues on the one prefill node; with a loose TBT SLO some requests prefill on the
+    idle decode node instead, and every request still completes, sooner on average."""
+    base = SimConfig(n_prefill=1, n_decode=1, ttft_slo_s=60.0, tbt_slo_s=1.0, profile_noise=0.0)
+    remote = simulate(base, burst(6))
+    local = simulate(replace(base, local_prefill=True), burst(6))
+    assert not remote.local_prefill.any()
+    assert 0 < local.local_prefill.sum() < 6
+    assert (local.status == COMPLETED).all() and not np.isnan(local.ttft_s).any()
+    assert np.nanmean(local.ttft_s) < np.nanmean(remote.ttft_s)
+    # The first request found the prefill node idle: remote was sooner, and it went there.
+    assert not local.local_prefill[0]
+
+
+def test_local_prefill_never_breaks_the_tbt_slo_it_is_given():
+    """With a 50 ms TBT SLO a step that also computes a 512-token chunk (about 30 + 42 ms here)
+    would break it: every request prefills remotely, and the results are those without the policy."""
+    base = SimConfig(n_prefill=1, n_decode=1, ttft_slo_s=60.0, tbt_slo_s=0.05, profile_noise=0.0)
+    remote = simulate(base, burst(6))
+    local = simulate(replace(base, local_prefill=True), burst(6))
+    assert not local.local_prefill.any()
+    assert np.array_equal(local.ttft_s, remote.ttft_s) and np.array_equal(local.finish_s, remote.finish_s)

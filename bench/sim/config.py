@@ -70,6 +70,10 @@ class SimConfig:
     # Elastic roles (issue 32): None = fixed roles; else the policy's knobs. Nodes start as
     # n_prefill prefill and n_decode decode instances and the policy moves them between roles.
     elastic: ElasticConfig | None = None
+    # Local prefill (issue 39): a request may prefill on its decode instance, in chunks of at most
+    # local_prefill_chunk tokens on top of its decode steps (cluster/policies/local_prefill.py).
+    local_prefill: bool = False
+    local_prefill_chunk: int = 512
     output_tokens: int | None = None  # force every output to this length (FAST'25 Fig. 10 uses 1)
     profile_noise: float = 0.03  # relative error of the profiled prefill times the Conductor fits
     sample_interval_s: float = 5.0
@@ -88,8 +92,8 @@ class SimConfig:
             raise ValueError("pool_capacity_tokens must be >= 0 (0: no pool) or None (unbounded)")
         if self.pool_enabled and self.scheduler != "global":
             raise ValueError(f"a KVCache pool needs scheduler 'global', got {self.scheduler!r}")
-        if self.block_size <= 0 or self.prefill_chunk <= 0:
-            raise ValueError("block_size and prefill_chunk must be positive")
+        if self.block_size <= 0 or self.prefill_chunk <= 0 or self.local_prefill_chunk <= 0:
+            raise ValueError("block_size, prefill_chunk and local_prefill_chunk must be positive")
         if self.cpp_stages < 1 or self.n_prefill % self.cpp_stages or self.cpp_min_tokens < 0:
             raise ValueError(f"{self.n_prefill} prefill nodes do not make groups of {self.cpp_stages} stages "
                              f"(or cpp_min_tokens {self.cpp_min_tokens} < 0)")

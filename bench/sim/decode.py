@@ -8,6 +8,10 @@ next step boundary, as in a real continuous-batching loop.
 Per-sequence context is never stored per step: a sequence that joined after step ``s0`` with a
 ``prompt``-token context holds ``prompt + (steps - s0)`` tokens, so the batch total is
 ``sum(prompt) + batch * steps - sum(s0)``, kept as two running sums.
+
+A request it prefills itself (local prefill, ``cluster/policies/local_prefill.py``) computes its
+prompt in chunks, one chunk on top of each step, first come first served; its first token comes
+at the end of its last chunk's step (``on_first_token``), and it joins the batch there.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ FinishCallback = Callable[[int, float], None]
 
 
 class DecodeInstance:
-    def __init__(self, index: int, step: DecodeStepModel, on_finish: FinishCallback) -> None:
+    def __init__(self, index: int, step: DecodeStepModel, on_finish: FinishCallback,
+                 on_first_token: FinishCallback | None = None) -> None:
         self.index = index
         self.step = step
         self.on_finish = on_finish
+        self.on_first_token = on_first_token
+        # Local prefills, in order: [request, chunk seconds left (next first), prompt, decode steps, placed at].
+        self.local: deque[list] = deque()
         self.clock = 0.0
         self.steps = 0
         self.step_end: list[float] = []  # step_end[k] = time step k + 1 finished
@@ -52,19 +60,27 @@ class DecodeInstance:
         waiting = [(self.clock, prompt) for _, prompt, _ in self.waiting]
         return DecodeInstanceState(
             index=self.index,
-            running_start_s=[r[0] for r in running],
-            running_prompt=[r[1] for r in running],
-            context_tokens=self.context_tokens,
+            # Local prefills count as running from their placement, as in the live Conductor's ledger.
+            running_start_s=[r[0] for r in running] + [p[4] for p in self.local],
+            running_prompt=[r[1] for r in running] + [p[2] for p in self.local],
+            context_tokens=self.context_tokens + sum(p[2] for p in self.local),
             # Sequences waiting for HBM are as good as arriving now.
             incoming_ready_s=[r[0] for r in incoming] + [w[0] for w in waiting],
             incoming_prompt=[r[1] for r in incoming] + [w[1] for w in waiting],
+            local_prefill_s=sum(sum(p[1]) for p in self.local),
         )
 
     def advance_to(self, t: float) -> None:
-        while self.running and self.clock < t:
+        while (self.running or self.local) and self.clock < t:
             self._run_step()
-        if not self.running and self.clock < t:
+        if not self.running and not self.local and self.clock < t:
             self.clock = t
+
+    def prefill_locally(self, request: int, prompt: int, chunk_s: list[float], decode_steps: int) -> None:
+        """Queue a prompt to compute here, ``chunk_s`` seconds a step (call ``advance_to`` first)."""
+        if not chunk_s:
+            raise ValueError("a local prefill computes at least one chunk")
+        self.local.append([request, deque(chunk_s), prompt, decode_steps, self.clock])
 
     def join(self, request: int, prompt: int, decode_steps: int) -> None:
         """Add a request whose KV has arrived (call ``advance_to`` first); it waits if HBM is full."""
@@ -78,7 +94,7 @@ class DecodeInstance:
         self._start(request, prompt, decode_steps)
 
     def drain(self) -> None:
-        while self.running:
+        while self.running or self.local:
             self._run_step()
 
     def _start(self, request: int, prompt: int, decode_steps: int) -> None:
@@ -89,9 +105,16 @@ class DecodeInstance:
         heapq.heappush(self._finish_heap, (self.steps + decode_steps, request))
 
     def _run_step(self) -> None:
-        self.clock += self.step.step_s(len(self.running), self.context_tokens)
+        chunk = self.local[0][1].popleft() if self.local else 0.0
+        # A step of the batch alone costs nothing when the batch is empty (only a prompt computes).
+        self.clock += chunk + (self.step.step_s(len(self.running), self.context_tokens) if self.running else 0.0)
         self.steps += 1
         self.step_end.append(self.clock)
+        if self.local and not self.local[0][1]:
+            request, _, prompt, decode_steps, _ = self.local.popleft()
+            if self.on_first_token is not None:
+                self.on_first_token(request, self.clock)
+            self.join(request, prompt, decode_steps)
         heap = self._finish_heap
         while heap and heap[0][0] == self.steps:
             _, request = heapq.heappop(heap)

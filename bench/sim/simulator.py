@@ -18,6 +18,10 @@ already holds are touched); a load from the pool touches the loaded keys at arri
 
 Every node has a prefill side and a decode side and serves one role (``bench/sim/roles.py``):
 fixed with ``SimConfig.elastic`` None, moved by the elastic-roles policy otherwise (issue 32).
+
+With ``SimConfig.local_prefill`` the live Conductor's ``LocalPrefill`` policy may send an
+accepted request's prefill to its decode instance instead, which computes it in chunks between
+its steps (``bench/sim/decode.py``; a decode node keeps no prefix cache here).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from cluster.policies.early_rejection import (
 from cluster.conductor.placement import PlacementConfig, Placer
 from cluster.policies.cost_model import PrefillCostModel
 from cluster.policies.elastic_roles import ElasticRolePolicy, TBTPrediction, TTFTPrediction
+from cluster.policies.local_prefill import LocalPrefill
 from cluster.policies.snapshot import RequestInfo
 from cluster.policies.prefix_index import LRUBlockCache
 from cluster.policies.scheduling import DecodeLoadBalancer, PrefillScheduler
@@ -72,6 +77,7 @@ class SimResult:
     pulled_tokens: np.ndarray  # pulled from another prefill instance
     prefill_s: np.ndarray
     pool_tokens: np.ndarray  # loaded from the KVCache pool
+    local_prefill: np.ndarray  # prefilled on its decode instance (SimConfig.local_prefill)
     sample_t: list[float] = field(default_factory=list)
     prefill_load: list[float] = field(default_factory=list)
     decode_load: list[float] = field(default_factory=list)
@@ -145,21 +151,28 @@ class Simulator:
         self.transfer = config.transfer_model()
         step = config.decode_model()
         # The Conductor predicts a group's time with the same pipeline over the fitted node profile.
-        predictor = config.pipelined(fit_prefill_predictor(node, config.profile_noise, config.seed))
+        fitted = fit_prefill_predictor(node, config.profile_noise, config.seed)
+        predictor = config.pipelined(fitted)
         self.scheduler = make_scheduler(config, predictor)
+        self.node_prefill = node
         # One cluster-wide LRU of block keys; None: no pool.
         self.pool = LRUBlockCache(config.pool_capacity_blocks) if config.pool_enabled else None
         self.balancer = DecodeLoadBalancer(step)
         self.admission = make_admission(config)
         self.slo = self.admission.slo
         self.step_model = step
+        self.local = None
+        if config.local_prefill:
+            # A decode node prefills alone, every layer itself: the fitted one-node model.
+            self.local = LocalPrefill(fitted, step, self.slo, config.local_prefill_chunk, config.block_size)
+        self.local_prefilled = np.zeros(n, dtype=bool)
         # A group's stages each hold their layers' share of a token's KV: together as many tokens
         # as each node's DRAM holds whole.
         group_blocks = None if config.cache_capacity_blocks is None else config.cache_capacity_blocks * config.cpp_stages
         # Node i is self.prefill[i] and self.decode[i]; self.roles says which side serves.
         nodes = config.n_prefill_groups + config.n_decode
         self.prefill = [PrefillInstance(i, LRUBlockCache(group_blocks), config.cpp_stages) for i in range(nodes)]
-        self.decode = [DecodeInstance(i, step, self._on_finish) for i in range(nodes)]
+        self.decode = [DecodeInstance(i, step, self._on_finish, self._on_first_token) for i in range(nodes)]
         policy = None
         if config.elastic is not None:
             policy = ElasticRolePolicy(config.elastic, self.slo, step, config.tbt_target)
@@ -180,7 +193,13 @@ class Simulator:
             pulled_tokens=self.pulled,
             prefill_s=self.prefill_s,
             pool_tokens=self.pool_loaded,
+            local_prefill=self.local_prefilled,
         )
+
+    def _on_first_token(self, request: int, t: float) -> None:
+        """A local prefill's last chunk ended."""
+        self.first_token_at[request] = t
+        self.ttft[request] = t - self.arrival[request]
 
     def _on_finish(self, request: int, t: float) -> None:
         self.finish[request] = t
@@ -228,7 +247,7 @@ class Simulator:
                     if self.pool is not None:
                         heapq.heappush(stores, (self.first_token_at[i], i))
                 i += 1
-        while any(d.running for d in self.decode):
+        while any(d.running or d.local for d in self.decode):
             self._sample_load(next_sample)
             next_sample += cfg.sample_interval_s
         for d in self.decode:
@@ -261,6 +280,18 @@ class Simulator:
         if not self.admission.on_arrival(now, request, plan, dplan, decode_pool).accept:
             self.status[i] = REJECTED_ON_ARRIVAL
             return None
+        if self.local is not None:
+            choice = self.local.choose(request, plan, next(s for s in decode_pool if s.index == dplan.instance))
+            if choice.local:
+                seconds = self.node_prefill.seconds(n, choice.prefix_tokens)
+                chunks = max(1, math.ceil((n - choice.prefix_tokens) / self.config.local_prefill_chunk))
+                self.decode[dplan.instance].prefill_locally(i, n, [seconds / chunks] * chunks,
+                                                            int(self.output_length[i]) - 1)
+                self.decode_of[i] = dplan.instance
+                self.prefix[i] = choice.prefix_tokens
+                self.prefill_s[i] = seconds
+                self.local_prefilled[i] = True
+                return None  # no KV to move: its first token comes from the decode node
         inst = self.prefill[plan.instance]
         inputs_ready = now
         if plan.source is not None:

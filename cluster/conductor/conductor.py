@@ -45,7 +45,7 @@ from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.pool.metadata.membership import LeasedKey, list_instances
-from cluster.policies.cost_model import DecodeStepModel
+from cluster.policies.cost_model import DecodeStepModel, InstanceProfile
 from cluster.policies.early_rejection import SLO
 from cluster.policies.elastic_roles import ElasticConfig
 from cluster.policies.snapshot import RequestInfo
@@ -449,14 +449,22 @@ class Conductor(EngineClient):
         booking = self.ledger.book()
         prefill = prefills[placement.plan.instance]
         now = time.monotonic()
-        booking.add(prefill, "prefilling", request_id, (now, placement.plan.prefill_s))
-        if disaggregated:
+        if placement.local is not None:
+            # Prefilled on its decode instance (cluster/policies/local_prefill.py): the whole
+            # request runs there, as on a colocated instance.
+            decode = decodes[placement.local.instance]
+            booking.add(decode, "prefilling", request_id, (now, placement.local.prefill_s))
+            self.counters.local_prefills += 1
+            stream = self.flow.colocated(request_id, ids, params, booking, decode)
+        elif disaggregated:
+            booking.add(prefill, "prefilling", request_id, (now, placement.plan.prefill_s))
             order = [decodes[i] for i in placement.decode_order]
             booking.add(order[0], "incoming", request_id, (now + placement.plan.ttft_s, len(ids)))
             source = prefills[placement.plan.source] if placement.plan.source is not None else None
             stream = self.flow.disaggregated(request_id, ids, params, booking, prefill, source,
                                              placement.plan.prefix_tokens, order)
         else:
+            booking.add(prefill, "prefilling", request_id, (now, placement.plan.prefill_s))
             stream = self.flow.colocated(request_id, ids, params, booking, prefill)
         self._max_running_seen = max(self._max_running_seen, self.ledger.total_running() + 1)
         async with _closing(stream):
@@ -467,15 +475,16 @@ class Conductor(EngineClient):
                pool_blocks: int, admit: bool = True) -> Placement:
         ref = prefills[0]
         layout = ref.layout
-        placer = Placer(self.config.placement, ref.profile.prefill, self._decode_model() if decodes else None,
+        profile = self._decode_profile() if decodes else None
+        placer = Placer(self.config.placement, ref.profile.prefill, None if profile is None else profile.decode,
                         layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids),
-                        pool=self._pool is not None)
+                        pool=self._pool is not None, decode_prefill=None if profile is None else profile.prefill)
         # As the engines' prefix cache: at most len-1 tokens can hit (the last is always computed).
         keys = chain_keys(ids[: (len(ids) - 1) // layout.block_size * layout.block_size], layout.block_size)
         info = RequestInfo(next(self._ids), len(ids), keys, min(pool_blocks, len(keys)))
         now = time.monotonic()
         loads = [self.ledger.load(r) for r in prefills]
-        decode_states = [self.ledger.load(r).decode_state(i) for i, r in enumerate(decodes)]
+        decode_states = [self.ledger.load(r).decode_state(i, now, r) for i, r in enumerate(decodes)]
         result = placer.place(
             now, info, [load.prefill_state(i, now, r) for i, (r, load) in enumerate(zip(prefills, loads))],
             [len(load.prefilling) for load in loads], decode_states, admit=admit)
@@ -487,12 +496,18 @@ class Conductor(EngineClient):
             raise self.counters.reject(result.reason, result.retry_after_s)
         return result
 
-    def _decode_model(self) -> DecodeStepModel | None:
-        """The decode step model placement predicts TBT with: a decode instance's, else any
-        instance's (one started as prefill calibrated none, and may serve decode now)."""
+    def _decode_profile(self) -> InstanceProfile | None:
+        """The profile placement predicts decode instances with: a decode instance's, else any
+        instance's with a decode model (one started as prefill calibrated none, and may serve
+        decode now)."""
         up = [r for r in self.registry.records if r.up and r.profile is not None]
-        models = [r.profile.decode for r in sorted(up, key=lambda r: r.role != "decode") if r.profile.decode is not None]
-        return models[0] if models else None
+        profiles = [r.profile for r in sorted(up, key=lambda r: r.role != "decode") if r.profile.decode is not None]
+        return profiles[0] if profiles else None
+
+    def _decode_model(self) -> DecodeStepModel | None:
+        """The decode step model of ``_decode_profile``."""
+        profile = self._decode_profile()
+        return None if profile is None else profile.decode
 
     async def abort(self, request_id: str) -> None:
         for rec in self.registry.records:
@@ -522,6 +537,7 @@ class Conductor(EngineClient):
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,
+            "local_prefills": c.local_prefills,
             "moved_requests_waiting_for_room": c.moved_waits,
             "migrations": c.migrations, "migrated_blocks": c.migrated_blocks,
             "max_num_running_seen": max(self._max_running_seen, totals.get("max_num_running_seen", 0)),

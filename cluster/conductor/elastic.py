@@ -152,7 +152,7 @@ class ElasticRoles:
         view = RoleView(
             now=now,
             prefill=[self._ledger.load(r).prefill_state(self._number(r), now, r) for r in prefills],
-            decode=[self._ledger.load(r).decode_state(self._number(r)) for r in decodes],
+            decode=[self._ledger.load(r).decode_state(self._number(r), now, r) for r in decodes],
             ttft=ttft, tbt=tbt, switching=self._switching is not None, changed_at=self._changed_at)
         live = step.scaled(self.slowdown.update(step, decodes))
         switch = ElasticRolePolicy(self.config, self.slo, live).decide(view)

@@ -4,7 +4,7 @@
 is skipped for the next), pull a hot prefix to the prefill instance if the placement says so,
 have the prefill instance compute the prompt and stream its KV into the reservation, yield the
 first token, then relay the decode instance's stream. ``colocated``: relay one ``both``
-instance's stream.
+instance's stream, or a decode instance's for a request it prefills itself (local prefill).
 
 The placement was booked in the ledger before this runs (``Booking``). Before each call that
 makes an instance hold something (a reservation, a prefill, a decode), the booking notes it, so
@@ -61,6 +61,7 @@ class Counters:
     decode_retries: int = 0  # a decode instance was full (507) and the next one was tried
     moved: int = 0  # requests placed again after they lost their instance or reservation
     moved_waits: int = 0  # tries of a moved request that found no room (it waited and tried again)
+    local_prefills: int = 0  # requests prefilled on their decode instance (PlacementConfig.local_prefill)
     per_reason: dict[str, int] = field(default_factory=dict)
 
     @staticmethod

@@ -33,15 +33,20 @@ class InstanceLoad:
     incoming: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (predicted arrival, prompt)
     reserved: dict[str, bool] = field(default_factory=dict)  # reservation id -> no KV write can be in flight
 
-    def prefill_state(self, index: int, now: float, rec: InstanceRecord) -> PrefillInstanceState:
+    def prefill_queue_s(self, now: float) -> float:
+        """Predicted prefill seconds left of what is placed here (on a decode instance: the
+        prompts it prefills itself)."""
         # Queued work drains in order; the oldest request has been running for a while already.
         queue = sum(predicted for _, predicted in self.prefilling.values())
         if self.prefilling:
             oldest_start, oldest = min(self.prefilling.values())
             queue -= min(oldest, max(now - oldest_start, 0.0))
-        return PrefillInstanceState(index, max(queue, 0.0), rec)
+        return max(queue, 0.0)
 
-    def decode_state(self, index: int) -> DecodeInstanceState:
+    def prefill_state(self, index: int, now: float, rec: InstanceRecord) -> PrefillInstanceState:
+        return PrefillInstanceState(index, self.prefill_queue_s(now), rec)
+
+    def decode_state(self, index: int, now: float, rec: InstanceRecord | None = None) -> DecodeInstanceState:
         running = list(self.running.values())
         incoming = list(self.incoming.values())
         return DecodeInstanceState(
@@ -51,6 +56,8 @@ class InstanceLoad:
             context_tokens=sum(r.prompt_tokens + r.generated for r in running),
             incoming_ready_s=[t for t, _ in incoming],
             incoming_prompt=[n for _, n in incoming],
+            local_prefill_s=self.prefill_queue_s(now),
+            cache=rec,
         )
 
     def describe(self) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 From the ledger's snapshots of the instances that are up, the Conductor's prefill scheduler
 (``cluster/policies/scheduling.py``: Algorithm 1 for ``global``) picks the prefill instance and maybe a
 holder to pull a hot prefix from, ``DecodeLoadBalancer`` orders the decode instances by
-predicted TBT, and the admission policy (``cluster/policies/early_rejection.py``) accepts or refuses: the same
-functions the simulator calls. On top of them one bound the paper leaves implicit: at most
+predicted TBT, the admission policy (``cluster/policies/early_rejection.py``) accepts or refuses,
+and with ``local_prefill`` (``cluster/policies/local_prefill.py``) the request may prefill on its
+decode instance instead: the same functions the simulator calls. On top of them one bound the paper leaves implicit: at most
 ``max_queued_prefills`` requests wait on one prefill instance; beyond it a request is refused
 (it would only hold decode KV idle while it waits).
 """
@@ -16,6 +17,7 @@ from typing import Sequence
 
 from cluster.policies.early_rejection import SLO, AcceptAll, AdmissionPolicy, EarlyRejection, PredictiveEarlyRejection
 from cluster.policies.cost_model import DecodeStepModel, PrefillTime, TransferModel
+from cluster.policies.local_prefill import LocalPlan, LocalPrefill
 from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState, RequestInfo
 from cluster.policies.scheduling import (
     DecodeLoadBalancer,
@@ -42,6 +44,10 @@ class PlacementConfig:
     predicted_decode_s: float = 5.0  # t_d of prediction-based early rejection
     transfer_bytes_per_s: float = 4e9  # what the TTFT estimate assumes for pulled prefixes
     max_queued_prefills: int = 32  # per prefill instance; beyond it: refused (429)
+    # Prefill a request on its decode instance where that meets both SLOs sooner (needs them);
+    # the decode instances' step budget, which spreads a prompt over their steps.
+    local_prefill: bool = False
+    local_prefill_chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -57,12 +63,18 @@ class PlacementConfig:
                 raise ValueError(f"{name} must be positive")
         if self.max_queued_prefills < 1:
             raise ValueError("max_queued_prefills must be >= 1")
+        if self.local_prefill and (self.slo_ttft_s is None or self.slo_tbt_s is None):
+            raise ValueError("local prefill needs both SLOs (TTFT and TBT seconds): it prefills on a decode "
+                             "instance only where both hold")
+        if self.local_prefill_chunk_tokens < 1:
+            raise ValueError("local_prefill_chunk_tokens must be >= 1")
 
 
 @dataclass(frozen=True)
 class Placement:
     plan: PrefillPlan  # the prefill instance, the prefix it reuses (maybe pulled), predicted times
     decode_order: list[int]  # decode instances, most preferred first (empty for colocated)
+    local: LocalPlan | None = None  # set: prefill on decode instance local.instance (the first of the order)
 
 
 @dataclass(frozen=True)
@@ -76,15 +88,21 @@ class Placer:
     """The Conductor's policies, built from the instances' calibrated models."""
 
     def __init__(self, config: PlacementConfig, prefill_cost: PrefillTime, decode_step: DecodeStepModel | None,
-                 block_size: int, kv_bytes_per_token: int, seed: int = 0, pool: bool = False) -> None:
-        """``pool``: a KVCache pool serves remote prefixes (no pulls between instances)."""
+                 block_size: int, kv_bytes_per_token: int, seed: int = 0, pool: bool = False,
+                 decode_prefill: PrefillTime | None = None) -> None:
+        """``pool``: a KVCache pool serves remote prefixes (no pulls between instances);
+        ``decode_prefill``: the decode instances' prefill time (local prefill needs it)."""
         self.config = config
         estimator = PrefillEstimator(prefill_cost, TransferModel(config.transfer_bytes_per_s, kv_bytes_per_token),
                                      block_size=block_size)
         self.scheduler = _scheduler(config, estimator, seed, pool)
         self.admission: AdmissionPolicy | None = None
+        self.local: LocalPrefill | None = None
         if decode_step is not None:
             self.admission = _admission(config, decode_step)
+            if config.local_prefill and decode_prefill is not None:
+                self.local = LocalPrefill(decode_prefill, decode_step, SLO(config.slo_ttft_s, config.slo_tbt_s),
+                                          config.local_prefill_chunk_tokens, block_size)
 
     def place(self, now: float, request: RequestInfo, prefills: Sequence[PrefillInstanceState],
               queued: Sequence[int], decodes: Sequence[DecodeInstanceState] = (), admit: bool = True
@@ -107,7 +125,11 @@ class Placer:
                            f"{decision.decode_load:.2f} (1.0 = at the SLO)", plan.queue_s, plan)
         order = sorted(range(len(decodes)),
                        key=lambda i: (decodes[i].index != balanced.instance, admission.tbt_with(request, decodes[i])))
-        return Placement(plan, [decodes[i].index for i in order])
+        local = None
+        if self.local is not None:
+            chosen = self.local.choose(request, plan, decodes[order[0]])
+            local = chosen if chosen.local else None
+        return Placement(plan, [decodes[i].index for i in order], local)
 
 
 def _scheduler(config: PlacementConfig, estimator: PrefillEstimator, seed: int, pool: bool) -> PrefillScheduler:

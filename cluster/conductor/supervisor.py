@@ -31,7 +31,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import engine.core_share as core_share
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 LISTEN_FD_ENV = "MOONCAKE_LISTEN_FD"  # an instance serves on this inherited listening socket
+CORE_SHARE_ENV = "MOONCAKE_CORE_SHARE"  # PATH:SLOT, an instance's slot in the host's core budget
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -145,7 +149,11 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         command: CommandFactory | None = None,
         poll_interval_s: float = 0.2,
+        share_cores: int | None = None,
     ) -> None:
+        """``threads``: each instance's own; with ``share_cores`` (the machine's cores) the instances
+        draw on one budget of that many instead (``engine.core_share``), each starting (and
+        calibrating) at ``threads``, the share it gets when all are busy."""
         bad = [r for r in roles if r not in ROLES]
         if bad:
             raise ValueError(f"unknown instance roles {bad}; expected some of {list(ROLES)}")
@@ -176,6 +184,11 @@ class Supervisor:
         self._launched = threading.Event()
         self._stop_timeout_s = 10.0
         self._thread: threading.Thread | None = None
+        if share_cores is not None and (isinstance(share_cores, bool) or not isinstance(share_cores, int)
+                                        or share_cores < 1):
+            raise ValueError(f"share_cores must be a positive integer or None, got {share_cores!r}")
+        self._share_cores = share_cores
+        self.core_share: Path | None = None  # the budget's file, from start() to the end of stop()
 
     @property
     def instances(self) -> list[str]:
@@ -194,6 +207,11 @@ class Supervisor:
         with self._lock:
             if self._thread is not None or self._stopping.is_set():
                 raise RuntimeError("a Supervisor can be started once, and not after stop()")
+            if self._share_cores is not None:
+                # Named after this process: two Conductors on one host keep budgets of their own.
+                self.core_share = core_share.create(
+                    core_share.default_dir() / f"mooncake-cores-{os.getpid()}-{id(self):x}",
+                    self._share_cores, len(self._managed))
             # The watcher thread spawns every process, the first ones too: PR_SET_PDEATHSIG fires
             # when the *thread* that forked a child ends, so a child forked by the caller would be
             # killed as soon as, say, an executor thread that called start() finished.
@@ -280,8 +298,11 @@ class Supervisor:
             # A process group of its own: a terminal's Ctrl-C reaches only the Conductor, which then
             # stops the instances, instead of the watcher seeing them all die and restarting them.
             fd = m.listener.fileno()
+            env = {**self._env, LISTEN_FD_ENV: str(fd)}
+            if self.core_share is not None:
+                env[CORE_SHARE_ENV] = f"{self.core_share}:{self._managed.index(m)}"
             process = subprocess.Popen(list(self._command(m.role, m.listener.getsockname()[1])),
-                                       env={**self._env, LISTEN_FD_ENV: str(fd)}, pass_fds=(fd,), process_group=0,
+                                       env=env, pass_fds=(fd,), process_group=0,
                                        preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         except OSError as e:
             process, failure = None, f"failed to start ({e})"
@@ -339,6 +360,8 @@ class Supervisor:
                 m.last_exit, m.process, m.restart_at = describe_exit(m.process.returncode), None, None
         for m in self._managed:
             m.listener.close()
+        if self.core_share is not None:
+            self.core_share.unlink(missing_ok=True)
 
 
 def _turn_away(listener: socket.socket) -> None:

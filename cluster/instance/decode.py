@@ -2,7 +2,8 @@
 
 * ``Decoder.continue_decode`` (decode role): take over a reservation (``receiver.py``) whose KV
   has landed and stream the rest of the request from the first token its prefill sampled.
-* ``Decoder.whole`` (both role): a whole request, prompt to last token, in this one engine.
+* ``Decoder.whole`` (both role, or decode for a local prefill): a whole request, prompt to last
+  token, in this one engine.
 
 With a KVCache pool (``PoolIO``), a colocated prompt first loads whatever prefix the pool has
 beyond the local cache (``async with pool_prefix``), and once a request finishes decoding its

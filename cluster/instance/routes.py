@@ -11,7 +11,8 @@ signed requests, ``cluster/protocol/``), and ``/health`` / ``/stats``:
   given destination, answer the first token once the last layer has been written; a caller
   that hangs up first (its client left, or it died) ends the prefill at once
 * ``POST /instance/generate`` (decode/both) stream the rest of a request as NDJSON
-  ``RequestOutput`` deltas: from a reservation whose KV has landed, or (both) from the prompt
+  ``RequestOutput`` deltas: from a reservation whose KV has landed, or from the prompt (both;
+  decode: a request the Conductor has it prefill itself)
 * ``POST /instance/abort``    drop a request wherever it is (idempotent)
 * ``POST /instance/push``     (prefill) send cached prefix blocks into another instance's
   reservation; ``POST /instance/adopt`` there keeps them as cached blocks
@@ -185,8 +186,7 @@ class InstanceRoutes:
     async def generate(self, request: Request) -> Response:
         r = GenerateRequest.from_dict(await _body(request))
         if r.prefilled is None:
-            if self.s.role != "both":
-                raise BadRequest("a decode instance only continues requests whose KV it received")
+            # A decode instance computes the prompt itself where the Conductor chose local prefill.
             stream = self.s.decoder.whole(r.request_id, r.prompt_token_ids, r.params)
         else:
             stream = self.s.decoder.continue_decode(r.request_id, r.prefilled)

@@ -53,6 +53,9 @@ class DecodeInstanceState:
     ``running_prompt[i]`` its prompt length (its context when it joined); ``context_tokens`` is
     the batch's current total context, generated tokens included. ``incoming_*`` describe
     requests whose prefill is queued or running, with the time their KV is predicted to arrive.
+    ``local_prefill_s``: the predicted compute left of prompts it prefills itself
+    (``cluster/policies/local_prefill.py``; those requests count as running already); ``cache``:
+    the prefix blocks it holds, where known.
     """
 
     index: int
@@ -61,6 +64,8 @@ class DecodeInstanceState:
     context_tokens: int
     incoming_ready_s: Sequence[float]
     incoming_prompt: Sequence[int]
+    local_prefill_s: float = 0.0
+    cache: PrefixView | None = None
 
     def __post_init__(self) -> None:
         if len(self.running_start_s) != len(self.running_prompt):
@@ -69,6 +74,8 @@ class DecodeInstanceState:
             raise ValueError("incoming_ready_s and incoming_prompt must be aligned")
         if self.context_tokens < 0:
             raise ValueError("context_tokens must be >= 0")
+        if self.local_prefill_s < 0:
+            raise ValueError(f"local_prefill_s must be >= 0, got {self.local_prefill_s}")
 
     @property
     def batch_size(self) -> int:
