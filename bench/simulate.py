@@ -6,6 +6,7 @@
     python -m bench.simulate overload     # arXiv Table 3, Fig. 9/10: admission under 2x load, and elastic roles
     python -m bench.simulate switch_cost  # issue 32: elastic roles under 2x load against the cost of a switch
     python -m bench.simulate cpp          # arXiv §5.1: long prompts' TTFT with chunked pipeline parallel groups
+    python -m bench.simulate local_prefill  # issue 39: prefill on the decode instance, request by request
 
 Each prints a table beside the paper's numbers and writes ``NAME.json`` and PNG plots to
 ``--out`` (default ``out/simulate/NAME``). ``--trace FILE`` replays another trace in the
@@ -278,6 +279,34 @@ def exp_cpp(args: argparse.Namespace, out: Path) -> None:
     plot_latency_cdfs(results, out / "cpp_cdf.png")
 
 
+def exp_local_prefill(args: argparse.Namespace, out: Path) -> None:
+    """The conversation trace with and without local prefill, on clusters whose prefill side is
+    short (where prompts queue) and on the paper's 8P + 8D, at the trace's speed and faster."""
+    entries = load_trace(str(args.trace or trace_path("conversation")))
+    configs = {}
+    for n_prefill, n_decode in ((8, 8), (6, 10), (4, 12)):
+        for speed in (1.0, 1.5):
+            base = SimConfig(n_prefill=n_prefill, n_decode=n_decode, speed=speed, seed=args.seed)
+            for local in (False, True):
+                configs[f"{n_prefill}P+{n_decode}D {speed:g}x {'local' if local else 'remote'}"] = replace(
+                    base, local_prefill=local)
+    results = run_all(configs, entries)
+    summaries = {k: summarize(r) for k, r in results.items()}
+    rows = []
+    for name, s in summaries.items():
+        rows.append([name, s["local_prefill_share"], s["ttft_s"]["mean"], s["ttft_s"]["p90"], s["tbt_s"]["p90"],
+                     s["slo_attainment"], s["goodput_req_per_s"]])
+    base = next(iter(results.values())).config
+    print(f"
+Local prefill: a request prefills on its decode instance where both SLOs hold sooner "
+          f"(conversation trace, {len(entries)} requests; SLOs TTFT {base.ttft_slo_s:g} s, TBT {base.tbt_slo_s:g} s; "
+          f"chunks of {base.local_prefill_chunk} tokens; no paper figures)")
+    print_table(["cluster, speed, prefill", "local share", "TTFT s", "TTFT p90 s", "TBT p90 s", "SLO met",
+                 "goodput req/s"], rows)
+    save_json(out, "local_prefill", {"runs": summaries})
+    plot_latency_cdfs(results, out / "local_prefill_cdf.png")
+
+
 EXPERIMENTS: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "schedulers": exp_schedulers,
     "hitrate": exp_hitrate,
@@ -285,6 +314,7 @@ EXPERIMENTS: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "overload": exp_overload,
     "switch_cost": exp_switch_cost,
     "cpp": exp_cpp,
+    "local_prefill": exp_local_prefill,
 }
 
 

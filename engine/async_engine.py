@@ -121,6 +121,7 @@ class AsyncLLMEngine(EngineClient):
         self._observers: list[Callable[[LLMEngine], None]] = []
         self._share: CoreShare | None = None  # engine thread only, as is _threads
         self._threads = self.config.threads
+        self._last_step_s = 0.0  # engine thread only: how long the previous step took
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -388,7 +389,7 @@ class AsyncLLMEngine(EngineClient):
         computed, running = engine.num_prompt_tokens_computed, engine.scheduler.running
         batch, context = len(running), sum(seq.num_tokens for seq in running)
         if self._share is not None:
-            threads = self._share.busy()
+            threads = self._share.busy(self._last_step_s)
             if threads != self._threads:
                 set_threads(threads)
                 self._threads = threads
@@ -404,6 +405,7 @@ class AsyncLLMEngine(EngineClient):
             live.clear()
             return
         self._num_steps += 1
+        self._last_step_s = time.perf_counter() - started
         if batch and engine.num_prompt_tokens_computed == computed:
             d = self._decode_steps
             d[0], d[1], d[2], d[3] = d[0] + 1, d[1] + time.perf_counter() - started, d[2] + batch, d[3] + context

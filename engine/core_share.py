@@ -23,10 +23,15 @@ descheduled waits for it at every barrier (measured: the decode batch's TBT p90 
 42.9 ms and 58.7 -> 68.7 ms under bench.disagg's loads without the wait below). So before its
 step an engine waits, at most ``HANDOVER_WAIT_S``, until the threads the others hold (``threads``,
 which each publishes as its step starts) leave room for its own: the others shrink at their next
-step, which is at most a decode step away.
+step, which is at most a decode step away. Only an engine whose steps are that short takes more
+than its even share (``cores // slots``): a prefill step of hundreds of milliseconds on all the
+cores would hold them for that long after a decode batch turned busy (measured: the trace's TBT
+p90 57 -> 105 ms when every engine could), so in a prefill / decode pair it is the decode batch
+that takes the idle prefill instance's cores, and gives them back within a step.
 
 Invariants: ``busy()`` is between 1 and ``cores``; an engine only writes its own slot; with
-every slot busy each engine gets ``cores // slots`` threads, the static split's.
+every slot busy each engine gets ``cores // slots`` threads, the static split's; one whose last
+step took longer than ``HANDOVER_WAIT_S`` gets no more.
 """
 
 from __future__ import annotations
@@ -89,20 +94,27 @@ class CoreShare:
         self.path, self.slot, self.cores = Path(path), slot, cores
         self._slots = table[HEADER:].reshape(slots, SLOT)
         self._others = np.arange(slots) != slot
+        self._last_threads = 1  # what its last busy() gave
 
-    def busy(self) -> int:
+    def busy(self, last_step_s: float = 0.0) -> int:
         """Mark this engine busy for the next ``LEASE_S`` and return the threads its step takes,
-        once the others leave room for them (module doc: the hand-over)."""
+        once the others leave room for them (module doc: the hand-over). ``last_step_s``: how
+        long its previous step took: one that would take longer than ``HANDOVER_WAIT_S`` on
+        more than its even share gets no more than that."""
         slots = self._slots
         deadline = time.monotonic() + HANDOVER_WAIT_S
+        even = max(1, self.cores // len(slots))
         while True:
             now = time.monotonic_ns()
             slots[self.slot, 0] = now + int(LEASE_S * 1e9)
             live = slots[:, 0] > now
             threads = max(1, self.cores // int(np.count_nonzero(live)))  # this slot included
+            # The step to come, at those threads, if it is like the last one.
+            if threads > even and last_step_s * self._last_threads / threads > HANDOVER_WAIT_S:
+                threads = even
             held = int(slots[live & self._others, 1].sum())
             if held + threads <= self.cores or time.monotonic() >= deadline:
-                slots[self.slot, 1] = threads
+                slots[self.slot, 1] = self._last_threads = threads
                 return threads
             time.sleep(_POLL_S)
 

@@ -53,6 +53,18 @@ def test_an_engine_turning_busy_waits_until_the_others_give_up_its_cores(tmp_pat
     assert got == [1]
 
 
+def test_an_engine_with_long_steps_keeps_to_its_even_share(tmp_path):
+    """A long step on the idle one's cores would hold them long after it turned busy."""
+    path = core_share.create(tmp_path / "cores", cores=4, slots=2)
+    prefill, decode = CoreShare(path, 0), CoreShare(path, 1)
+    assert prefill.busy(last_step_s=0.5) == 2  # alone, but 0.5 s steps: its even share
+    prefill.idle()
+    # Its last step timed at its last threads (1 at the start): 0.08 s on 1 thread is ~0.02 s on 4.
+    assert decode.busy(last_step_s=0.08) == 4  # short steps: the idle one's cores too
+    assert decode.busy(last_step_s=0.04) == 4  # on those 4
+    assert decode.busy(last_step_s=0.08) == 2  # a step of 0.08 s on 4: back to its even share
+
+
 def test_the_wait_for_cores_is_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(core_share, "HANDOVER_WAIT_S", 0.2)
     path = core_share.create(tmp_path / "cores", cores=2, slots=2)

@@ -46,6 +46,7 @@ def summarize(r: SimResult) -> dict[str, Any]:
         "pool_evictions": r.pool_evictions,
         "pool_blocks_held": r.pool_blocks_held,
         "prefill_s_per_request": float(r.prefill_s[prefilled].mean()) if prefilled.any() else 0.0,
+        "local_prefill_share": float(r.local_prefill[prefilled].mean()) if prefilled.any() else 0.0,
         "hot_key_replicas_mean": float(np.mean(r.hot_key_replicas)) if r.hot_key_replicas else 0.0,
         "hot_key_replicas_last": float(r.hot_key_replicas[-1]) if r.hot_key_replicas else 0.0,
         "load": {"t": r.sample_t, "prefill": r.prefill_load, "decode": r.decode_load,
