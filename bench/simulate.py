@@ -297,8 +297,7 @@ def exp_local_prefill(args: argparse.Namespace, out: Path) -> None:
         rows.append([name, s["local_prefill_share"], s["ttft_s"]["mean"], s["ttft_s"]["p90"], s["tbt_s"]["p90"],
                      s["slo_attainment"], s["goodput_req_per_s"]])
     base = next(iter(results.values())).config
-    print(f"
-Local prefill: a request prefills on its decode instance where both SLOs hold sooner "
+    print(f"\nLocal prefill: a request prefills on its decode instance where both SLOs hold sooner "
           f"(conversation trace, {len(entries)} requests; SLOs TTFT {base.ttft_slo_s:g} s, TBT {base.tbt_slo_s:g} s; "
           f"chunks of {base.local_prefill_chunk} tokens; no paper figures)")
     print_table(["cluster, speed, prefill", "local share", "TTFT s", "TTFT p90 s", "TBT p90 s", "SLO met",
