@@ -40,11 +40,11 @@ from engine.core_share import CoreShare
 from engine.cpu_runtime import return_freed_memory, set_threads
 from engine.default_model import default_model_name
 from engine.disaggregation import KVCapacityError
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded
+from engine.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded, RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class AsyncLLMEngine(EngineClient):
         # cores, which the Conductor sets against the model calibrated on an idle one.
         self._decode_steps = [0, 0.0, 0, 0]
         self._num_step_errors = 0
+        self._num_requests_failed = 0  # ended alone by a step that failed because of them
         self._early_aborts: OrderedDict[str, float] = OrderedDict()  # engine thread only
         self._observers: list[Callable[[LLMEngine], None]] = []
         self._share: CoreShare | None = None  # engine thread only, as is _threads
@@ -396,7 +397,12 @@ class AsyncLLMEngine(EngineClient):
         started = time.perf_counter()
         try:
             outputs = engine.step()
+        except StepFailed as e:
+            self._num_step_errors += 1
+            outputs, batch = self._isolate(engine, live, outbox, e), 0  # not a decode step to time
         except Exception as e:  # noqa: BLE001
+            # Outside the forward pass (scheduling, sampling, postprocessing): which sequences
+            # advanced is not known, so none of them can go on.
             self._num_step_errors += 1
             log.exception("engine step failed; failing %d request(s)", len(live))
             for rid, req in live.items():
@@ -416,6 +422,53 @@ class AsyncLLMEngine(EngineClient):
             req = live.pop(out.request_id) if out.finished else live.get(out.request_id)
             if req is not None:
                 outbox.append((req, out))
+
+    def _isolate(self, engine: LLMEngine, live, outbox, failed: StepFailed) -> list[RequestOutput]:
+        """A step's forward pass raised: one bad request must not end its neighbours. Step halves
+        of the failed batch (``LLMEngine.step(only=)``) until the request that fails alone is
+        found; it ends with ``RequestFailed`` and the others go on. Returns the outputs of the
+        halves that stepped (each request at most one step ahead, as in any step). A step that
+        reached outside the engine cannot run again: its requests end, the rest go on."""
+        cause = failed.__cause__ or failed
+        log.error("an engine step of %d request(s) failed: %s: %s", len(failed.request_ids), type(cause).__name__,
+                  cause, exc_info=cause)
+        if not failed.retryable:
+            for rid in failed.request_ids:
+                self._fail_request(engine, live, outbox, rid, cause)
+            return []
+        outputs: list[RequestOutput] = []
+        groups = [failed.request_ids]
+        while groups:
+            group = [rid for rid in groups.pop() if rid in engine.seqs]
+            if not group:
+                continue
+            try:
+                outputs += engine.step(only=group)
+            except StepFailed as e:
+                if len(e.request_ids) == 1 or not e.retryable:
+                    for rid in e.request_ids:
+                        self._fail_request(engine, live, outbox, rid, e.__cause__ or e)
+                else:
+                    half = len(e.request_ids) // 2
+                    groups += [e.request_ids[:half], e.request_ids[half:]]
+                continue
+            stepped = set(engine.last_batch)
+            if not stepped & set(group):
+                # None of them could be scheduled now (preempted, waiting behind another): they go
+                # on in the ordinary steps, where a failure starts this over.
+                break
+            groups.append([rid for rid in group if rid not in stepped])
+        return outputs
+
+    def _fail_request(self, engine: LLMEngine, live, outbox, request_id: str, cause: BaseException) -> None:
+        log.error("request %s failed inside the engine (its step raises %s: %s); the others go on",
+                  request_id, type(cause).__name__, cause)
+        self._num_requests_failed += 1
+        self._safe_abort(engine, request_id)
+        req = live.pop(request_id, None)
+        if req is not None:
+            outbox.append((req, RequestFailed(f"internal error in the engine while computing this request: "
+                                              f"{type(cause).__name__}: {cause}")))
 
     @staticmethod
     def _send(outbox) -> None:
@@ -457,6 +510,7 @@ class AsyncLLMEngine(EngineClient):
             "decode_step_seqs": self._decode_steps[2],
             "decode_step_context_tokens": self._decode_steps[3],
             "num_step_errors": self._num_step_errors,
+            "num_requests_failed": self._num_requests_failed,
             "max_num_running_seen": self._max_running_seen,
             "max_batch_size_seen": self._max_batch_seen,
         }

@@ -33,6 +33,11 @@ class EngineError(RuntimeError):
     """The engine failed while serving a request (not the request's fault)."""
 
 
+class RequestFailed(EngineError):
+    """One request failed inside the engine (an internal error its step raised while it was in
+    the batch): that request ends, the engine and the other requests go on."""
+
+
 class EngineNotReady(RuntimeError):
     """The model is still loading (or failed to load), or a part the engine needs is down; no
     request can be served now. ``retry_after``: seconds after which a retry may succeed (None:

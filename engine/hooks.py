@@ -136,6 +136,9 @@ class StepHooks:
         if hands_on:
             self.handed_on = (chunks, [StageLoad(seq.request_id, seq.kv_load.block_ids, seq.kv_load.skip)
                                        for seq in self._loading])
+        # Whether the step reads or writes anything outside this engine (a sink's stream, a load
+        # from the pool, later pipeline stages): then it cannot simply run again after a failure.
+        self.reaches_out = bool(self._loading) or hands_on or bool(sinks and chunks)
 
     def _load_layer(self, i: int) -> None:
         """Layer ``i`` of each load into its blocks, just before layer ``i`` computes. A load

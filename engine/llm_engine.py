@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,17 @@ class EngineStats:
     num_reserved: int
 
 
+class StepFailed(Exception):
+    """A step's forward pass raised; ``request_ids``: the requests of its batch, none advanced.
+    ``retryable``: the step touched nothing outside the engine (no KV streamed or loaded, no
+    pipeline stage told), so its requests may step again."""
+
+    def __init__(self, request_ids: list[str], retryable: bool) -> None:
+        super().__init__(f"a step of {len(request_ids)} request(s) failed")
+        self.request_ids = request_ids
+        self.retryable = retryable
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -75,6 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
+        self.last_batch: list[str] = []  # the request ids the last step scheduled
         self.kv_sinks: list[KVSink] = []  # each gets the layers of the prompts it wants
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
@@ -128,12 +141,23 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+    def step(self, only: Collection[str] | None = None) -> list[RequestOutput]:
+        """One step of the batch the scheduler forms; ``only``: of these requests alone (the rest
+        wait). Raises ``StepFailed`` when the forward pass raised: no sequence has advanced, and
+        where the step reached nothing outside the engine (``retryable``) the same requests can
+        step again, e.g. without the one that made it fail."""
+        only_seqs = None if only is None else {self.seqs[r] for r in only if r in self.seqs}
+        batch = self.scheduler.schedule(only_seqs)
+        self.last_batch = [s.seq.request_id for s in batch]
         if not batch:
             return []
         hooks = StepHooks(batch, self.kv_sinks, self.runner.kv_cache, self.runner.downstream is not None)
-        logits, sampling, scores = self.runner.run(batch, hooks.on_layer, hooks.before_layer, hooks.handed_on)
+        try:
+            logits, sampling, scores = self.runner.run(batch, hooks.on_layer, hooks.before_layer, hooks.handed_on)
+        except Exception as e:
+            # Blocks were grown and KV written past what each sequence has computed, nothing more:
+            # the next step computes (and writes) the same tokens again.
+            raise StepFailed([s.seq.request_id for s in batch], not hooks.reaches_out) from e
         return self._postprocess_step(batch, hooks, logits, sampling, scores)
 
     def _postprocess_step(self, batch: list[ScheduledSeq], hooks: StepHooks, logits: torch.Tensor,

@@ -66,7 +66,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self, only: set[Sequence] | None = None) -> list[ScheduledSeq]:
+        """The next step's batch. ``only``: schedule none but these (the others wait a step; a
+        waiting one not among them stops admission), as the engine does to find which request
+        made a step fail (``LLMEngine.step``)."""
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         in_batch: set[Sequence] = set()
@@ -76,6 +79,8 @@ class Scheduler:
         for seq in turns:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted for an earlier one this step
+            if only is not None and seq not in only:
+                continue
             if budget == 0 or len(batch) == self.max_num_seqs:
                 self._next_turn = seq
                 break
@@ -101,6 +106,7 @@ class Scheduler:
             and self.waiting
             and budget > 0
             and len(self.running) < self.max_num_seqs
+            and (only is None or self.waiting[0] in only)
         ):
             seq = self.waiting[0]
             if not seq.block_table.block_ids and not seq.needs_prompt_logprobs:

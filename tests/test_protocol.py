@@ -22,7 +22,8 @@ from cluster.protocol import (
     CONTROL, ERRORS, Fence, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, CacheDelta, ControlAuth,
     GenerateRequest, InstanceBusy, InstanceFailed, InstanceInfo, InstanceNotReady, InstanceState, InstanceUnavailable,
     KVWriteFailed, NoKVRoom, PoolNaming, Prefilled, PrefillReply, PrefillRequest, PrefixNotCached, PushReply,
-    PushRequest, RegisterReply, RegisterRequest, RenewReply, RenewRequest, RequestError, ReserveReply, ReserveRequest,
+    PushRequest, RegisterReply, RegisterRequest, RenewReply, RenewRequest, RequestError, RequestFailed, ReserveReply,
+    ReserveRequest,
     SwitchRoleReply, SwitchRoleRequest, StageExpect, StageFinish, StageFinishReply, StageJoin, StageLinks, StageLogits, StagePing, StagePoolLoad,
     StagePoolLoadReply, StagePoolStore, StagePoolStoreEnd, StagePoolStoreEndReply, StagePoolStoreReply,
     StagePoolUnload, StageSpec, StageSpecReply, StageStepCall, TensorSlot, TimedOut, Unauthorized,
@@ -30,6 +31,7 @@ from cluster.protocol import (
 from engine.disaggregation import KVCapacityError
 from engine.kv_layout import KVLayout
 from engine.engine_client import EngineError, EngineOverloaded
+from engine.engine_client import RequestFailed as EngineRequestFailed
 from engine.outputs import Logprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -131,16 +133,19 @@ def test_a_malformed_body_is_a_bad_request_naming_what_is_wrong(cls, body, field
 
 
 def test_each_error_has_one_status_and_code_and_maps_back_to_itself():
-    assert len({e.status for e in ERRORS}) == len(ERRORS) and len({e.code for e in ERRORS}) == len(ERRORS)
+    # One exception: a request that failed inside the engine is a 500 like a failed instance,
+    # told apart by its code; by the status alone it reads as the instance's failure.
+    assert len({e.status for e in ERRORS}) == len(ERRORS) - 1 and len({e.code for e in ERRORS}) == len(ERRORS)
     for cls in ERRORS:
         assert issubclass(cls, RequestError) != issubclass(cls, InstanceUnavailable)
         if issubclass(cls, RequestError):
-            assert cls.status < 500 or cls is NoKVRoom  # a request error is never a server failure
+            # A request error is never the server's failure, but for the request's own.
+            assert cls.status < 500 or cls in (NoKVRoom, RequestFailed)
         e = cls("why")
         back = error_from(e.status, json.loads(json.dumps(e.to_dict())))
         assert type(back) is cls and str(back) == "why"
-        assert type(error_from(e.status, None)) is cls  # no body: by the status alone
-    assert {c.status for c in ERRORS if issubclass(c, RequestError)} == {400, 404, 410, 413, 424, 429, 507}
+        assert type(error_from(e.status, None)) is (InstanceFailed if cls is RequestFailed else cls)
+    assert {c.status for c in ERRORS if issubclass(c, RequestError)} == {400, 404, 410, 413, 424, 429, 500, 507}
     assert {c.status for c in ERRORS if issubclass(c, InstanceUnavailable)} == {401, 409, 500, 502, 503, 504}
     assert type(error_from(418, {"error": "teapot"})) is InstanceFailed
     busy = error_from(429, {"error": "full"}, retry_after="3")
@@ -155,6 +160,7 @@ def test_the_instance_names_each_exception_it_can_raise():
         (UnknownReservation("gone"), UnknownReservation), (ValueError("bad"), BadRequest),
         (json.JSONDecodeError("x", "", 0), BadRequest), (TransferError("broke"), KVWriteFailed),
         (TimeoutError(), InstanceBusy), (EngineError("died"), InstanceFailed), (WrongEpoch("old"), WrongEpoch),
+        (EngineRequestFailed("its step raised"), RequestFailed),
     ]:
         assert type(_as_protocol_error(raised)) is expected, raised
     with pytest.raises(KeyError):  # a bug, not a missing reservation: a 500 with its traceback

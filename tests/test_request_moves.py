@@ -26,6 +26,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady
+from engine.engine_client import RequestFailed as EngineRequestFailed
 from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -47,7 +48,7 @@ class Instances:
     a "model" whose greedy text a move must not change) and hands off; a decode streams the
     following tokens up to ``max_tokens``, unless ``decode_fault(url, attempt)`` names a fault:
     ``("cut", n)`` breaks the stream after n tokens, ``("gone", 0)`` answers that the reservation
-    is unknown (it lapsed)."""
+    is unknown (it lapsed), ``("poisoned", 0)`` that the request failed inside the engine."""
 
     def __init__(self, decode_fault: Callable[[str, int], tuple[str, int] | None] = lambda url, n: None,
                  full_reserves: int = 0) -> None:
@@ -98,6 +99,9 @@ class Instances:
         if fault is not None and fault[0] == "gone":
             return httpx.Response(404, json={"error": "no KV reservation (released or expired)",
                                              "code": "unknown_reservation"})
+        if fault is not None and fault[0] == "poisoned":
+            return httpx.Response(500, json={"error": "internal error in the engine while computing this request",
+                                             "code": "request_failed"})
         ids, first = body["prompt_token_ids"], body["prefilled"]["first_token"]
         left = body["params"]["max_tokens"] - 1
         rid = body["request_id"]
@@ -158,6 +162,22 @@ def test_a_decode_instance_lost_mid_stream_moves_the_request_and_the_stream_goes
         assert again == ("req~1", PROMPT + tokens[:4], 4)
         assert c.stats()["requests_moved"] == 1 and c.stats()["requests_failed"] == 0
         assert not _up(c)[DECODES[0]], "the instance whose stream broke is marked down"
+        await c.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_failed_inside_the_engine_ends_with_a_500_unmoved_and_the_instance_stays_up(monkeypatch):
+    """Its step failed with it alone (issue 40): moved, it would fail the next instance's batch too."""
+    instances = Instances(lambda url, attempt: ("poisoned", 0))
+
+    async def scenario():
+        c = await _conductor(instances, monkeypatch)
+        with pytest.raises(EngineRequestFailed, match="failed on the decode instance"):
+            await _collect(c, max_tokens=5)
+        assert all(_up(c).values()), "a request's own failure marked an instance down"
+        stats = c.stats()
+        assert (stats["requests_moved"], stats["requests_failed"]) == (0, 1) and instances.generates == 1
         await c.shutdown()
 
     asyncio.run(scenario())

@@ -33,8 +33,9 @@ from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import Booking, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.protocol import (BadRequest, GenerateRequest, InstanceBusy, InstanceUnavailable, KVWriteFailed, NoKVRoom,
-                              Prefilled, ProtocolError, RequestError, ReserveReply, UnknownReservation)
+                              Prefilled, ProtocolError, RequestError, RequestFailed, ReserveReply, UnknownReservation)
 from engine.engine_client import EngineOverloaded
+from engine.engine_client import RequestFailed as EngineRequestFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -209,11 +210,15 @@ class RequestFlow:
             await stream.aclose()
 
     def _failed(self, rec: InstanceRecord, what: str, e: ProtocolError) -> Exception:
-        """What becomes of the request for ``e``: a bad request ends (400), a busy instance
-        refuses it (429); anything else moves it (``RequestMoved``), and only an unhealthy
-        instance is marked down on the way."""
+        """What becomes of the request for ``e``: a bad request ends (400), one that failed
+        inside the engine alone ends (500), a busy instance refuses it (429); anything else moves
+        it (``RequestMoved``), and only an unhealthy instance is marked down on the way."""
         if isinstance(e, BadRequest):
             return e
+        if isinstance(e, RequestFailed):
+            # Its own fault, found by the engine stepping without it: moved, it would fail there too.
+            self._counters.failed += 1
+            return EngineRequestFailed(f"the request failed on the {rec.role} instance: {e}")
         if isinstance(e, InstanceBusy):
             return self._counters.reject(f"overloaded: the {rec.role} instance has too much waiting", e.retry_after)
         if isinstance(e, InstanceUnavailable):

@@ -55,9 +55,11 @@ from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
     InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
-    RenewReply, RenewRequest, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, SwitchRoleRequest, stream_line)
+    RenewReply, RenewRequest, RequestFailed, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, SwitchRoleRequest,
+    stream_line)
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
+from engine.engine_client import RequestFailed as EngineRequestFailed
 from engine.outputs import RequestOutput
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -85,6 +87,8 @@ def _as_protocol_error(e: Exception) -> ProtocolError:
         return KVWriteFailed(f"KV transfer failed: {e}")
     if isinstance(e, TimeoutError):  # staging stayed full for a transfer timeout
         return InstanceBusy(str(e) or "timed out waiting for staging")
+    if isinstance(e, EngineRequestFailed):  # the request's own failure: the engine goes on
+        return RequestFailed(str(e))
     if isinstance(e, (EngineError, EngineNotReady)):
         return InstanceFailed(str(e))
     raise e

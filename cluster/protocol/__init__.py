@@ -29,6 +29,7 @@ Conductor's client turns it back into the same class (``error_from``):
 ``PrefixNotCached``            410     a push's prefix blocks are no longer (all) cached there
 ``TooLarge``                   413     the body is over the route's cap (read no further)
 ``KVWriteFailed``              424     a KV write to *another* instance failed
+``RequestFailed``              500     its engine step failed because of this request alone
 ``InstanceBusy``               429     too many waiting, or no staging free now (Retry-After)
 ``NoKVRoom``                   507     no room for the request's KV now; the next one may have it
 -------------------------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ from __future__ import annotations
 
 from cluster.protocol.errors import (
     BadRequest, ERRORS, InstanceBusy, InstanceFailed, InstanceNotReady, InstanceUnavailable,
-    KVWriteFailed, NoKVRoom, PrefixNotCached, ProtocolError, RequestError, TimedOut, TooLarge,
+    KVWriteFailed, NoKVRoom, PrefixNotCached, ProtocolError, RequestError, RequestFailed, TimedOut, TooLarge,
     Unauthorized, UnknownReservation, Unreachable, WrongEpoch, error_from
 )
 from cluster.protocol.fields import (
@@ -111,7 +112,7 @@ __all__ = [
     "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID",
     "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "PROMPT_BODY", "PoolNaming", "PrefillReply",
     "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",
-    "RegisterReply", "RegisterRequest", "RenewReply", "RenewRequest", "RequestError", "ReserveReply",
+    "RegisterReply", "RegisterRequest", "RenewReply", "RenewRequest", "RequestError", "RequestFailed", "ReserveReply",
     "ReserveRequest", "SIGNATURE_HEADER", "SMALL_BODY", "SWITCHABLE_ROLES", "SwitchRoleReply", "SwitchRoleRequest",
     "StageExpect", "StageFinish", "StageFinishReply",
     "StageJoin", "StageLinks", "StageLogits", "StagePing", "StagePoolLoad", "StagePoolLoadReply",

@@ -57,6 +57,13 @@ class KVWriteFailed(RequestError):
     status, code = 424, "kv_write_failed"
 
 
+class RequestFailed(RequestError):
+    """This request failed inside the engine (its step raised with it alone); the engine and the
+    other requests go on. Not moved elsewhere: it would fail there too."""
+
+    status, code = 500, "request_failed"
+
+
 class InstanceBusy(RequestError):
     """Too many requests waiting, or no staging free, right now: try again after ``retry_after``."""
 
@@ -120,7 +127,8 @@ class TimedOut(InstanceUnavailable):
 
 
 ERRORS: tuple[type[ProtocolError], ...] = (
-    BadRequest, UnknownReservation, PrefixNotCached, TooLarge, KVWriteFailed, InstanceBusy, NoKVRoom,
+    # RequestFailed before InstanceFailed: a 500 without a known code is the instance's failure.
+    BadRequest, UnknownReservation, PrefixNotCached, TooLarge, KVWriteFailed, RequestFailed, InstanceBusy, NoKVRoom,
     Unauthorized, WrongEpoch, InstanceFailed, Unreachable, InstanceNotReady, TimedOut)
 _BY_CODE = {cls.code: cls for cls in ERRORS}
 _BY_STATUS = {cls.status: cls for cls in ERRORS}
