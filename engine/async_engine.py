@@ -425,18 +425,22 @@ class AsyncLLMEngine(EngineClient):
 
     def _isolate(self, engine: LLMEngine, live, outbox, failed: StepFailed) -> list[RequestOutput]:
         """A step's forward pass raised: one bad request must not end its neighbours. Step halves
-        of the failed batch (``LLMEngine.step(only=)``) until the request that fails alone is
-        found; it ends with ``RequestFailed`` and the others go on. Returns the outputs of the
-        halves that stepped (each request at most one step ahead, as in any step). A step that
-        reached outside the engine cannot run again: its requests end, the rest go on."""
+        of the failed batch (``LLMEngine.step(only=)``) until the requests that fail alone are
+        found. Where others stepped meanwhile, those are the requests' own failures: they end
+        with ``RequestFailed`` and the rest go on. Where nobody could step, it is the engine's
+        (every one of them failing alone): they end with ``EngineError``, as does every request
+        of a step that reached outside the engine (KV streamed or loaded, pipeline stages told),
+        which cannot run again. Returns the outputs of the halves that stepped (each request at
+        most one step ahead, as in any step)."""
         cause = failed.__cause__ or failed
         log.error("an engine step of %d request(s) failed: %s: %s", len(failed.request_ids), type(cause).__name__,
                   cause, exc_info=cause)
         if not failed.retryable:
-            for rid in failed.request_ids:
-                self._fail_request(engine, live, outbox, rid, cause)
+            self._fail_requests(engine, live, outbox, {rid: cause for rid in failed.request_ids}, False)
             return []
         outputs: list[RequestOutput] = []
+        culprits: dict[str, BaseException] = {}
+        innocent = False  # a request of the failed batch stepped
         groups = [failed.request_ids]
         while groups:
             group = [rid for rid in groups.pop() if rid in engine.seqs]
@@ -445,30 +449,38 @@ class AsyncLLMEngine(EngineClient):
             try:
                 outputs += engine.step(only=group)
             except StepFailed as e:
-                if len(e.request_ids) == 1 or not e.retryable:
-                    for rid in e.request_ids:
-                        self._fail_request(engine, live, outbox, rid, e.__cause__ or e)
+                if not e.retryable:
+                    self._fail_requests(engine, live, outbox, {rid: e.__cause__ or e for rid in e.request_ids}, False)
+                elif len(e.request_ids) == 1:
+                    culprits[e.request_ids[0]] = e.__cause__ or e
                 else:
                     half = len(e.request_ids) // 2
                     groups += [e.request_ids[:half], e.request_ids[half:]]
                 continue
-            stepped = set(engine.last_batch)
-            if not stepped & set(group):
+            stepped = set(engine.last_batch) & set(group)
+            if not stepped:
                 # None of them could be scheduled now (preempted, waiting behind another): they go
                 # on in the ordinary steps, where a failure starts this over.
                 break
+            innocent = True
             groups.append([rid for rid in group if rid not in stepped])
+        self._fail_requests(engine, live, outbox, culprits, innocent)
         return outputs
 
-    def _fail_request(self, engine: LLMEngine, live, outbox, request_id: str, cause: BaseException) -> None:
-        log.error("request %s failed inside the engine (its step raises %s: %s); the others go on",
-                  request_id, type(cause).__name__, cause)
-        self._num_requests_failed += 1
-        self._safe_abort(engine, request_id)
-        req = live.pop(request_id, None)
-        if req is not None:
-            outbox.append((req, RequestFailed(f"internal error in the engine while computing this request: "
-                                              f"{type(cause).__name__}: {cause}")))
+    def _fail_requests(self, engine: LLMEngine, live, outbox, causes: dict[str, BaseException], own: bool) -> None:
+        """End each request with what its step raised: ``own`` its own failure (``RequestFailed``,
+        counted in ``num_requests_failed``), else the engine's (``EngineError``)."""
+        for request_id, cause in causes.items():
+            what = f"{type(cause).__name__}: {cause}"
+            if own:
+                log.error("request %s failed inside the engine (its step raises %s); the others go on", request_id, what)
+                self._num_requests_failed += 1
+            self._safe_abort(engine, request_id)
+            req = live.pop(request_id, None)
+            if req is not None:
+                error = (RequestFailed(f"internal error in the engine while computing this request: {what}") if own
+                         else EngineError(f"engine step failed: {what}"))
+                outbox.append((req, error))
 
     @staticmethod
     def _send(outbox) -> None:

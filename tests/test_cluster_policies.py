@@ -356,6 +356,11 @@ def test_local_prefill_predicts_from_the_decode_instances_models():
     assert not tight.choose(request([], n=5), prefill_plan(20.0), d).local  # a 1.7 s stall breaks 1.5 s
     late = LocalPrefill(prefill, step, SLO(ttft_s=9.0, tbt_s=2.0), chunk_tokens=2, block_size=BS)
     assert not late.choose(request([], n=5), prefill_plan(20.0), d).local  # 9.09 s misses the TTFT SLO
+    # An idle prefill instance, nothing pulled, the same prefix: the same compute either way, and
+    # only two calibrations' noise would choose: it stays remote however much slower it predicts.
+    idle = PrefillPlan(instance=0, prefix_tokens=0, local_prefix_tokens=0, source=None, queue_s=0.0,
+                       transfer_s=0.0, prefill_s=20.0)
+    assert not policy.choose(request([], n=5), idle, d).local
 
 
 def test_local_prefill_counts_the_prefix_the_decode_instance_caches():

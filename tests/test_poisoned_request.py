@@ -10,7 +10,7 @@ import pytest
 
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.engine_client import RequestFailed
+from engine.engine_client import EngineError, RequestFailed
 from engine.sampling_params import SamplingParams
 from tiny_models import make_tiny_model
 
@@ -80,6 +80,30 @@ def test_a_poisoned_request_fails_alone_in_a_busy_batch(tmp_path, poisoned_at):
             engine = client._engine
             assert not engine.has_unfinished() and engine.block_manager.pool.num_in_use == 0
             engine.block_manager.check_integrity()
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_step_that_fails_for_everyone_is_the_engines_failure_not_the_requests(tmp_path):
+    """Bisected down to single requests that all fail, nobody stepped: not one bad request but a
+    broken engine, which its callers must see as such (the Conductor marks the instance down)."""
+    model = make_tiny_model(tmp_path / "m", "Qwen3ForCausalLM", tie=False, seed=3)
+    client = AsyncLLMEngine(EngineConfig(model=str(model), device="cpu", kv_cache_gib=0.01, threads=1,
+                                         dtype="float32"))
+
+    async def scenario() -> None:
+        await client.start()
+        assert await asyncio.get_running_loop().run_in_executor(None, client.wait_ready, 120)
+        try:
+            def broken(batch, *args):
+                raise RuntimeError("the kernel library is gone")
+
+            client._engine.runner.run = broken
+            got = await asyncio.gather(*(collect(client, r, p) for r, p in PROMPTS.items()))
+            assert all(isinstance(e, EngineError) and not isinstance(e, RequestFailed) for e in got), got
+            assert client.stats()["num_requests_failed"] == 0
         finally:
             await client.shutdown()
 

@@ -16,12 +16,13 @@ With the decode instance's own calibrated models (its ``PrefillCostModel``, its
     stall_s   = step_s + prefill_s / chunks                    a step while a chunk computes
     ttft_s    = queued local prefill + prefill_s + chunks * step_s
 
-Local when both SLOs hold that way and it is clearly sooner: ``stall_s`` within the TBT SLO (the
-running streams keep theirs), ``ttft_s`` within the TTFT SLO, and ``ttft_s`` at most ``margin``
-(0.8) of the remote plan's. With an idle prefill instance of the same speed the remote plan is
-always sooner (the same compute, no decode steps in between), so local prefill takes over only
-where prompts queue; the margin keeps two instances' calibrations, which differ by some percent
-on the same hardware, from sending a long prompt to stall a decode batch for nothing.
+Local when the prefill instance would add something beyond the compute (a queue, a pull, or a
+shorter cached prefix than the decode instance's) and both SLOs hold that way sooner: ``stall_s``
+within the TBT SLO (the running streams keep theirs), ``ttft_s`` within the TTFT SLO, and
+``ttft_s`` at most ``margin`` (0.8) of the remote plan's. Without such a difference the two
+plans are the same compute on the same kind of hardware, and only the noise of two calibrations
+(tens of percent apart for a prompt of a few tokens, seen on a loaded 2-core machine) would
+choose; the margin keeps that noise from sending a long prompt to stall a decode batch for nothing.
 
 Pure code: the Conductor (``cluster/conductor/placement.py``) and the simulator
 (``bench/sim/simulator.py``) both call ``LocalPrefill.choose``.
@@ -80,7 +81,10 @@ class LocalPrefill:
         return LocalPlan(decode.index, False, prefix, prefill_s, ttft_s, stall_s)
 
     def choose(self, request: RequestInfo, remote: PrefillPlan, decode: DecodeInstanceState) -> LocalPlan:
-        """``plan``, with ``local`` set where it meets both SLOs clearly sooner than ``remote``."""
+        """``plan``, with ``local`` set where the prefill instance would add a queue, a pull or a
+        shorter prefix, and local meets both SLOs clearly sooner than ``remote``."""
         p = self.plan(request, decode)
-        local = p.stall_s <= self.slo.tbt_s and p.ttft_s <= self.slo.ttft_s and p.ttft_s <= self.margin * remote.ttft_s
+        differs = remote.queue_s > 0 or remote.transfer_s > 0 or p.prefix_tokens > remote.prefix_tokens
+        local = (differs and p.stall_s <= self.slo.tbt_s and p.ttft_s <= self.slo.ttft_s
+                 and p.ttft_s <= self.margin * remote.ttft_s)
         return dataclasses.replace(p, local=local)
