@@ -16,7 +16,9 @@ still open after 75 s). So:
 * Neither bounds a response: a stream of tokens runs as long as it runs.
 * **connection cap** (``max_connections``): a connection past it is closed as soon as it is
   accepted, so the process keeps descriptors for its own files, its peers and its KV transfers.
-  The default is the open-file limit less :data:`RESERVED_FDS`.
+  The default is the open-file limit less :data:`RESERVED_FDS`, after ``serve`` has raised the
+  soft limit to the hard one (``raise_open_file_limit``): under the common soft limit of 1,024
+  the cap would be 768 connections while the hard limit allows hundreds of thousands.
 
 An expired deadline closes the connection (a client that has not finished its request has no
 response to read); it is logged at debug level, since a flood of them is the attack itself.
@@ -40,6 +42,23 @@ log = logging.getLogger(__name__)
 # connections to instances or peers, KV transfer sockets, shared memory, logs.
 RESERVED_FDS = 256
 MIN_CONNECTIONS = 64
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft open-file limit to its hard one (at most 1,048,576 where the
+    hard one is unlimited); return the soft limit now. Only the soft limit is a default a process
+    may lift on its own; the hard one is the operator's (``ulimit -Hn``, systemd's LimitNOFILE)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:  # e.g. above the kernel's nr_open
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, e)
+            return soft
+        log.info("open-file limit raised from %d to %d", soft, target)
+        return target
+    return soft
 
 
 def default_max_connections() -> int:
@@ -124,6 +143,7 @@ class FrontDoor:
 def serve(app, host: str, port: int, door: FrontDoor, *, log_level: str = "info", fd: int | None = None) -> None:
     """Run ``app`` on ``host:port`` until SIGINT / SIGTERM, behind ``door``; with ``fd``, on that
     inherited listening socket instead (the Supervisor's, which keeps the port across restarts)."""
+    raise_open_file_limit()  # before the door's default cap is read from it
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             http=door.protocol())
     uvicorn.Server(config).run(sockets=None if fd is None else [socket.socket(fileno=fd)])

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import resource
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -131,6 +133,21 @@ def test_connections_past_the_cap_are_closed_at_once(serve_door):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def test_serving_raises_the_soft_open_file_limit_to_the_hard_one():
+    """Under the common soft limit of 1,024 the default cap was 768 connections (issue 40)."""
+    code = ("import resource, server.front_door as f; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "assert soft == 512, soft; new = f.raise_open_file_limit(); "
+            "assert resource.getrlimit(resource.RLIMIT_NOFILE) == (new, hard), new; "
+            "assert new == (hard if hard != resource.RLIM_INFINITY else 1 << 20), (new, hard); "
+            "assert f.default_max_connections() == new - f.RESERVED_FDS; print('ok')")
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 512:
+        pytest.skip(f"the hard open-file limit here is {hard}: nothing to raise")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard)))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def test_the_limits_and_their_flags():
