@@ -61,7 +61,7 @@ from server.protocol import (
     error_body,
     usage,
 )
-from server.parse_worker import INLINE_BYTES, PARSERS, ParseUnavailable, ParseWorker
+from server.parse_worker import INLINE_BYTES, PARSERS, ParseBusy, ParseUnavailable, ParseWorker
 
 log = logging.getLogger(__name__)
 
@@ -333,6 +333,9 @@ class OpenAIServer:
             return _protocol_error(e)
         except EngineNotReady as e:
             return _engine_error(e)
+        except ParseBusy as e:
+            return _error(429, f"too many large requests at once: {e}; retry shortly", "rate_limit_error",
+                          code="too_many_requests", headers={"Retry-After": "1"})
         except ParseUnavailable as e:
             fault = _fault("could not parse a request", e)
             return _error(503, f"the server could not tokenize the request in time (error id {fault.error_id}); "

@@ -10,7 +10,9 @@ parsed inline, where the round trip would cost more than the parse.
 
 The worker is started on first use and again whenever it died; every wait is bounded: a body
 waits at most ``timeout_s`` for its turn and as long again for its answer, then the request gets
-a 503 (``ParseUnavailable``) and a worker that did not answer is killed.
+a 503 (``ParseUnavailable``) and a worker that did not answer is killed. The queue is bounded
+too: past ``max_queued`` bodies waiting (each held in memory until its turn) a new one is
+refused at once with a 429 (``ParseBusy``).
 """
 
 from __future__ import annotations
@@ -37,13 +39,21 @@ class ParseUnavailable(Exception):
     """The worker could not parse a body in time (or died doing so): the server's fault, a 503."""
 
 
+class ParseBusy(Exception):
+    """Too many large bodies already wait for the tokenizer process: the client retries later (429)."""
+
+
 class ParseWorker:
     """Parses bodies with ``parse_completion`` / ``parse_chat`` in a worker process. One at a
     time, in arrival order; ``parse`` is called from the event loop."""
 
-    def __init__(self, tokenizer: Tokenizer, timeout_s: float = 30.0) -> None:
+    def __init__(self, tokenizer: Tokenizer, timeout_s: float = 30.0, max_queued: int = 64) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1, got {max_queued}")
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
+        self.max_queued = max_queued
+        self._queued = 0  # bodies handed to parse() and not answered yet (event loop only)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="parse-worker")  # talks to the process
         self._process: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -56,9 +66,12 @@ class ParseWorker:
 
     async def parse(self, kind: str, body: Any, limits: ModelLimits) -> ParsedRequest:
         """``ProtocolError`` for the client's mistakes, as inline; ``ParseUnavailable`` when the
-        worker did not answer within the bounds."""
+        worker did not answer within the bounds; ``ParseBusy`` when ``max_queued`` bodies wait."""
+        if self._queued >= self.max_queued:
+            raise ParseBusy(f"{self._queued} large request bodies are waiting to be tokenized")
         # The tokenizer does not travel: the worker has its own, loaded from the same folder.
         job = (kind, body, replace(limits, tokenizer=None))
+        self._queued += 1
         try:
             # A job not started within the timeout is dropped from the queue (cancelled).
             status, value = await asyncio.wait_for(
@@ -66,6 +79,8 @@ class ParseWorker:
         except TimeoutError:
             raise ParseUnavailable(f"the tokenizer process did not parse the body within {2 * self.timeout_s:g} s "
                                    "(too many large requests at once)") from None
+        finally:
+            self._queued -= 1
         if status == "refused":
             raise ProtocolError(*value)
         if status == "failed":  # a bug in parsing, as it would be inline: a 500

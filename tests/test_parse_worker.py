@@ -13,7 +13,7 @@ import pytest
 from engine.default_model import resolve_model
 from engine.tokenizer import Tokenizer
 from bench.parse_stall import longest_pause
-from server.parse_worker import ParseWorker
+from server.parse_worker import ParseBusy, ParseWorker
 from server.protocol import ModelLimits, ProtocolError, parse_chat, parse_completion
 
 pytestmark = pytest.mark.processes  # starts the worker process
@@ -91,3 +91,31 @@ def test_the_parse_stall_bench_measures_both_ways():
     rows = asyncio.run(run([2], 0.05))
     assert [(n, name) for n, name, _, _ in rows] == [(2, "inline"), (2, "tokenizer process")]
     assert all(pause > 0 and took > 0 for _, _, pause, took in rows)
+
+
+def test_past_max_queued_a_body_is_refused_at_once(limits: ModelLimits):
+    """Each waiting body is held in memory until its turn: the queue is bounded, and past it the
+    server answers 429 (``ParseBusy``) instead of queueing without end."""
+    w = ParseWorker(limits.tokenizer, timeout_s=20.0, max_queued=2)
+    text = ("lorem ipsum dolor sit amet " * 40000)[: 1 << 20]
+
+    async def parse() -> str:
+        try:
+            await w.parse("completion", {"prompt": text, "max_tokens": 1}, limits)
+        except ProtocolError:
+            return "parsed"  # too long for the model: a 400 once tokenized
+        except ParseBusy:
+            return "busy"
+        return "parsed"
+
+    async def run() -> None:
+        got = await asyncio.gather(parse(), parse(), parse())
+        assert sorted(got) == ["busy", "parsed", "parsed"]
+        assert await parse() == "parsed"  # room again once they are answered
+
+    try:
+        asyncio.run(run())
+    finally:
+        w.close()
+    with pytest.raises(ValueError):
+        ParseWorker(limits.tokenizer, max_queued=0)
