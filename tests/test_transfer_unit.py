@@ -281,6 +281,55 @@ def test_a_stalled_handshake_is_cut_at_its_deadline(monkeypatch):
         _raw_stream(engine).close()
 
 
+def _silent(engine: Messenger, source: str) -> socket.socket:
+    """A stranger from ``source`` (a loopback address) that connects and never answers."""
+    host, port = engine.address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(0.05)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(4096) == b"":
+                return True
+        except socket.timeout:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_one_stranger_cannot_hold_every_handshake_slot():
+    """Issue 40: 64 silent connections from one address held every pre-authentication slot, and
+    no peer could connect for the handshake deadline. Now one address holds at most 16; past half
+    the slots, a new connection has 0.5 s to finish its handshake instead of 5."""
+    from cluster.messenger import region_server
+
+    with Messenger(config()) as engine:
+        held = [_silent(engine, "127.0.0.1") for _ in range(region_server.MAX_HANDSHAKES_PER_ADDRESS)]
+        try:
+            time.sleep(0.2)  # accepted, each in its handshake
+            over = _silent(engine, "127.0.0.1")
+            assert _closed_within(over, 2.0), "a 17th from the same address got a slot"
+            over.close()
+            elsewhere = _silent(engine, "127.0.0.2")
+            assert not _closed_within(elsewhere, 0.3), "a connection from another address was turned away"
+            # Past half the slots (16 + 16 + 1 held), a newcomer's deadline is the short one.
+            held += [_silent(engine, "127.0.0.3") for _ in range(16)] + [elsewhere]
+            time.sleep(0.2)
+            start = time.monotonic()
+            pressed = _silent(engine, "127.0.0.4")
+            assert _closed_within(pressed, 3.0) and time.monotonic() - start < 2.0
+            pressed.close()
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.2)
+        _raw_stream(engine).close()  # a peer with the secret is served
+
+
 def test_the_acceptor_survives_running_out_of_descriptors(caplog):
     """Issue 31: the first failed accept() (EMFILE here) ended the acceptor, and with it every
     later transfer to this instance."""

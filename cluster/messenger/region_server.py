@@ -54,6 +54,12 @@ ControlHandler = Callable[[dict, dict], tuple[Status, dict]]
 # tie up threads, while peers that hold the secret finish in a round trip.
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKES = 64
+# And at most this many from one address, so that one stranger cannot hold every slot (issue 40)
+# while peers elsewhere wait; and once half the slots are taken, a new connection's handshake
+# gets this much time only: a peer with the secret answers in a round trip, a stranger must then
+# come back every fraction of a second to keep its slots.
+MAX_HANDSHAKES_PER_ADDRESS = 16
+CROWDED_HANDSHAKE_TIMEOUT_S = 0.5
 # After a failed accept() (out of descriptors, a connection reset while queued), how long the
 # acceptor waits before the next one: the listener stays open, the next peer is served.
 ACCEPT_RETRY_S = 0.1
@@ -73,6 +79,7 @@ class RegionServer:
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._handshakes = 0
+        self._handshakes_from: dict[str, int] = {}  # address -> connections in their handshake
         self._accept_errors = 0
         self._lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"messenger {self.address}", daemon=True)
@@ -109,42 +116,56 @@ class RegionServer:
                                 self._accept_errors, exc)
                 self._closed.wait(ACCEPT_RETRY_S)
                 continue
+            address = peer[0]
             with self._lock:
-                crowded = self._handshakes >= MAX_HANDSHAKES
+                crowded = (self._handshakes >= MAX_HANDSHAKES
+                           or self._handshakes_from.get(address, 0) >= MAX_HANDSHAKES_PER_ADDRESS)
                 if not crowded:
                     self._handshakes += 1
+                    self._handshakes_from[address] = self._handshakes_from.get(address, 0) + 1
                     self._conns.add(conn)
+                    pressed = self._handshakes > MAX_HANDSHAKES // 2
             if crowded:
                 conn.close()
                 continue
+            deadline = min(CROWDED_HANDSHAKE_TIMEOUT_S if pressed else HANDSHAKE_TIMEOUT_S, self._config.timeout_s)
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._config.socket_buffer_bytes)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._config.socket_buffer_bytes)
                 conn.settimeout(self._config.timeout_s)  # the handshake then shortens it to its deadline
-                threading.Thread(target=self._serve, args=(conn, peer), name=f"messenger conn {peer}", daemon=True).start()
+                threading.Thread(target=self._serve, args=(conn, peer, deadline), name=f"messenger conn {peer}",
+                                 daemon=True).start()
             except (OSError, RuntimeError) as exc:  # a peer gone already; no thread to be had
                 log.debug("transfer: connection from %s dropped before serving: %s", peer, exc)
-                self._forget(conn, handshaking=True)
+                self._forget(conn, address, handshaking=True)
 
-    def _forget(self, conn: socket.socket, handshaking: bool) -> None:
+    def _handshake_over(self, address: str) -> None:
+        """Under the lock: one connection from ``address`` is out of its handshake."""
+        self._handshakes -= 1
+        left = self._handshakes_from[address] - 1
+        if left:
+            self._handshakes_from[address] = left
+        else:
+            del self._handshakes_from[address]
+
+    def _forget(self, conn: socket.socket, address: str, handshaking: bool) -> None:
         with self._lock:
             self._conns.discard(conn)
             if handshaking:
-                self._handshakes -= 1
+                self._handshake_over(address)
         conn.close()
 
-    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+    def _serve(self, conn: socket.socket, peer: tuple, deadline_s: float) -> None:
         handshaking = True
         try:
             try:
-                peer_hello = server_handshake(conn, self._config.secret, self._hello,
-                                              timeout_s=min(HANDSHAKE_TIMEOUT_S, self._config.timeout_s))
+                peer_hello = server_handshake(conn, self._config.secret, self._hello, timeout_s=deadline_s)
             except AuthenticationError as exc:
                 log.warning("transfer: refused peer %s:%s: %s", peer[0], peer[1], exc)
                 return
             with self._lock:
-                self._handshakes -= 1
+                self._handshake_over(peer[0])
             handshaking = False
             conn.settimeout(self._config.timeout_s)
             while not self._closed.is_set():
@@ -158,7 +179,7 @@ class RegionServer:
             # connection.
             log.debug("transfer: connection from %s closed: %s", peer, exc)
         finally:
-            self._forget(conn, handshaking)
+            self._forget(conn, peer[0], handshaking)
 
     def _handle(self, conn: socket.socket, peer_hello: dict, op: int, flags: int, count: int, msg_id: int, payload: int) -> bool:
         """Serve one request; False when the stream can no longer be trusted and must close."""
