@@ -76,6 +76,12 @@ class EngineConfig:
     # twins attend in float32 and would convert every context they gather (1.25x slower at 56
     # sequences of ~450 tokens), so without the native kernels the cache stays float32.
     kv_cache_dtype: str | None = None
+    # One answer per request, whatever the path (docs/engine.md#deterministic-mode): every token of
+    # every step, prompt or decode, runs the native decode layers as a row of its own, with the
+    # integer kernels at any number of rows, so greedy output does not depend on what else the step
+    # holds, on how the prompt was chunked, or on how much of it came from a cache. Costs prefill
+    # speed (bench.quality and docs say how much); CPU with int4 projections only.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -119,6 +125,9 @@ class EngineConfig:
             if self.dtype not in ("float32", "bfloat16"):
                 raise ValueError(f"{self.quantization} weight-only quantization runs with dtype float32 or "
                                  f"bfloat16, got {self.dtype!r}")
+        if self.deterministic and (self.device != "cpu" or self.quantization != "int4"):
+            raise ValueError(f"the deterministic mode runs on CPU with int4 projections (the native integer "
+                             f"kernels); got device {self.device!r}, quantization {self.quantization!r}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens <= 0:
             raise ValueError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.chunk_min_prompt_tokens < 0:

@@ -217,12 +217,16 @@ class CausalLM(nn.Module):
         # ``native_rows`` decodes; 0 while they are off.
         self.native_layers: list[object] = []
         self.native_rows = 0
+        # The deterministic mode (``make_batch_invariant``): every step runs the native layers,
+        # every token one row of its own, and a step that cannot is an error, never another path.
+        self.batch_invariant = False
 
-    def enable_native_decode(self) -> bool:
+    def enable_native_decode(self, span_tokens: int = 0) -> bool:
         """Run steps of decodes through the native CPU decoder layers (:mod:`kernels.decode_layer`),
         when every projection is an int4 weight in the native kernel's layout (the integer kernels
         at few rows, its dense copy packed for oneDNN past them) or a float weight packed for
-        oneDNN. Returns whether they are on."""
+        oneDNN. Returns whether they are on. ``span_tokens``: how the layers cut a context's
+        attention over the threads (:func:`kernels.native_decode_layer`)."""
         weights, crossovers = [], set()
         for layer in self.layers:
             pairs = {}
@@ -245,7 +249,7 @@ class CausalLM(nn.Module):
             kernels.native_decode_layer(
                 layer.input_norm, layer.post_attn_norm, pairs, layer.attn.qkv_bias, layer.attn.q_norm,
                 layer.attn.k_norm, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim,
-                self.cfg.intermediate_size, self.cfg.rms_norm_eps, int_rows)
+                self.cfg.intermediate_size, self.cfg.rms_norm_eps, int_rows, span_tokens)
             for layer, pairs in zip(self.layers, weights)
         ]
         # Every step of decodes, at any batch, when the dense weights are there.
@@ -285,6 +289,9 @@ class CausalLM(nn.Module):
             x, residual = hidden
         cos_sin = self.cos_sin[positions]  # the step's rows of the rotary table, for every layer
         native = self._native_step(meta)
+        if self.batch_invariant and not native:
+            raise RuntimeError("the deterministic mode runs every step through the native decode layers, every "
+                               "token a row of its own (ModelRunner.prepare); this step's metadata is not that")
         if native:
             # The native layers keep the hidden states and the residual stream in float32.
             x = x.float().contiguous()

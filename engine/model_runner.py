@@ -18,13 +18,17 @@ from engine.hooks import PromptChunk, StageLoad
 from engine.kv_layout import KVLayout
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
-from engine.quantization import model_bytes, pack_model, prefill_copy_bytes, quantize_model
+from engine.quantization import make_batch_invariant, model_bytes, pack_model, prefill_copy_bytes, quantize_model
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+# The deterministic mode's attention spans: a context is cut every this many tokens from its start
+# (the threads share the spans), so a row's sums depend on its own context alone. Long enough that
+# a span's work dwarfs its merge, short enough that one long decode still spreads over the threads.
+DETERMINISTIC_SPAN_TOKENS = 256
 
 
 def num_kv_blocks(cfg: ModelConfig, config: EngineConfig) -> int:
@@ -107,7 +111,16 @@ class ModelRunner:
             quantize_model(self.model, config.quantization)
         # A float model's matmuls through oneDNN on weights packed once (kernels/dense_linear.py).
         packed = config.quantization == "none" and pack_model(self.model)
-        native_layers = self.native and self.model.enable_native_decode()
+        if config.deterministic:
+            # Before the layers are built: they take the integer kernels' row limit from the weights.
+            make_batch_invariant(self.model)
+        native_layers = self.native and self.model.enable_native_decode(
+            DETERMINISTIC_SPAN_TOKENS if config.deterministic else 0)
+        if config.deterministic:
+            if not native_layers:
+                raise ValueError("the deterministic mode needs the native decode layers: int4 projections "
+                                 "(--quantization int4, the default on CPU) and the native CPU kernels")
+            self.model.batch_invariant = True
         self.model_config = self.model.cfg
         weight_bytes = model_bytes(self.model)
         self.num_blocks = num_kv_blocks(self.model_config, config)
@@ -187,17 +200,27 @@ class ModelRunner:
             if s.num_new_tokens > 1:
                 query_start.append(query_start[-1] + s.num_new_tokens)
 
-        def tables(group: list[ScheduledSeq]) -> torch.Tensor:
-            width = max((len(s.seq.block_table.block_ids) for s in group), default=0)
+        def tables(block_ids: list[list[int]]) -> torch.Tensor:
+            width = max(map(len, block_ids), default=0)
             # Padding entries point at block 0: never read, since seq_lens masks them out.
-            rows = [s.seq.block_table.block_ids + [0] * (width - len(s.seq.block_table.block_ids)) for s in group]
-            return self._tensor(rows, torch.int32).view(len(group), width)
+            rows = [ids + [0] * (width - len(ids)) for ids in block_ids]
+            return self._tensor(rows, torch.int32).view(len(block_ids), width)
 
         def lens(group: list[ScheduledSeq]) -> list[int]:
             return [s.seq.num_computed_tokens + s.num_new_tokens for s in group]
 
-        meta = self._metadata(slots, len(decodes), tables(decodes), lens(decodes), tables(prefills), lens(prefills),
-                              query_start)
+        if self.model.batch_invariant:
+            # Every token is a decode row of its own, its context its sequence's up to and with it:
+            # the layer writes the step's KV before any row attends, so a prompt's token is computed
+            # exactly as a decode of it would be, whatever the step holds or the cache held before.
+            rows = [(s.seq.block_table.block_ids, p + 1) for s in ordered
+                    for p in range(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)]
+            meta = self._metadata(slots, len(rows), tables([ids for ids, _ in rows]), [n for _, n in rows],
+                                  tables([]), [], [0])
+        else:
+            meta = self._metadata(slots, len(decodes), tables([s.seq.block_table.block_ids for s in decodes]),
+                                  lens(decodes), tables([s.seq.block_table.block_ids for s in prefills]),
+                                  lens(prefills), query_start)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, ordered
 
     def _metadata(self, slots: list[int], num_decodes: int, decode_tables: torch.Tensor, decode_lens: list[int],

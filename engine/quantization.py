@@ -41,6 +41,8 @@ and, through ``pack_model``, every projection of a model that is not quantized.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -315,6 +317,19 @@ def quantize_model(model: nn.Module, method: str) -> None:
         kind = "int8" if name == "lm_head" and method == "int4" else method
         # The dequantized copy is in the weight's own dtype, the model's.
         _replace(module, name, _KINDS[kind](weight, weight.dtype))
+
+
+def make_batch_invariant(model: nn.Module) -> None:
+    """Every projection and the LM head multiply by their native integer kernel at any number of
+    rows, never by the dense copy: the kernel sums each row's products in one fixed order (exact
+    integer dot products per block, then the blocks in turn), so a row's result is the same bits
+    whether it is alone or one of 500, while oneDNN picks its blocking, and with it the order of
+    the sums, by the number of rows. Raises ValueError where a weight has no native kernel."""
+    for _, name, weight in _projections(model):
+        if not (isinstance(weight, QuantizedWeight) and weight.native):
+            raise ValueError(f"the deterministic mode multiplies every projection with the native integer kernels; "
+                             f"{name} is {type(weight).__name__} (needs --quantization int4 and the native CPU kernels)")
+        weight.max_rows = sys.maxsize
 
 
 def pack_model(model: nn.Module) -> bool:

@@ -32,13 +32,17 @@ def native_decode_layer(
     intermediate_size: int,
     eps: float,
     int_rows: int,
+    span_tokens: int = 0,
 ) -> object:
     """The native layer over these weights. ``projections`` maps ``qkv``, ``o``, ``gate_up`` and
     ``down`` to ``(q4, dense)``: the q4-packed weight (:func:`kernels.pack_q4`) that the integer
     kernels multiply by at up to ``int_rows`` rows, and the dense weight packed for oneDNN
     (:func:`kernels.pack_dense`, float32 or bfloat16) that takes the steps past them; either may be
     None where no step needs it (``int_rows`` 0: dense only). ``max_rows()`` is the most rows a
-    step may have (any, with every dense weight).
+    step may have (any, with every dense weight). ``span_tokens``: 0 splits each context's
+    attention evenly over the threads, by how many rows the step has; > 0 cuts it every that many
+    tokens from its start, so that with ``int_rows`` past any step a row's result is the same
+    bits whatever else the step holds (the engine's deterministic mode).
 
     Its ``forward(x, residual, cos_sin, k_cache, v_cache, slots, block_tables, seq_lens, scale)``
     takes float32 ``x [M, hidden]`` (and the residual stream, None on the first layer), the
@@ -50,4 +54,4 @@ def native_decode_layer(
     (gate_up, gate_up_dense), (down, down_dense) = projections["gate_up"], projections["down"]
     return cpu_ext.load().DecodeLayer(input_norm, post_norm, qkv, qkv_dense, qkv_bias, q_norm, k_norm, o, o_dense,
                                       gate_up, gate_up_dense, down, down_dense, num_heads, num_kv_heads, head_dim,
-                                      intermediate_size, eps, int_rows)
+                                      intermediate_size, eps, int_rows, span_tokens)

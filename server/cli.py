@@ -115,6 +115,10 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     passed_on(p.add_argument("--quantization", choices=["none", *QUANTIZATIONS], default=None,
                              help="weight-only quantization of the linear layers and the LM head (CPU); default: int4 on "
                                   "CPU unless --dtype is given, none on CUDA (bench.quality measures what it costs)"))
+    passed_on(p.add_argument("--deterministic", action="store_true",
+                             help="one answer per request whatever the path: greedy output does not depend on the "
+                                  "batch, the chunking or the prefix cache (CPU, int4; prefill is slower: "
+                                  "docs/engine.md#deterministic-mode)"))
     passed_on(p.add_argument("--max-num-seqs", type=_positive_int, default=256,
                              help="most sequences in one batch"))
     passed_on(p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512,

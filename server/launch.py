@@ -28,7 +28,7 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
     kwargs = dict(
         model=args.model, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, role=role,
+        max_model_len=args.max_model_len, role=role, deterministic=args.deterministic,
         stage=(0, args.cpp_stages) if role == "prefill" and args.cpp_stages > 1 else None,
     )
     if args.stage is not None:

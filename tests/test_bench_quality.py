@@ -4,6 +4,7 @@ each precision; seconds each, but a model load each)."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,3 +43,28 @@ def test_scores_are_the_answers_log_likelihoods(tmp_path):
     assert got.perplexity == pytest.approx(math.exp(-sum(want) / len(want)), rel=1e-4)
     text = quality.report([got, got])
     assert "1.0000" in text and "float32" in text
+
+
+def test_cold_and_warm_counts_the_questions_whose_answers_differ(monkeypatch):
+    questions = [{"question": q, "choices": ["d", "e"], "answer": 0}
+                 for q in ("What is the capital of France?", "Is ice cold?", "Name a colour.")]
+    llm = LLM(threads=1, kv_cache_gib=0.05, deterministic=True)
+    prompts = quality.one_row_prompts(llm, questions)
+    assert all(len(p) % llm.engine.config.block_size == 1 for p in prompts)
+    assert quality.cold_and_warm(llm, questions, max_tokens=4) == 0
+    with pytest.raises(RuntimeError, match="fresh"):
+        quality.cold_and_warm(llm, questions, max_tokens=4)  # now cached: no cold run left
+
+    class Drifting:
+        """An engine whose warm answer to the second question is another."""
+        def __init__(self):
+            self.calls = 0
+
+        def generate(self, prompts, params):
+            self.calls += 1
+            return [SimpleNamespace(num_cached_tokens=0 if self.calls == 1 else len(p) - 1,
+                                    token_ids=[1, 3] if i == 1 and self.calls == 2 else [1, 2])
+                    for i, p in enumerate(prompts)]
+
+    monkeypatch.setattr(quality, "one_row_prompts", lambda llm, qs: [[7] * 17 for _ in qs])
+    assert quality.cold_and_warm(Drifting(), questions) == 1

@@ -332,6 +332,7 @@ def _info(name: str, **changes) -> InstanceInfo:
     ({"weights": "b" * 32}, "weights"),
     ({"dtype": "bfloat16"}, "dtype"),
     ({"quantization": "int4"}, "quantization"),
+    ({"deterministic": True}, "deterministic"),
     ({"layout": {"block_size": 32}}, "KV layout block_size"),
     ({"layout": {"dtype": "bfloat16"}}, "KV layout dtype"),
 ])

@@ -258,7 +258,8 @@ def start_worker(spec: StageSpec, host: str, secret: bytes) -> tuple[StageWorker
     pool = None
     if spec.pool is not None:
         geometry = PoolGeometry(runner.wire_layout, spec.pool[0],
-                                model_identity(str(path), config.dtype, config.quantization))
+                                model_identity(str(path), config.dtype, config.quantization,
+                                               config.deterministic))
         pool = StagePool(transfer, StagingArea(transfer, spec.pool[1]), geometry, runner.model.layer_range,
                          spec.timeout_s)
     return StageWorker(runner, transfer, spec.buffer_bytes, spec.timeout_s, sender, pool), transfer

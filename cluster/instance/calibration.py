@@ -190,6 +190,7 @@ def cache_key(engine: LLMEngine, seed: int = 0) -> dict[str, Any]:
         "calibration_version": CALIBRATION_VERSION,
         "weights": weights_digest(engine.model_path),
         "dtype": cfg.dtype, "quantization": cfg.quantization, "kv_cache_dtype": cfg.kv_cache_dtype,
+        "deterministic": cfg.deterministic,
         "device": cfg.device, "gpu": torch.cuda.get_device_name(cfg.device) if cuda else None,
         "threads": cfg.threads, "role": cfg.role, "stage": cfg.stage,
         # The step budget and the cache's size pick the profiled lengths and batches; the

@@ -201,7 +201,7 @@ class InstanceService:
             weights = await loop.run_in_executor(None, weights_digest, facts["model_path"])
             self._info = InstanceInfo(self.instance_id, cfg.role, os.getpid(), facts["max_model_len"],
                                       layout.to_dict(), self.profile.to_dict(), naming, weights,
-                                      facts["dtype"], facts["quantization"])
+                                      facts["dtype"], facts["quantization"], facts["deterministic"])
             self._publish_cache(loop, handoff)
             self.ready = True
             self._tasks.append(asyncio.create_task(self.receiver.expire_forever()))
@@ -302,7 +302,8 @@ class InstanceService:
             raise ValueError(f"pool block of {pc.block_tokens} tokens is not a multiple of the "
                              f"engine's {layout.block_size}-token blocks")
         return PoolGeometry(layout, pc.block_tokens // layout.block_size,
-                            model_identity(facts["model_path"], facts["dtype"], facts["quantization"]))
+                            model_identity(facts["model_path"], facts["dtype"], facts["quantization"],
+                                           facts["deterministic"]))
 
     def _join_pool(self, transfer: Messenger, handoff: KVHandoff, geometry: PoolGeometry, staging: int,
                    layers: range) -> PoolIO:
@@ -329,7 +330,8 @@ class InstanceService:
     def _engine_facts(e: LLMEngine) -> dict[str, Any]:
         return {"max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
                 "hidden_size": e.model_config.hidden_size, "model_path": str(e.model_path),
-                "dtype": e.config.dtype, "quantization": e.config.quantization}
+                "dtype": e.config.dtype, "quantization": e.config.quantization,
+                "deterministic": e.config.deterministic}
 
     def _publish_cache(self, loop: asyncio.AbstractEventLoop, handoff: KVHandoff) -> None:
         """After every engine step, hand what changed in the prefix cache to the event loop."""

@@ -124,8 +124,9 @@ def weights_digest(model_path: str | Path) -> str:
     return _digest(str(path), stamp)
 
 
-def model_identity(model_path: str | Path, dtype: str, quantization: str) -> str:
+def model_identity(model_path: str | Path, dtype: str, quantization: str, deterministic: bool = False) -> str:
     """The name a pool's objects are kept under for this model as computed: its weights'
     digest, the precision and the weight quantization, so an int4 and a float32 instance, or two
-    fine-tunes of one size, never share KV (``PoolGeometry.namespace`` adds the KV layout)."""
-    return f"{weights_digest(model_path)}/{dtype}/{quantization}"
+    fine-tunes of one size, never share KV (``PoolGeometry.namespace`` adds the KV layout); and
+    the deterministic mode, whose KV is the same bits on every path only among its own."""
+    return f"{weights_digest(model_path)}/{dtype}/{quantization}" + ("/deterministic" if deterministic else "")

@@ -362,8 +362,10 @@ class InstanceInfo:
     not change while it runs. ``layout``: its ``KVLayout.to_dict()``; ``profile``: its calibrated
     ``InstanceProfile.to_dict()``; ``pool``: None outside a KVCache pool. ``weights``: the digest
     of the model's weights (``cluster.pool.config.weights_digest``); ``dtype`` and
-    ``quantization``: the precision it computes in (``EngineConfig``'s, resolved). Instances that
-    differ in any of these, or in their KV layout, must not exchange KV (``misfit``)."""
+    ``quantization``: the precision it computes in (``EngineConfig``'s, resolved);
+    ``deterministic``: whether it runs the engine's deterministic mode (whose answers hold only over
+    KV computed that way). Instances that differ in any of these, or in their KV layout, must not
+    exchange KV (``misfit``)."""
 
     instance_id: str
     role: str
@@ -375,12 +377,13 @@ class InstanceInfo:
     weights: str = ""
     dtype: str = ""
     quantization: str = ""
+    deterministic: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"instance_id": self.instance_id, "role": self.role, "pid": self.pid,
                 "max_model_len": self.max_model_len, "layout": self.layout, "profile": self.profile,
                 "pool": None if self.pool is None else self.pool.to_dict(), "weights": self.weights,
-                "dtype": self.dtype, "quantization": self.quantization}
+                "dtype": self.dtype, "quantization": self.quantization, "deterministic": self.deterministic}
 
     @classmethod
     def from_dict(cls, data: Any) -> InstanceInfo:
@@ -390,14 +393,16 @@ class InstanceInfo:
         pool = _dict(data, "pool", optional=True)
         return cls(_str(data, "instance_id"), role, _int(data, "pid"), _int(data, "max_model_len"),
                    _dict(data, "layout"), _dict(data, "profile"), None if pool is None else PoolNaming.from_dict(pool),
-                   *(_text(data, name) for name in ("weights", "dtype", "quantization")))
+                   *(_text(data, name) for name in ("weights", "dtype", "quantization")),
+                   _flag(data, "deterministic"))
 
     def misfit(self, other: InstanceInfo) -> str | None:
         """Why this instance cannot serve in one cluster with ``other`` (its KV would be
         meaningless there, or its pool objects another model's), or None when it fits."""
         why = [f"{name} {mine!r} (the cluster's: {theirs!r})" for name, mine, theirs in
                [("weights", self.weights, other.weights), ("dtype", self.dtype, other.dtype),
-                ("quantization", self.quantization, other.quantization)] if mine != theirs]
+                ("quantization", self.quantization, other.quantization),
+                ("deterministic", self.deterministic, other.deterministic)] if mine != theirs]
         keys = sorted(set(self.layout) | set(other.layout))
         why += [f"KV layout {k} {self.layout.get(k)!r} (the cluster's: {other.layout.get(k)!r})"
                 for k in keys if self.layout.get(k) != other.layout.get(k)]

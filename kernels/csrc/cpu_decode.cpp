@@ -592,7 +592,7 @@ void attend_span(const float* q, int64_t group, int64_t d, const T* k_cache, con
 
 struct PagedKV {
   torch::Tensor k_cache, v_cache, block_tables, seq_lens;
-  int64_t hkv, bs, d, width;
+  int64_t hkv, bs, d, width, max_len = 0;
   PagedKV(torch::Tensor k, torch::Tensor v, torch::Tensor tables, torch::Tensor lens)
       : k_cache(k), v_cache(v), block_tables(tables), seq_lens(lens) {
     TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous() &&
@@ -613,6 +613,7 @@ struct PagedKV {
     const int32_t* t = tables.data_ptr<int32_t>();
     for (int64_t s = 0; s < lens.numel(); ++s) {
       TORCH_CHECK(l[s] >= 1 && l[s] <= width * bs, "sequence ", s, ": length ", l[s], " beyond its block table");
+      max_len = std::max<int64_t>(max_len, l[s]);
       for (int64_t b = 0; b < (l[s] + bs - 1) / bs; ++b) {
         TORCH_CHECK(t[s * width + b] >= 0 && t[s * width + b] < k.size(0), "sequence ", s, ": block ",
                     t[s * width + b], " outside the cache");
@@ -622,14 +623,19 @@ struct PagedKV {
 
   // Each (sequence, KV head) pair's context is cut into this many spans, so that a step of few
   // sequences (one, at batch 1, with 3 KV heads on 2 threads) still splits evenly over the threads.
-  int64_t spans(int64_t threads) const {
+  // With span_tokens > 0 a span is instead that many tokens from the context's start, whatever
+  // the step holds or the threads are: a row's sums then depend on its own context alone (the
+  // batch-invariant mode, engine.config.EngineConfig.deterministic).
+  int64_t spans(int64_t threads, int64_t span_tokens = 0) const {
+    if (span_tokens > 0) return std::max<int64_t>(1, (max_len + span_tokens - 1) / span_tokens);
     const int64_t pairs = seq_lens.numel() * hkv;
     return pairs >= 4 * threads ? 1 : (4 * threads + pairs - 1) / pairs;
   }
 
   // out [S, Hq, D] float32 from q [S, Hq, D] float32, inside a parallel region; parts: scratch of
-  // pairs * spans(threads) * group * (D + 2) floats, sized by the caller before the region.
-  void attention(const float* q, int64_t hq, float scale, float* out, float* parts, int64_t nspans) const {
+  // pairs * spans(threads, span_tokens) * group * (D + 2) floats, sized by the caller before the region.
+  void attention(const float* q, int64_t hq, float scale, float* out, float* parts, int64_t nspans,
+                 int64_t span_tokens = 0) const {
     const int64_t group = hq / hkv, pairs = seq_lens.numel() * hkv, part = group * (d + 2);
     thread_local std::vector<float> scores;
     int64_t lo, hi;
@@ -638,7 +644,8 @@ struct PagedKV {
       const int64_t pair = i / nspans, span = i % nspans, seq = pair / hkv, kvh = pair % hkv;
       const int32_t* table = block_tables.data_ptr<int32_t>() + seq * width;
       const int64_t len = seq_lens.data_ptr<int32_t>()[seq];
-      const int64_t t0 = len * span / nspans, t1 = len * (span + 1) / nspans;
+      const int64_t t0 = span_tokens > 0 ? std::min(len, span * span_tokens) : len * span / nspans;
+      const int64_t t1 = span_tokens > 0 ? std::min(len, (span + 1) * span_tokens) : len * (span + 1) / nspans;
       const float* qp = q + (seq * hq + kvh * group) * d;
       float* pp = parts + i * part;
       if (t0 == t1) {  // an empty span: no weight in the merge
@@ -770,10 +777,10 @@ class DecodeLayer {
               c10::optional<torch::Tensor> o_dense, c10::optional<torch::Tensor> gate_up,
               c10::optional<torch::Tensor> gate_up_dense, c10::optional<torch::Tensor> down,
               c10::optional<torch::Tensor> down_dense, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-              int64_t intermediate, double eps, int64_t int_rows)
+              int64_t intermediate, double eps, int64_t int_rows, int64_t span_tokens)
       : input_norm_(f32(input_norm)), post_norm_(f32(post_norm)), qkv_bias_(f32(qkv_bias)), q_norm_(f32(q_norm)),
         k_norm_(f32(k_norm)), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), hidden_(input_norm.numel()),
-        inter_(intermediate), eps_(static_cast<float>(eps)), int_rows_(int_rows),
+        inter_(intermediate), eps_(static_cast<float>(eps)), int_rows_(int_rows), span_tokens_(span_tokens),
         qkv_(qkv, qkv_dense, (num_heads + 2 * num_kv_heads) * head_dim, hidden_, "qkv"),
         o_(o, o_dense, hidden_, num_heads * head_dim, "output"),
         gate_up_(gate_up, gate_up_dense, 2 * intermediate, hidden_, "gate/up"),
@@ -820,7 +827,7 @@ class DecodeLayer {
     qkv_out_.resize(m * nqkv);
     attn_.resize(m * hq_ * d_);
     q_.resize(m * hq_ * d_);
-    const int64_t nspans = kv.spans(omp_get_max_threads());
+    const int64_t nspans = kv.spans(omp_get_max_threads(), span_tokens_);
     parts_.resize(kv.parts_size(hq_, nspans));
     if (integer) {
       xq_.resize(m, hidden_);
@@ -851,7 +858,7 @@ class DecodeLayer {
     auto attention = [&] {
 #pragma omp for
       for (int64_t r = 0; r < m; ++r) store_and_rotate(r, cs + r * d_, kv, slots);
-      kv.attention(q_.data(), hq_, static_cast<float>(scale), attn_.data(), parts_.data(), nspans);
+      kv.attention(q_.data(), hq_, static_cast<float>(scale), attn_.data(), parts_.data(), nspans, span_tokens_);
 #pragma omp barrier
       if (integer) {
 #pragma omp for
@@ -949,7 +956,7 @@ class DecodeLayer {
   c10::optional<torch::Tensor> qkv_bias_, q_norm_, k_norm_;
   int64_t hq_, hkv_, d_, hidden_, inter_;
   float eps_;
-  int64_t int_rows_;
+  int64_t int_rows_, span_tokens_;
   Projection qkv_, o_, gate_up_, down_;
   bool all_dense_ = true;
   std::vector<float> xn_, gu_, qkv_out_, attn_, q_, parts_;
@@ -966,7 +973,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                          int64_t, int64_t, int64_t, int64_t, double, int64_t>())
+                          int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t>())
       .def("max_rows", &DecodeLayer::max_rows)
       .def("forward", &DecodeLayer::forward);
 }
