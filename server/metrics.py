@@ -82,6 +82,10 @@ class _EngineCollector(Collector):
                 if rec.get("role") is not None:
                     roles.add_metric([self.model_name, rec["url"], rec["role"]], 1.0)
             yield roles
+        if "membership_refused" in s:  # a Conductor with --etcd
+            yield gauge("mooncake:membership_records_refused", "Instance records in etcd ignored because their MAC "
+                        "under the cluster's membership key failed (written without the cluster secret).",
+                        s["membership_refused"])
         if "role_switches" in s:  # a Conductor with --elastic-roles
             yield counter("mooncake:role_switches", "Instances this Conductor moved between prefill and decode.",
                           s["role_switches"])

@@ -1,6 +1,6 @@
 """The cluster's membership in the metadata store (``cluster.pool.metadata.membership``): instances
 announce themselves under leases, Conductors claim their ids and take their epochs from the
-claim's revision. On ``LocalMetadata`` with short TTLs (the etcd backend's ``create`` is checked by
+claim's revision; a record not signed with the membership key is refused. On ``LocalMetadata`` with short TTLs (the etcd backend's ``create`` is checked by
 tests/test_pool_metadata.py; the whole, over a real etcd, by tests/test_across_hosts.py)."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import pytest
 from cluster.pool.metadata.local import LocalMetadata
 from cluster.pool.metadata.membership import (
     CONDUCTORS, ConductorIdTaken, Member, announce, claim_conductor, list_instances)
+from cluster.protocol import MEMBERSHIP, derive_key
 
 TTL_S = 0.3
+KEY = derive_key(b"s" * 32, MEMBERSHIP)
 
 
 def _until(condition, within_s: float) -> None:
@@ -25,38 +27,53 @@ def _until(condition, within_s: float) -> None:
 
 def test_an_announced_instance_is_listed_until_it_leaves_and_vanishes_when_it_dies():
     store = LocalMetadata()
-    a = announce(store, "id-a", "http://10.0.0.1:8100", "prefill", ttl_s=TTL_S)
-    b = announce(store, "id-b", "http://10.0.0.2:8100", "decode", ttl_s=TTL_S)
+    a = announce(store, KEY, "id-a", "http://10.0.0.1:8100", "prefill", ttl_s=TTL_S)
+    b = announce(store, KEY, "id-b", "http://10.0.0.2:8100", "decode", ttl_s=TTL_S)
     try:
         time.sleep(3 * TTL_S)  # kept alive past several TTLs
-        assert sorted(list_instances(store), key=lambda m: m.instance_id) == [
+        assert sorted(list_instances(store, KEY).members, key=lambda m: m.instance_id) == [
             Member("id-a", "http://10.0.0.1:8100", "prefill"), Member("id-b", "http://10.0.0.2:8100", "decode")]
         a.close()  # leaving: gone at once
-        assert [m.instance_id for m in list_instances(store)] == ["id-b"]
+        assert [m.instance_id for m in list_instances(store, KEY).members] == ["id-b"]
         # A death: nobody renews (the thread stops, the lease is not revoked), gone within the TTL.
         b._stop.set()
         b._thread.join()
-        _until(lambda: not list_instances(store), 3 * TTL_S)
+        _until(lambda: not list_instances(store, KEY).members, 3 * TTL_S)
     finally:
         a.close()
         b.close()
 
 
-def test_a_malformed_entry_is_skipped():
+def test_a_record_without_a_valid_mac_is_refused_and_counted():
     store = LocalMetadata()
-    store.put("members/instances/bad", "not json")
-    store.put("members/instances/partial", '{"url": "http://x:1"}')
-    store.put("members/instances/good", '{"url": "http://x:2", "role": "decode"}')
-    assert list_instances(store) == [Member("good", "http://x:2", "decode")]
+    good = announce(store, KEY, "good", "http://x:2", "decode", ttl_s=TTL_S)
+    try:
+        signed = store.get("members/instances/good")
+        store.put("members/instances/bad", "not json")
+        store.put("members/instances/partial", '{"url": "http://x:1"}')
+        # One unsigned write, as the fake instance of issue 40 was put in.
+        store.put("members/instances/fake", '{"url": "http://evil:1", "role": "prefill"}')
+        # A real record under another id, or with its URL or role changed, or another cluster's key.
+        store.put("members/instances/moved", signed)
+        store.put("members/instances/redirected", signed.replace("http://x:2", "http://evil:2"))
+        store.put("members/instances/promoted", signed.replace('"decode"', '"prefill"'))
+        store.put("members/instances/foreign", '{"url": "http://y:3", "role": "decode", "mac": "' + "0" * 64 + '"}')
+        listing = list_instances(store, KEY)
+        assert listing.members == [Member("good", "http://x:2", "decode")]
+        assert sorted(listing.refused) == sorted(f"members/instances/{n}" for n in (
+            "bad", "partial", "fake", "moved", "redirected", "promoted", "foreign"))
+        assert list_instances(store, derive_key(b"t" * 32, MEMBERSHIP)).members == []  # another cluster's key
+    finally:
+        good.close()
 
 
 def test_an_announcement_whose_lease_ran_out_is_written_again():
     store = LocalMetadata()
-    a = announce(store, "id-a", "http://10.0.0.1:8100", "prefill", ttl_s=TTL_S)
+    a = announce(store, KEY, "id-a", "http://10.0.0.1:8100", "prefill", ttl_s=TTL_S)
     try:
         store.revoke(a._lease)  # as if the process had been paused past its TTL
-        assert list_instances(store) == []
-        _until(lambda: len(list_instances(store)) == 1, 3 * TTL_S)
+        assert list_instances(store, KEY).members == []
+        _until(lambda: len(list_instances(store, KEY).members) == 1, 3 * TTL_S)
     finally:
         a.close()
 

@@ -293,3 +293,47 @@ def test_a_second_turn_hits_the_first_turns_output(cluster, colocated):
     assert got["choices"][0]["text"] == _want(colocated, second)
     cluster.assert_clean()
     cluster.stop_pool_node()
+
+
+@pytest.mark.parametrize("cluster", ["etcd"], indirect=True)
+def test_an_instance_put_into_etcd_without_the_secret_gets_no_request(cluster, colocated):
+    """Issue 40: one unsigned write to etcd once added a fake prefill instance that answered 14 of
+    20 clients. Now its record fails the membership MAC: the Conductor never polls it, sends it
+    nothing, and counts the record in /stats and /metrics; the real instances' records verify."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    hits: list[str] = []
+
+    class Fake(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 -- http.server's name
+            hits.append(self.path)
+            self.send_response(500)
+            self.end_headers()
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    fake_url = f"http://127.0.0.1:{fake.server_address[1]}"
+    key = "members/instances/fake0000"
+    cluster.metadata.put(key, json.dumps({"url": fake_url, "role": "prefill"}))
+    try:
+        until(lambda: cluster.stats().get("membership_refused") == 1, 15, "the Conductor to refuse the record")
+        prompts = [_words(f"fake{i}", 12) + " The capital of France is" for i in range(6)]
+        for p in prompts:
+            assert cluster.complete(p, **GREEDY)["choices"][0]["text"] == _want(colocated, p)
+        assert hits == [], f"the fake instance was called: {hits}"
+        assert fake_url not in [i["url"] for i in cluster.instances()]
+        metrics = cluster.http.get("/metrics").text
+        assert 'mooncake:membership_records_refused{model_name=' in metrics and "} 1.0" in metrics.split(
+            "mooncake:membership_records_refused{")[1].split("\n")[0]
+    finally:
+        cluster.metadata.delete(key)
+        fake.shutdown()
+    until(lambda: cluster.stats().get("membership_refused") == 0, 15, "the record to leave the count")
+    cluster.assert_clean()

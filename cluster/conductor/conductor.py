@@ -52,7 +52,7 @@ from cluster.policies.snapshot import RequestInfo
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
 from cluster.pool.metadata import MetadataStore
 from cluster.pool.objects import object_keys
-from cluster.protocol import CONTROL, ControlVerifier, derive_key, verify_request
+from cluster.protocol import CONTROL, MEMBERSHIP, ControlVerifier, derive_key, verify_request
 from cluster.protocol import BadRequest, Fence, RegisterReply, RegisterRequest, TimedOut, Unauthorized
 from engine.default_model import default_model_name
 from engine.model_config import ModelConfig
@@ -145,7 +145,12 @@ class Conductor(EngineClient):
         self._supervisor = supervisor
         self._pool = pool
         self._members, self._claim = members, claim
+        self._members_key = derive_key(config.secret, MEMBERSHIP)
         self._members_error: str | None = None
+        # Membership records whose MAC failed in the latest listing (each logged once): an
+        # instance announced without the cluster secret is never polled nor sent a request.
+        self._members_refused: list[str] = []
+        self._refused_logged: set[str] = set()
         self._pool_stats: dict[str, Any] | None = None
         # Pool metadata calls run on threads of their own: a lookup that outlives its 1 s wait
         # (etcd down: up to its client timeout) must not take the default executor's few threads.
@@ -215,8 +220,8 @@ class Conductor(EngineClient):
         gone_since: dict[str, float] = {}
         while True:
             try:
-                members = await asyncio.wait_for(
-                    loop.run_in_executor(self._pool_threads, list_instances, self._members), 5.0)
+                listing = await asyncio.wait_for(
+                    loop.run_in_executor(self._pool_threads, list_instances, self._members, self._members_key), 5.0)
             except Exception as exc:  # noqa: BLE001 -- the instances known stay polled; retried
                 if self._members_error is None:
                     log.warning("membership unavailable (the instances known are still polled): %s", exc)
@@ -225,7 +230,12 @@ class Conductor(EngineClient):
                 if self._members_error is not None:
                     log.info("membership available again")
                 self._members_error = None
-                listed = {m.url.rstrip("/") for m in members}
+                self._members_refused = listing.refused
+                for name in set(listing.refused) - self._refused_logged:
+                    log.warning("ignoring the membership record %s: not signed with the cluster's membership key "
+                                "(written by someone without the cluster secret, or altered)", name)
+                self._refused_logged = set(listing.refused)
+                listed = {m.url.rstrip("/") for m in listing.members}
                 for url in sorted(listed - announced):
                     self.registry.add(url)
                 announced |= listed
@@ -534,6 +544,7 @@ class Conductor(EngineClient):
             "mode": self._serving_mode() or "none",
             "conductor_id": self.fence.conductor, "epoch": self.epoch,
             **({"membership_error": self._members_error} if self._members_error else {}),
+            **({"membership_refused": len(self._members_refused)} if self._members is not None else {}),
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,

@@ -41,7 +41,7 @@ from cluster.pool.metadata.membership import LeasedKey, announce
 from cluster.pool.metadata import MetadataUnavailable, connect_metadata
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
-from cluster.protocol import CONTROL, MESSENGER, BadRequest, ControlAuth, Fence, StageSpec, SwitchRoleReply, derive_key
+from cluster.protocol import CONTROL, MEMBERSHIP, MESSENGER, BadRequest, ControlAuth, Fence, StageSpec, SwitchRoleReply, derive_key
 from cluster.protocol import InstanceInfo, InstanceState, PoolNaming, RegisterReply, RegisterRequest
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -385,7 +385,8 @@ class InstanceService:
         while self._announcement is None:
             try:
                 self._announcement = await loop.run_in_executor(
-                    None, announce, store, self.instance_id, self.config.url, self.config.role)
+                    None, announce, store, derive_key(self.config.secret, MEMBERSHIP), self.instance_id,
+                    self.config.url, self.config.role)
                 log.info("announced in the membership at %s", self.config.members)
             except MetadataUnavailable as e:
                 log.warning("cannot announce this instance at %s yet (retrying in %g s): %s",

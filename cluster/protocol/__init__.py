@@ -100,7 +100,7 @@ from cluster.protocol.stage import (
 )
 from cluster.protocol.signing import (
     AUDIENCE_HEADER, CONTROL, ControlAuth, ControlAuthError, ControlVerifier, DIGEST_HEADER,
-    EPOCH_HEADER, Fence, MAX_CONDUCTOR_ID, MESSENGER, NONCE_HEADER, NO_BODY, PROMPT_BODY,
+    EPOCH_HEADER, Fence, MAX_CONDUCTOR_ID, MEMBERSHIP, MESSENGER, NONCE_HEADER, NO_BODY, PROMPT_BODY,
     SIGNATURE_HEADER, SMALL_BODY, TIMESTAMP_HEADER, audience_of, derive_key, request_target, sign,
     verify_request
 )
@@ -110,7 +110,7 @@ __all__ = [
     "CacheDelta", "ControlAuth", "ControlAuthError", "ControlVerifier", "DIGEST_HEADER", "EPOCH_HEADER",
     "ERRORS", "Fence", "GenerateRequest", "InstanceBusy", "InstanceFailed", "InstanceInfo",
     "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID",
-    "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "PROMPT_BODY", "PoolNaming", "PrefillReply",
+    "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "PROMPT_BODY", "PoolNaming", "PrefillReply",
     "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",
     "RegisterReply", "RegisterRequest", "RenewReply", "RenewRequest", "RequestError", "RequestFailed", "ReserveReply",
     "ReserveRequest", "SIGNATURE_HEADER", "SMALL_BODY", "SWITCHABLE_ROLES", "SwitchRoleReply", "SwitchRoleRequest",

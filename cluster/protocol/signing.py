@@ -67,6 +67,7 @@ class Fence:
 
 CONTROL = "control"
 MESSENGER = "messenger"
+MEMBERSHIP = "membership"  # the instances' records in etcd (cluster.pool.metadata.membership)
 
 TIMESTAMP_HEADER = "X-Mooncake-Timestamp"
 NONCE_HEADER = "X-Mooncake-Nonce"
@@ -95,7 +96,7 @@ class ControlAuthError(Exception):
 
 
 def derive_key(secret: bytes, purpose: str) -> bytes:
-    """A 32-byte key for ``purpose`` (``CONTROL``, ``MESSENGER``) derived from the cluster secret
+    """A 32-byte key for ``purpose`` (``CONTROL``, ``MESSENGER``, ``MEMBERSHIP``) derived from the cluster secret
     with HKDF-SHA256; different purposes give unrelated keys."""
     if not secret:
         raise ValueError("the cluster secret is empty")

@@ -4,9 +4,14 @@ metadata store's second user, beside the pool's index: the same contract, other 
 
 * An instance **announces** itself (``announce``): ``members/instances/<instance id>`` holds its
   URL and role under a lease it keeps alive. When it dies the lease runs out and the key is gone.
+  The record carries a MAC under the cluster's membership key (``derive_key(secret,
+  MEMBERSHIP)``) over its id, URL and role: whoever can write to etcd but holds no secret cannot
+  add an instance (one such write once sent a fake instance 14 of 20 requests, issue 40).
 * Every Conductor **lists** the announced instances (``list_instances``) every second or so and
-  polls each it finds (``cluster.conductor.registry``); instances named by hand (``--instance``,
-  or registering with ``--conductor``) are polled as well, so a cluster without etcd still works.
+  polls each it finds (``cluster.conductor.registry``); a record whose MAC fails is not listed
+  but counted (``Listing.refused``, the Conductor's /metrics). Instances named by hand
+  (``--instance``, or registering with ``--conductor``: a signed call) are polled as well, so a
+  cluster without etcd still works.
 * A Conductor **claims** its id (``claim_conductor``): ``members/conductors/<id>`` is created
   under its own lease, and the store's revision at the creation is its epoch
   (``cluster.protocol.Fence``). A Conductor started again under the same id claims anew once its
@@ -21,11 +26,13 @@ again under a new one. Every store call is bounded by the store's own timeout.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 
@@ -112,24 +119,55 @@ class Member:
     role: str
 
 
-def announce(store: MetadataStore, instance_id: str, url: str, role: str, ttl_s: float = DEFAULT_TTL_S) -> LeasedKey:
-    """Put this instance in the membership until ``close`` (or its death, plus ``ttl_s``)."""
-    value = json.dumps({"url": url, "role": role})
+@dataclass(frozen=True)
+class Listing:
+    """What ``list_instances`` found: the members whose records verified, and the keys of the
+    records that did not (unsigned, signed with another key, altered, or malformed)."""
+
+    members: list[Member]
+    refused: list[str] = field(default_factory=list)
+
+
+# Versioned: a change of the signed fields cannot be confused with an earlier one.
+_MEMBER_LABEL = "mooncake-py/member/v1"
+
+
+def _member_mac(key: bytes, instance_id: str, url: str, role: str) -> str:
+    # JSON of a list: every (id, url, role) has exactly one encoding, whatever characters they hold.
+    fields = json.dumps([_MEMBER_LABEL, instance_id, url, role]).encode()
+    return hmac.new(key, fields, hashlib.sha256).hexdigest()
+
+
+def announce(store: MetadataStore, key: bytes, instance_id: str, url: str, role: str,
+             ttl_s: float = DEFAULT_TTL_S) -> LeasedKey:
+    """Put this instance in the membership until ``close`` (or its death, plus ``ttl_s``), signed
+    with the membership ``key``."""
+    value = json.dumps({"url": url, "role": role, "mac": _member_mac(key, instance_id, url, role)})
     held = LeasedKey.hold(store, INSTANCES + instance_id, value, ttl_s, exclusive=False)
     assert held is not None  # a put under a fresh lease cannot find the key held
     return held[0]
 
 
-def list_instances(store: MetadataStore) -> list[Member]:
-    """The instances announced now; an entry that does not parse is skipped (and logged)."""
-    members = []
-    for key, value in store.get_prefix(INSTANCES).items():
+def list_instances(store: MetadataStore, key: bytes) -> Listing:
+    """The instances announced now whose records carry a valid MAC under the membership ``key``;
+    the others are refused (their keys in ``Listing.refused``)."""
+    members, refused = [], []
+    for name, value in store.get_prefix(INSTANCES).items():
+        instance_id = name[len(INSTANCES):]
         try:
             entry = json.loads(value)
-            members.append(Member(key[len(INSTANCES):], str(entry["url"]), str(entry["role"])))
+            url, role, mac = entry["url"], entry["role"], entry["mac"]
+            if not (isinstance(url, str) and isinstance(role, str) and isinstance(mac, str)):
+                raise TypeError("url, role and mac must be strings")
         except (ValueError, KeyError, TypeError) as e:
-            log.warning("skipping the membership entry %s: %s", key, e)
-    return members
+            refused.append(name)
+            log.debug("refusing the membership record %s: %s", name, e)
+            continue
+        if not hmac.compare_digest(mac, _member_mac(key, instance_id, url, role)):
+            refused.append(name)
+            continue
+        members.append(Member(instance_id, url, role))
+    return Listing(members, refused)
 
 
 # -- Conductors -----------------------------------------------------------------------------------
