@@ -147,10 +147,9 @@ class Conductor(EngineClient):
         self._members, self._claim = members, claim
         self._members_key = derive_key(config.secret, MEMBERSHIP)
         self._members_error: str | None = None
-        # Membership records whose MAC failed in the latest listing (each logged once): an
-        # instance announced without the cluster secret is never polled nor sent a request.
+        # Membership records whose MAC failed in the latest listing (each logged when first seen):
+        # an instance announced without the cluster secret is never polled nor sent a request.
         self._members_refused: list[str] = []
-        self._refused_logged: set[str] = set()
         self._pool_stats: dict[str, Any] | None = None
         # Pool metadata calls run on threads of their own: a lookup that outlives its 1 s wait
         # (etcd down: up to its client timeout) must not take the default executor's few threads.
@@ -230,11 +229,10 @@ class Conductor(EngineClient):
                 if self._members_error is not None:
                     log.info("membership available again")
                 self._members_error = None
-                self._members_refused = listing.refused
-                for name in set(listing.refused) - self._refused_logged:
+                for name in set(listing.refused) - set(self._members_refused):
                     log.warning("ignoring the membership record %s: not signed with the cluster's membership key "
                                 "(written by someone without the cluster secret, or altered)", name)
-                self._refused_logged = set(listing.refused)
+                self._members_refused = listing.refused
                 listed = {m.url.rstrip("/") for m in listing.members}
                 for url in sorted(listed - announced):
                     self.registry.add(url)
