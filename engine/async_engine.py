@@ -44,7 +44,7 @@ from engine.llm_engine import LLMEngine, StepFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded, RequestFailed
+from engine.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded, NotStarted, RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ def _deliver(items: list[tuple[_Request, RequestOutput | BaseException]]) -> Non
 def _not_the_engines_fault(e: Exception) -> bool:
     """A request that cannot start for a reason of its own or of the moment: a reservation that
     lapsed (a ``LookupError`` its owner raised; a bare ``KeyError`` / ``IndexError`` is a bug),
-    or no room for its KV now. Its caller tells the client so, and may place it elsewhere;
+    KV that arrived corrupt (``NotStarted``), or no room for its KV now. Its caller tells the client so, and may place it elsewhere;
     wrapped as an ``EngineError`` it would read as a failed instance."""
-    if isinstance(e, KVCapacityError):
+    if isinstance(e, (KVCapacityError, NotStarted)):
         return True
     return isinstance(e, LookupError) and not isinstance(e, (KeyError, IndexError))
 

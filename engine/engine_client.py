@@ -38,6 +38,13 @@ class RequestFailed(EngineError):
     the batch): that request ends, the engine and the other requests go on."""
 
 
+class NotStarted(Exception):
+    """A request's ``start`` (``AsyncLLMEngine.stream``) refused it for a reason that lies outside
+    the engine: the KV it was to start from arrived corrupt, say. Handed back to the caller as it
+    is, which may place the request elsewhere; read as an ``EngineError`` it would make a healthy
+    instance look failed."""
+
+
 class EngineNotReady(RuntimeError):
     """The model is still loading (or failed to load), or a part the engine needs is down; no
     request can be served now. ``retry_after``: seconds after which a retry may succeed (None:

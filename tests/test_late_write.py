@@ -95,7 +95,7 @@ def _send_all(d, dest: KVDestination, fill: torch.Tensor | None = None) -> torch
     ``dest`` with one write naming the destination's generation; returns the KV written."""
     layout, n = d.layout, dest.num_blocks
     kv = torch.randn(layout.shape(n)).to(layout.torch_dtype) if fill is None else fill
-    trailer = layer_checksums(kv)
+    trailer = layer_checksums(kv, dest.generation)
     nbytes = layout.nbytes(n) + len(trailer)
     src = d.send.allocate(nbytes)
     try:

@@ -110,22 +110,24 @@ CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     "cluster.policies": (),
     # bytes between registered regions: no model, no blocks, no HTTP
     "cluster.messenger": (),
-    # the wire: plain data of the engine only
-    "cluster.protocol": ("engine.outputs", "engine.sampling_params"),
+    # the wire: plain data of the engine only (and the engine's seam for a refused start)
+    "cluster.protocol": ("engine.outputs", "engine.sampling_params", "engine.engine_client"),
+    # faults injected on purpose (bench.faults): a leaf the data paths ask
+    "cluster.failpoints": (),
     # the pool stores objects over the messenger; of the engine only the wire layout and the sink seam
-    "cluster.pool": ("cluster.messenger", "cluster.protocol", "engine.kv_layout", "engine.hooks",
-                     "paged_kv.prefix_keys"),
+    "cluster.pool": ("cluster.failpoints", "cluster.messenger", "cluster.protocol", "engine.kv_layout",
+                     "engine.hooks", "paged_kv.prefix_keys"),
     # the front door: policies, the pool's index (its lookups; not the client, which moves bytes
     # over the Messenger), the wire; no model code, no instance internals
     "cluster.conductor": ("cluster.policies", "cluster.pool.index", "cluster.pool.metadata", "cluster.pool.objects",
                           "cluster.protocol", "paged_kv.prefix_keys", *_LIGHT_ENGINE),
     # a prefill's KV into a decode instance's reservation, over the messenger: an instance's and a stage's
-    "cluster.kv_stream": ("cluster.messenger", "engine.kv_layout", "engine.hooks"),
+    "cluster.kv_stream": ("cluster.failpoints", "cluster.messenger", "engine.kv_layout", "engine.hooks"),
     # a prefill instance's stages: below the instance that leads them (never cluster.instance)
     "cluster.cpp": ("cluster.kv_stream", "cluster.messenger", "cluster.pool", "cluster.protocol", "engine"),
     # one engine process: everything below the Conductor
-    "cluster.instance": ("cluster.cpp", "cluster.kv_stream", "cluster.messenger", "cluster.pool",
-                         "cluster.policies", "cluster.protocol", "engine", "paged_kv"),
+    "cluster.instance": ("cluster.cpp", "cluster.failpoints", "cluster.kv_stream", "cluster.messenger",
+                         "cluster.pool", "cluster.policies", "cluster.protocol", "engine", "paged_kv"),
 }
 # Modules that do I/O or threads: policies must stay pure; the messenger speaks no HTTP.
 FORBIDDEN_THIRD_PARTY: Mapping[str, tuple[str, ...]] = {

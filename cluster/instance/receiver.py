@@ -35,6 +35,7 @@ from typing import TypeVar
 
 import torch
 
+from cluster.failpoints import FAILPOINTS, LAPSE_AFTER_S
 from cluster.kv_stream import KVDestination, sums_bytes, verify_layers
 from cluster.protocol import BadRequest, Fence, KVWriteFailed, UnknownReservation, WrongEpoch
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
@@ -77,6 +78,7 @@ class Receiver:
         # Ids released recently: an abort can overtake the reserve it answers (the Conductor
         # gave up waiting for it), and that late reserve must not be granted to nobody.
         self._released: dict[str, float] = {}
+        self._lapsing: set[asyncio.Task] = set()  # releases the ``reserve.lapse`` failpoint started
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -145,6 +147,8 @@ class Receiver:
                 raise WrongEpoch(f"Conductor {fence.conductor!r}'s epoch {fence.epoch} was replaced by "
                                  f"{self.epochs[fence.conductor]} while reserving")
             raise UnknownReservation(f"request {request_id!r} was aborted")
+        if FAILPOINTS.fire("reserve.lapse"):
+            asyncio.get_running_loop().call_later(LAPSE_AFTER_S, self._lapse, request_id)
         return KVDestination(self._address, self.staging.handle, staging.offset if staging else 0,
                              res.cached_blocks, n, staging.generation if staging else None, sums=True)
 
@@ -221,7 +225,7 @@ class Receiver:
         kv = self.staging.view(kv_range, layout.torch_dtype, layout.shape(n))
         sums = self.staging.view(StagingRange(kv_range.offset + kv_range.nbytes, sums_bytes(layout.num_layers)),
                                  torch.uint8, (sums_bytes(layout.num_layers),))
-        bad = verify_layers(kv, sums)
+        bad = verify_layers(kv, sums, lease.staging.generation)
         if bad is not None:
             log.warning("refusing the KV of %s: layer %d does not match its checksum", request_id, bad)
             raise KVWriteFailed(f"the KV received for {request_id!r} is corrupt (layer {bad} does not match its checksum)")
@@ -258,8 +262,18 @@ class Receiver:
             with self._lock:
                 expired = [rid for rid, lease in self._leases.items() if lease.expires < now]
             for rid in expired:
-                log.warning("releasing reservation %s: its lease was not renewed for %.1f s", rid, self.lease_s)
-                try:
-                    await self.release(rid, settled=False)
-                except Exception:  # noqa: BLE001 -- the engine stopped; nothing left to free
-                    log.exception("releasing reservation %s failed", rid)
+                await self._expire(rid)
+
+    async def _expire(self, request_id: str) -> None:
+        log.warning("releasing reservation %s: its lease was not renewed for %.1f s", request_id, self.lease_s)
+        try:
+            await self.release(request_id, settled=False)
+        except Exception:  # noqa: BLE001 -- the engine stopped; nothing left to free
+            log.exception("releasing reservation %s failed", request_id)
+
+    def _lapse(self, request_id: str) -> None:
+        """The ``reserve.lapse`` failpoint: the lease runs out now, as if nobody had renewed it."""
+        if request_id in self._leases:
+            task = asyncio.get_running_loop().create_task(self._expire(request_id))
+            self._lapsing.add(task)  # held until done: the loop keeps only a weak reference
+            task.add_done_callback(self._lapsing.discard)

@@ -62,7 +62,7 @@ class Replicator:
                 raise PrefixNotCached(str(e)) from None
             exported = True
             if dest.sums:  # the checksum of each layer, after the KV (the target verifies them)
-                trailer = layer_checksums(out)
+                trailer = layer_checksums(out, dest.generation)
                 self._send.buffer[staging.offset + kv_bytes : staging.offset + nbytes] = torch.frombuffer(
                     bytearray(trailer), dtype=torch.uint8)
             batch = self._transfer.write(dest.address, [(self._send.handle, staging.offset, dest.region, dest.offset,

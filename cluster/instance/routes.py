@@ -21,6 +21,9 @@ signed requests, ``cluster/protocol/``), and ``/health`` / ``/stats``:
   (``roles.py``); its state shows the switch and, once drained, the new role
 * ``POST /instance/stage/join`` (a first pipeline stage whose later stages are started by hand,
   ``cluster.cpp.group``) a later stage takes its ``StageSpec``, then its links
+* ``GET|POST /instance/failpoints`` only in a process started with ``MOONCAKE_FAILPOINTS=1``
+  (``cluster.failpoints``, for ``bench.faults``): arm faults with ``{"arm": {name: times}}``;
+  both answer what is armed and what fired
 
 Every call carries the calling Conductor's id and epoch (``Fence``, header ``X-Conductor-Epoch``,
 inside the signed material): several Conductors call side by side; a newer epoch of one id makes
@@ -45,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cluster.failpoints import FAILPOINTS
 from cluster.instance.roles import Work
 from cluster.instance.service import InstanceService
 from cluster.kv_stream import KVDestination
@@ -246,9 +250,20 @@ class InstanceRoutes:
             raise InstanceNotReady(str(e)) from None
         return JSONResponse(links.to_dict())
 
+    async def failpoints(self, request: Request) -> Response:
+        if request.method == "POST":
+            body = await _body(request)
+            arm = body.get("arm") if isinstance(body, dict) else None
+            if not isinstance(arm, dict):
+                raise BadRequest('the body is {"arm": {failpoint: times}}')
+            FAILPOINTS.arm(arm)
+        return JSONResponse(FAILPOINTS.state())
+
     def routes(self) -> list[Route]:
         c = self._control
-        return [
+        failpoints = ([Route("/instance/failpoints", c(needs_ready=False)(self.failpoints), methods=["GET", "POST"])]
+                      if FAILPOINTS.enabled else [])
+        return failpoints + [
             Route("/health", self.health, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
             Route("/instance/info", c(max_body=NO_BODY)(self.info), methods=["GET"]),

@@ -13,9 +13,9 @@ job per file:
 """
 
 from cluster.kv_stream.destination import KVDestination
-from cluster.kv_stream.checksums import layer_checksum, layer_checksums, sums_bytes, verify_layers
+from cluster.kv_stream.checksums import layer_checksum, layer_checksums, layer_seed, sums_bytes, verify_layers
 from cluster.kv_stream.sink import PrefillSink, PrefillSinks
 from cluster.kv_stream.sender import DecodeStream, KVSender, SendReport, settle
 
 __all__ = ["DecodeStream", "KVDestination", "KVSender", "PrefillSink", "PrefillSinks", "SendReport", "layer_checksum",
-           "layer_checksums", "settle", "sums_bytes", "verify_layers"]
+           "layer_checksums", "layer_seed", "settle", "sums_bytes", "verify_layers"]

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.kv_stream.checksums import LAYER_SUM, layer_checksum, sums_bytes
+from cluster.failpoints import FAILPOINTS
+from cluster.kv_stream.checksums import LAYER_SUM, layer_checksum, layer_seed, sums_bytes
 from cluster.kv_stream.destination import KVDestination
 from cluster.kv_stream.sink import PrefillSink
 from cluster.messenger.staging import StagingArea, StagingRange, when_free
@@ -107,6 +108,8 @@ class KVSender:
         # finish has popped a request and seen it idle no copy into its staging can still start.
         self._lock = threading.Lock()
         self._out: dict[str, _Outgoing] = {}
+        # Where the last finished request's KV went: the target of the ``kv.stale_write`` failpoint.
+        self._last_finished: KVDestination | None = None
 
     def _nbytes(self, dest: KVDestination) -> int:
         kv = len(self.layers) * self.layout.layer_bytes(dest.num_blocks)
@@ -206,13 +209,39 @@ class KVSender:
                        for off in (at * page, (d.num_blocks + at) * page)]
         if with_sum:
             slot = out.staging.offset + kv.nbytes + LAYER_SUM.size * layer
-            LAYER_SUM.pack_into(memoryview(self.staging.buffer.numpy()), slot, layer_checksum(buf[layer]))
+            seed = layer_seed(d.generation, self.layers.start + layer)
+            LAYER_SUM.pack_into(memoryview(self.staging.buffer.numpy()), slot, layer_checksum(buf[layer], seed))
             entries.append((self.staging.handle, slot, d.region,
                             d.offset + self.layout.nbytes(d.num_blocks) + LAYER_SUM.size * (self.layers.start + layer),
                             LAYER_SUM.size))
+            if n and self._inject(entries, here + at * page):
+                out.bytes_sent += 2 * n * page  # as if it had all gone out: the decode side must notice
+                return
         batch = self.transfer.write(d.address, entries, generation=d.generation)
         out.batches.append((batch, 2 * n * page))
         out.bytes_sent += 2 * n * page
+
+    def _inject(self, entries: list[tuple], first_byte: int) -> bool:
+        """The failpoints of a layer's last write (``cluster.failpoints``), its checksum taken
+        already: change ``entries`` or the staged bytes at ``first_byte`` in place; True when the
+        layer is not to be written at all (``kv.drop_layer``)."""
+        if FAILPOINTS.fire("kv.drop_layer"):
+            return True
+        if FAILPOINTS.fire("kv.flip_bit"):
+            self.staging.buffer.numpy()[first_byte] ^= 1
+        if FAILPOINTS.fire("kv.truncate"):
+            handle, src, region, dst, nbytes = entries[0]
+            entries[0] = (handle, src, region, dst, nbytes // 2)
+        stale = self._last_finished
+        if stale is not None and stale.generation is not None and FAILPOINTS.fire("kv.stale_write"):
+            # This layer's first K page again, into the start of the range the last finished
+            # request was given, naming that use of the range: it ended, so it must be refused.
+            handle, src, _, _, nbytes = entries[0]
+            late = self.transfer.write(stale.address, [(handle, src, stale.region, stale.offset, nbytes)],
+                                       generation=stale.generation)
+            late.add_done_callback(
+                lambda b: FAILPOINTS.note("kv.stale_write", "landed" if b.exception() is None else "refused"))
+        return False
 
     async def finish(self, request_id: str, timeout_s: float) -> SendReport:
         """Wait for every write of the request, then free its staging. Raises ``TransferError``
@@ -245,6 +274,8 @@ class KVSender:
                 # A write that timed out may still read the range: wait for the transport to let go.
                 await loop.run_in_executor(None, settle, batches, timeout_s)
                 self.staging.release(out.staging)
+        if out.staging is not None and out.dest.generation is not None:
+            self._last_finished = out.dest
         if out.error is not None:
             raise TransferError(out.error)
         expected = out.dest.num_blocks * self.layout.layer_bytes(1) * len(self.layers)

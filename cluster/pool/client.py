@@ -38,6 +38,7 @@ from typing import TypeVar
 
 import xxhash
 
+from cluster.failpoints import FAILPOINTS
 from cluster.messenger import Batch, Messenger, RegionHandle, TransferError
 from cluster.messenger.wire import Status
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex, SegmentInfo
@@ -424,6 +425,8 @@ class PoolWrite:
         for segment_id, batch in self._batches:
             try:
                 batch.wait(self._client._timeout_s)
+                if FAILPOINTS.fire("pool.fail_read"):
+                    raise TransferError("the read failed (failpoint pool.fail_read)")
             except (TransferError, TimeoutError) as exc:
                 log.info("pool: write to segment %s failed: %s", segment_id, exc)
                 failed.add(segment_id)
@@ -499,6 +502,8 @@ class PoolRead:
         for s, batch in self._batches[part - self.parts.start]:
             try:
                 batch.wait(self._client._timeout_s)
+                if FAILPOINTS.fire("pool.fail_read"):
+                    raise TransferError("the read failed (failpoint pool.fail_read)")
             except (TransferError, TimeoutError) as exc:
                 log.warning("pool: read from segment %s failed: %s; recomputing", s, exc)
                 self.good = min([self.good] + [i for i, (seg, _) in enumerate(self.grants) if seg == s])

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.failpoints import FAILPOINTS
 from cluster.messenger import Messenger, RegionHandle
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from cluster.pool.messages import Grant
@@ -163,6 +164,8 @@ class Segment:
             obj.sealed = True
             del self._pending[key]
             obj.checksums = list(checksums)
+            if FAILPOINTS.fire("pool.flip_bit"):
+                self.area.buffer[obj.range.offset] ^= 1  # bit rot in DRAM, after the writer's checksums
             self._objects.move_to_end(key)
             self.counters["stores"] += 1
             self._outbox.put((key, True))
@@ -206,6 +209,11 @@ class Segment:
                 now = self._clock()
                 for key in keys:
                     obj = self._objects.get(key)
+                    if obj is not None and obj.sealed and not self._leased(obj, now) \
+                            and FAILPOINTS.fire("pool.evict_on_lease"):
+                        self._drop(key, obj, publish=True)  # evicted after the reader's lookup found it
+                        self.counters["evictions"] += 1
+                        obj = None
                     if obj is None or not obj.sealed:
                         grants.append(None)
                         continue

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from engine.engine_client import NotStarted
+
 
 # -- errors -------------------------------------------------------------------------------------------
 
@@ -51,8 +53,9 @@ class TooLarge(RequestError):
     status, code = 413, "too_large"
 
 
-class KVWriteFailed(RequestError):
-    """A KV write to another instance failed: nothing against the one that answers this."""
+class KVWriteFailed(RequestError, NotStarted):
+    """A KV write to another instance failed, or what it wrote arrived corrupt: nothing against
+    the instance that answers this (nor, raised where the request starts, against its engine)."""
 
     status, code = 424, "kv_write_failed"
 

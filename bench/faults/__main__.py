@@ -1,0 +1,3 @@
+from bench.faults import main
+
+raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""bench.faults: one run of the matrix against a ``python -m server`` cluster the bench starts."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import secrets
+import signal
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.faults.matrix import (BENCH_FENCE, DECODE, EVERY, FRESH, NONE, PREFILL, ROWS, SHARED_SESSIONS, ControlCall,
+                                 Row, hostile_control, pause_conductor, restarted_peer)
+from bench.faults.traffic import (DIFFERS, ERROR, HUNG, IDENTICAL, Ask, Outcome, fresh_asks, send_all, session_firsts,
+                                  session_seconds, with_references)
+from bench.harness import ServerProcess, launch_server
+from cluster.failpoints import ENV as FAILPOINTS_ENV
+from cluster.protocol import CONTROL, EPOCH_HEADER, MESSENGER, ControlAuth, derive_key
+
+PRECISIONS = {"deterministic": (["--deterministic"], {"deterministic": True}),
+              "float32": (["--dtype", "float32"], {"dtype": "float32"})}
+# The shipped reservation lease (``--reservation-lease-s``) and transfer timeout: the Conductor
+# is paused past the first; abandoned receive staging is reused after twice the second.
+LEASE_S, TRANSFER_TIMEOUT_S = 10.0, 30.0
+
+
+@dataclass
+class FaultsConfig:
+    workdir: Path
+    quick: bool = False
+    precision: str = "deterministic"
+    requests: int = 6  # per row of fresh prompts
+    sessions: int = 2  # per pool row
+    max_tokens: int = 16
+    deadline_s: float = 240.0
+    only: tuple[str, ...] = ()
+    json_path: Path | None = None
+
+    def rows(self) -> list[Row]:
+        rows = [r for r in ROWS if (not self.quick or r.quick) and (not self.only or r.name in self.only)]
+        if self.only and len(rows) != len(self.only):
+            known = ", ".join(r.name for r in ROWS)
+            raise ValueError(f"--only names rows that are not in the matrix (known: {known})")
+        return rows
+
+
+@dataclass
+class RowResult:
+    name: str
+    fault: str
+    fired: int = 0
+    outcomes: list[Outcome] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)  # Conductor counters that moved during the row
+    calls: list[ControlCall] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # why the row failed, besides differing 200s
+
+    def count(self, result: str) -> int:
+        return sum(o.result == result for o in self.outcomes)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.count(DIFFERS) and not self.count(HUNG)
+
+    def errors(self) -> Counter:
+        return Counter(f"{o.status} {o.error[:90]}" for o in self.outcomes if o.result == ERROR)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def references(cfg: FaultsConfig, rows: Sequence[Row]) -> dict[str, list[Ask] | list[tuple[Ask, list[Ask]]]]:
+    """Every row's requests with their greedy reference texts, from an engine in this process at
+    the cluster's precision (the cluster is not started yet: nothing else computes)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(**PRECISIONS[cfg.precision][1])
+
+    def texts(asks: list[Ask]) -> list[Ask]:
+        out = list(asks)
+        for m in sorted({a.max_tokens for a in asks}):
+            idx = [i for i, a in enumerate(asks) if a.max_tokens == m]
+            got = llm.generate([asks[i].prompt for i in idx], SamplingParams(temperature=0, max_tokens=m,
+                                                                                 ignore_eos=True))
+            for i, g in zip(idx, got, strict=True):
+                out[i] = with_references([asks[i]], [g.text])[0]
+        return out
+
+    refs: dict[str, Any] = {}
+    for row in rows:
+        if row.traffic == FRESH:
+            refs[row.name] = texts(fresh_asks(row.name, cfg.requests, cfg.max_tokens))
+        elif row.traffic != NONE:
+            firsts = texts(session_firsts(row.name, cfg.sessions))
+            seconds = [texts(session_seconds(f, f.want, cfg.max_tokens, row.traffic == SHARED_SESSIONS))
+                       for f in firsts]
+            refs[row.name] = list(zip(firsts, seconds, strict=True))
+    del llm
+    gc.collect()
+    return refs
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class FaultsRun:
+    def __init__(self, cfg: FaultsConfig, server: ServerProcess, secret: str) -> None:
+        self.cfg = cfg
+        self.server = server
+        self.secret = secret
+        self.http = httpx.AsyncClient(base_url=server.base_url, timeout=cfg.deadline_s + 30)
+        self.control = httpx.AsyncClient(auth=ControlAuth(derive_key(secret.encode(), CONTROL)), timeout=120,
+                                         headers={EPOCH_HEADER: BENCH_FENCE})
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.control.aclose()
+
+    def _urls(self, where: str) -> list[str]:
+        return [i["url"] for i in self.server.instances() if where == EVERY or i["role"] == where]
+
+    async def _failpoints(self, url: str, arm: dict[str, int] | None = None) -> dict[str, Any]:
+        r = await (self.control.post(url + "/instance/failpoints", json={"arm": arm}) if arm is not None
+                   else self.control.get(url + "/instance/failpoints"))
+        if r.status_code != 200:
+            raise RuntimeError(f"failpoints on {url}: {r.status_code} {r.text[:300]}")
+        return r.json()
+
+    async def _counters(self) -> dict[str, int]:
+        stats = await asyncio.to_thread(self.server.stats) or {}
+        pool = stats.get("pool") or {}
+        return {"moved": stats.get("requests_moved", 0), "failed": stats.get("requests_failed", 0),
+                **{f"pool {k}": v for k, v in pool.items() if isinstance(v, int)}}
+
+    async def row(self, row: Row, refs: Any) -> RowResult:
+        res = RowResult(row.name, row.fault)
+        if row.action == "restarted_peer":
+            peer = await asyncio.to_thread(restarted_peer, derive_key(self.secret.encode(), MESSENGER))
+            res.fired = 1
+            res.counters = {"stale writes refused": peer.stale_refused, "stale writes landed": peer.stale_landed}
+            if peer.stale_landed:
+                res.problems.append(f"{peer.stale_landed} writes naming the old incarnation's region landed")
+            if not peer.fresh_write_intact:
+                res.problems.append("a write to the new incarnation's own region did not land as sent")
+            return res
+        before = await self._counters()
+        armed = {url: arm for where, arm in row.failpoints.items() for url in self._urls(where)}
+        fired_before = {url: (await self._failpoints(url))["fired"] for url in armed}
+        for url, arm in armed.items():
+            await self._failpoints(url, arm)
+        try:
+            if row.traffic == FRESH:
+                res.outcomes = await self._with_action(row, res, send_all(self.http, refs, self.cfg.deadline_s))
+            else:
+                res.outcomes = await self._sessions(refs)
+        finally:
+            for url, arm in armed.items():
+                state = await self._failpoints(url, dict.fromkeys(arm, 0))
+                res.fired += sum(state["fired"].get(n, 0) - fired_before[url].get(n, 0) for n in arm)
+                res.counters.update({k: v for k, v in state.get("outcomes", {}).items()})
+        after = await self._counters()
+        res.counters.update({k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
+        if armed and not res.fired:
+            res.problems.append("the fault never fired: the row proves nothing")
+        return res
+
+    async def _with_action(self, row: Row, res: RowResult, traffic) -> list[Outcome]:
+        task = asyncio.ensure_future(traffic)
+        try:
+            if row.action == "hostile_control":
+                await asyncio.sleep(0.3)  # the traffic is under way
+                prefill, decode = self._urls(PREFILL)[0], self._urls(DECODE)[0]
+                res.calls = await hostile_control(self.control, prefill, decode)
+                res.fired = len(res.calls)
+                res.problems += [f"{c.label}: answered {c.status} {c.answer[:120]}" for c in res.calls if not c.refused]
+            elif row.action == "pause_conductor":
+                await pause_conductor(self.server.proc.pid, 1.0, LEASE_S + 3.0)
+                res.fired = 1
+            return await task
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def _sessions(self, refs: list[tuple[Ask, list[Ask]]]) -> list[Outcome]:
+        firsts = await send_all(self.http, [f for f, _ in refs], self.cfg.deadline_s)
+        await self._stored(len(refs))
+        seconds = await send_all(self.http, [s for _, ss in refs for s in ss], self.cfg.deadline_s)
+        return firsts + seconds
+
+    async def _stored(self, n: int, within_s: float = 20.0) -> None:
+        """Wait (bounded) until the pool holds ``n`` more objects than the index had: the decode
+        instance stores a turn when it ends, after the answer went out."""
+        deadline = time.monotonic() + within_s
+        start = (await self._counters()).get("pool objects", 0)
+        while time.monotonic() < deadline:
+            if (await self._counters()).get("pool objects", 0) >= start + n:
+                return
+            await asyncio.sleep(0.2)
+
+    async def held(self, within_s: float) -> dict[str, Any]:
+        """What the instances still hold, once nothing is (up to ``within_s``): empty when clean."""
+        deadline = time.monotonic() + within_s
+        while True:
+            held = await asyncio.to_thread(self.server.held)
+            if not held or time.monotonic() > deadline:
+                return held
+            await asyncio.sleep(1.0)
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def format_table(results: Sequence[RowResult]) -> str:
+    head = ("| row | fault | fired | requests | identical | moved / pool recomputed | clear errors | "
+            "differing 200s | hung | verdict |")
+    lines = [head, "|" + "---|" * 10]
+    for r in results:
+        moved = r.counters.get("moved", 0)
+        pool = r.counters.get("pool failed_reads_recomputed", 0) + r.counters.get("pool misses", 0)
+        verdict = "ok" if r.ok else "FAILED"
+        lines.append(f"| {r.name} | {r.fault} | {r.fired} | {len(r.outcomes)} | {r.count(IDENTICAL)} | {moved} / {pool} "
+                     f"| {r.count(ERROR)} | {r.count(DIFFERS)} | {r.count(HUNG)} | {verdict} |")
+    notes = []
+    for r in results:
+        for why, n in r.errors().items():
+            notes.append(f"- {r.name}: {n} x HTTP {why}")
+        for c in r.calls:
+            notes.append(f"- {r.name}: {c.label}: {c.status} {c.answer[:100]}")
+        for o in r.outcomes:
+            if o.result in (DIFFERS, HUNG):
+                notes.append(f"- {r.name}: {o.ask.label} {o.result}: got {o.text[:80]!r} want {o.ask.want[:80]!r} "
+                             f"{o.error}")
+        notes += [f"- {r.name}: FAILED: {p}" for p in r.problems]
+        extra = {k: v for k, v in r.counters.items() if ":" in k or "stale" in k}
+        if extra:
+            notes.append(f"- {r.name}: {extra}")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+async def run_matrix(cfg: FaultsConfig) -> tuple[list[RowResult], dict[str, Any]]:
+    rows = cfg.rows()
+    print(f"bench.faults: {len(rows)} rows, precision {cfg.precision}; references first", flush=True)
+    refs = await asyncio.to_thread(references, cfg, rows)
+    secret = secrets.token_hex(16)
+    flags = [*PRECISIONS[cfg.precision][0], "--instance-threads", "1", "--log-level", "info"]
+    env = {"MOONCAKE_CLUSTER_SECRET": secret, FAILPOINTS_ENV: "1", "OMP_NUM_THREADS": "1"}
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    server = launch_server(flags, cfg.workdir / "cluster.log", name="faults cluster", env=env)
+    extra: dict[str, Any] = {"log": str(cfg.workdir / "cluster.log")}
+    results: list[RowResult] = []
+    try:
+        await asyncio.to_thread(server.wait_instances, 2, 600)
+        run = FaultsRun(cfg, server, secret)
+        try:
+            for row in rows:
+                t0 = time.monotonic()
+                res = await run.row(row, refs.get(row.name))
+                results.append(res)
+                print(f"  {row.name}: fired {res.fired}, {res.count(IDENTICAL)}/{len(res.outcomes)} identical, "
+                      f"{res.count(ERROR)} errors, {res.count(DIFFERS)} differ, {res.count(HUNG)} hung "
+                      f"({time.monotonic() - t0:.1f} s){'' if res.ok else ' FAILED'}", flush=True)
+            # A lapsed reservation's staging is reused only after twice the transfer timeout.
+            extra["held_at_end"] = await run.held(15.0 + 2 * TRANSFER_TIMEOUT_S)
+            extra["instances_down_at_end"] = [i["url"] for i in server.instances() if not i["up"]]
+        finally:
+            await run.close()
+    finally:
+        server.proc.send_signal(signal.SIGCONT)  # a row may have stopped it
+        server.stop(30.0)
+    return results, extra
+
+
+def main_run(cfg: FaultsConfig) -> int:
+    t0 = time.monotonic()
+    results, extra = asyncio.run(run_matrix(cfg))
+    print()
+    print(format_table(results))
+    ok = all(r.ok for r in results) and not extra.get("held_at_end") and not extra.get("instances_down_at_end")
+    if extra.get("held_at_end"):
+        print(f"\nheld at the end: {extra['held_at_end']}")
+    if extra.get("instances_down_at_end"):
+        print(f"\ninstances down at the end: {extra['instances_down_at_end']}")
+    if cfg.json_path is not None:
+        cfg.json_path.write_text(json.dumps({"config": {k: str(v) for k, v in asdict(cfg).items()}, "extra": extra,
+                                             "rows": [{"name": r.name, "fault": r.fault, "fired": r.fired, "ok": r.ok,
+                                                       "counts": {k: r.count(k) for k in (IDENTICAL, ERROR, DIFFERS, HUNG)},
+                                                       "counters": r.counters, "problems": r.problems}
+                                                      for r in results]}, indent=1))
+    differing = sum(r.count(DIFFERS) for r in results)
+    print(f"\n{sum(len(r.outcomes) for r in results)} requests, {differing} differing 200s, "
+          f"{time.monotonic() - t0:.0f} s (pid {os.getpid()})")
+    print("RESULT OK" if ok else "RESULT FAILED")
+    return 0 if ok else 1
