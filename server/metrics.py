@@ -35,6 +35,8 @@ POOL_COUNTERS = {
     "promotions": "Objects brought back from SSD to DRAM on a read.",
     "replicas_made": "Extra replicas of hot objects.",
     "failed_reads_recomputed": "Pool objects whose read or checksum failed; their tokens were recomputed.",
+    "foreign_objects": "Pool objects found under a reader's key with another size (another model's or KV "
+                       "layout's); not read.",
 }
 
 

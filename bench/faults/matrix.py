@@ -2,11 +2,13 @@
 
 A row names its fault, how it is injected and the traffic it runs under. Most faults are
 failpoints (``cluster.failpoints``) armed on the instances of one role for a number of passes;
-three are made from outside the failpoints: hostile control messages signed with the cluster's
-key (``hostile_control``), the Conductor stopped past its reservation lease mid-stream
-(``pause_conductor``), and a Messenger peer restarted at the same address (``restarted_peer``,
-two Messengers in the bench's own process: the transport is the real one, the fault needs a
-fixed port, which the instances do not use).
+four are made from outside the failpoints: hostile control messages signed with the cluster's
+key (``hostile_control``), pool objects of another KV layout planted under the keys the next
+turns will read (``plant_foreign_objects``: a writer of another model or layout whose key
+collides with ours, or a segment that lies), the Conductor stopped past its reservation lease
+mid-stream (``pause_conductor``), and a Messenger peer restarted at the same address
+(``restarted_peer``, two Messengers in the bench's own process: the transport is the real one,
+the fault needs a fixed port, which the instances do not use).
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import torch
 
 from cluster.failpoints import NAMES
 from cluster.messenger import Messenger, MessengerConfig, TransferError
-from cluster.protocol import EPOCH_HEADER, AbortRequest, PrefillRequest, ReserveRequest
+from cluster.protocol import EPOCH_HEADER, MESSENGER, AbortRequest, PrefillRequest, ReserveRequest, derive_key
 from engine.sampling_params import SamplingParams
 
 # Traffic kinds (``bench.faults.traffic``): fresh prompts; two-turn sessions whose second turn
@@ -69,6 +73,8 @@ ROWS: tuple[Row, ...] = (
         {EVERY: {"pool.evict_on_lease": 2}}),
     Row("pool-load-fails-shared", "a pool load fails while two requests share its blocks", SHARED_SESSIONS,
         {EVERY: {"pool.fail_read": 1}}),
+    Row("pool-foreign-object", "an object of another KV layout stored under the key a turn will read", SESSIONS,
+        action="foreign_objects"),
     Row("messenger-peer-restart", "a Messenger peer restarted at the same address; old region handles",
         NONE, action="restarted_peer", quick=True),
     Row("conductor-paused", "the Conductor stopped (SIGSTOP) past the reservation lease mid-stream", FRESH,
@@ -138,6 +144,39 @@ async def _call(control: httpx.AsyncClient, url: str, body: dict, headers: dict[
     except httpx.HTTPError as e:
         call.answer = f"no answer: {type(e).__name__}"
     return call
+
+
+# --------------------------------------------------------------------------- foreign pool objects
+
+
+def plant_foreign_objects(secret: bytes, metadata_url: str, namespace: str, blocks_per_object: int,
+                          block_size: int, prompts: Sequence[list[int]], part_bytes: int) -> int:
+    """Store, under the pool key of each prompt's first object, an object of another layout
+    (parts of ``part_bytes // 2``, random bytes, true checksums of its own), before anything of
+    ours is stored there (a stored key is never written again: ours are then skipped). Returns
+    how many the pool took."""
+    from cluster.pool import PoolClient
+    from cluster.pool.metadata import connect_metadata
+    from cluster.pool.objects import object_keys, part_checksums
+    from paged_kv.prefix_keys import chain_keys
+
+    metadata = connect_metadata(metadata_url, secret)
+    half = part_bytes // 2
+    with Messenger(MessengerConfig(secret=derive_key(secret, MESSENGER))) as transfer:
+        client = PoolClient(transfer, metadata)
+        nbytes = half * 30  # any number of parts: another model's
+        buf = transfer.alloc_shared(nbytes)
+        handle = transfer.register(buf)
+        planted = 0
+        for ids in prompts:
+            tokens = blocks_per_object * block_size
+            (key,) = object_keys(namespace, chain_keys(ids[:tokens], block_size), blocks_per_object)
+            buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+            sums = part_checksums(memoryview(buf.numpy()), half)
+            planted += client.put(key, handle, 0, nbytes, half, sums) is not None
+        transfer.unregister(handle)
+    metadata.close()
+    return planted
 
 
 # --------------------------------------------------------------------------- the Conductor paused

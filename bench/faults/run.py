@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import secrets
 import signal
 import time
@@ -18,13 +19,16 @@ from typing import Any
 import httpx
 
 from bench.faults.matrix import (BENCH_FENCE, DECODE, EVERY, FRESH, NONE, PREFILL, ROWS, SHARED_SESSIONS, ControlCall,
-                                 Row, hostile_control, pause_conductor, restarted_peer)
+                                 Row, hostile_control, pause_conductor, plant_foreign_objects, restarted_peer)
 from bench.faults.traffic import (DIFFERS, ERROR, HUNG, IDENTICAL, Ask, Outcome, fresh_asks, send_all, session_firsts,
                                   session_seconds, with_references)
 from bench.harness import ServerProcess, launch_server
 from cluster.failpoints import ENV as FAILPOINTS_ENV
 from cluster.protocol import CONTROL, EPOCH_HEADER, MESSENGER, ControlAuth, derive_key
+from engine.kv_layout import KVLayout
 
+# The second turns' questions (``SHARED_SESSIONS`` asks both at once).
+QUESTIONS = (" Why?", " And then what happened?")
 PRECISIONS = {"deterministic": (["--deterministic"], {"deterministic": True}),
               "float32": (["--dtype", "float32"], {"dtype": "float32"})}
 # The shipped reservation lease (``--reservation-lease-s``) and transfer timeout: the Conductor
@@ -83,25 +87,26 @@ def references(cfg: FaultsConfig, rows: Sequence[Row]) -> dict[str, list[Ask] | 
 
     llm = LLM(**PRECISIONS[cfg.precision][1])
 
-    def texts(asks: list[Ask]) -> list[Ask]:
-        out = list(asks)
+    def generated(asks: list[Ask]) -> list[tuple[Ask, list[int]]]:
+        """Each ask with its reference text, and the reference's token ids."""
+        out: list[Any] = list(asks)
         for m in sorted({a.max_tokens for a in asks}):
             idx = [i for i, a in enumerate(asks) if a.max_tokens == m]
             got = llm.generate([asks[i].prompt for i in idx], SamplingParams(temperature=0, max_tokens=m,
                                                                                  ignore_eos=True))
             for i, g in zip(idx, got, strict=True):
-                out[i] = with_references([asks[i]], [g.text])[0]
+                out[i] = (with_references([asks[i]], [g.text])[0], g.prompt_token_ids + g.token_ids)
         return out
 
+    questions = [llm.engine.tokenize(q) for q in QUESTIONS]
     refs: dict[str, Any] = {}
     for row in rows:
         if row.traffic == FRESH:
-            refs[row.name] = texts(fresh_asks(row.name, cfg.requests, cfg.max_tokens))
+            refs[row.name] = [a for a, _ in generated(fresh_asks(row.name, cfg.requests, cfg.max_tokens))]
         elif row.traffic != NONE:
-            firsts = texts(session_firsts(row.name, cfg.sessions))
-            seconds = [texts(session_seconds(f, f.want, cfg.max_tokens, row.traffic == SHARED_SESSIONS))
-                       for f in firsts]
-            refs[row.name] = list(zip(firsts, seconds, strict=True))
+            asked = questions[: 2 if row.traffic == SHARED_SESSIONS else 1]
+            refs[row.name] = [(first, [a for a, _ in generated(session_seconds(first, turn, asked, cfg.max_tokens))])
+                              for first, turn in generated(session_firsts(row.name, cfg.sessions))]
     del llm
     gc.collect()
     return refs
@@ -152,21 +157,29 @@ class FaultsRun:
             return res
         before = await self._counters()
         armed = {url: arm for where, arm in row.failpoints.items() for url in self._urls(where)}
-        fired_before = {url: (await self._failpoints(url))["fired"] for url in armed}
+        before_fp = {url: await self._failpoints(url) for url in armed}
         for url, arm in armed.items():
             await self._failpoints(url, arm)
         try:
             if row.traffic == FRESH:
                 res.outcomes = await self._with_action(row, res, send_all(self.http, refs, self.cfg.deadline_s))
             else:
-                res.outcomes = await self._sessions(refs)
+                if row.action == "foreign_objects":
+                    res.fired = await self._plant(refs)
+                # Where a foreign object holds the key, the decode instance stores nothing.
+                res.outcomes = await self._sessions(refs, stored=not res.fired)
         finally:
             for url, arm in armed.items():
                 state = await self._failpoints(url, dict.fromkeys(arm, 0))
-                res.fired += sum(state["fired"].get(n, 0) - fired_before[url].get(n, 0) for n in arm)
-                res.counters.update({k: v for k, v in state.get("outcomes", {}).items()})
+                res.fired += sum(state["fired"].get(n, 0) - before_fp[url]["fired"].get(n, 0) for n in arm)
+                for k, v in state["outcomes"].items():
+                    if v != before_fp[url]["outcomes"].get(k, 0):
+                        res.counters[k] = res.counters.get(k, 0) + v - before_fp[url]["outcomes"].get(k, 0)
         after = await self._counters()
         res.counters.update({k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
+        if row.action == "foreign_objects" and res.counters.get("pool foreign_objects", 0) < res.fired:
+            res.problems.append(f"{res.fired} foreign objects planted, "
+                                f"{res.counters.get('pool foreign_objects', 0)} refused by a reader")
         if armed and not res.fired:
             res.problems.append("the fault never fired: the row proves nothing")
         return res
@@ -188,20 +201,35 @@ class FaultsRun:
             task.cancel()
             raise
 
-    async def _sessions(self, refs: list[tuple[Ask, list[Ask]]]) -> list[Outcome]:
+    async def _plant(self, refs: list[tuple[Ask, list[Ask]]]) -> int:
+        """``plant_foreign_objects`` under the keys of the rows' second turns."""
+        stats = await asyncio.to_thread(self.server.stats) or {}
+        (url,) = [i["url"] for i in stats["instances"] if i["role"] == DECODE]
+        info = (await self.control.get(url + "/instance/info")).json()
+        layout = KVLayout.from_dict(info["layout"])
+        found = re.search(r"KVCache pool metadata at (\S+)", self.server.log())
+        if found is None:
+            raise RuntimeError("the Conductor did not log its pool metadata server's address")
+        return await asyncio.to_thread(
+            plant_foreign_objects, self.secret.encode(), found.group(1), info["pool"]["namespace"],
+            info["pool"]["blocks_per_object"], layout.block_size, [ss[0].prompt for _, ss in refs],
+            layout.layer_bytes(info["pool"]["blocks_per_object"]))
+
+    async def _sessions(self, refs: list[tuple[Ask, list[Ask]]], stored: bool) -> list[Outcome]:
+        """The first turns, then (once the decode instance has stored them, when ``stored``) the
+        second turns."""
+        stores = (await self._counters()).get("pool stores", 0)
         firsts = await send_all(self.http, [f for f, _ in refs], self.cfg.deadline_s)
-        await self._stored(len(refs))
+        if stored:
+            await self._stored(stores + len(refs))
         seconds = await send_all(self.http, [s for _, ss in refs for s in ss], self.cfg.deadline_s)
         return firsts + seconds
 
     async def _stored(self, n: int, within_s: float = 20.0) -> None:
-        """Wait (bounded) until the pool holds ``n`` more objects than the index had: the decode
-        instance stores a turn when it ends, after the answer went out."""
+        """Wait (bounded) until the pool has stored ``n`` objects in all: the decode instance
+        stores a turn when it ends, after the answer went out."""
         deadline = time.monotonic() + within_s
-        start = (await self._counters()).get("pool objects", 0)
-        while time.monotonic() < deadline:
-            if (await self._counters()).get("pool objects", 0) >= start + n:
-                return
+        while time.monotonic() < deadline and (await self._counters()).get("pool stores", 0) < n:
             await asyncio.sleep(0.2)
 
     async def held(self, within_s: float) -> dict[str, Any]:

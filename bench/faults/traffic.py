@@ -2,10 +2,13 @@
 
 Every prompt is made of words drawn with a seed of the row's own, so no two rows share a prefix
 block (a row's KV must really be computed and moved, not found in a cache a row before filled).
-A **session** is two turns: the first (~200 words, 64 tokens generated) ends past one pool
-object of the shipped 256 tokens, which the decode instance stores into the pool when the turn
-ends; the second resends it with the reference's answer and a question, and finds that object
-in the pool. The references come from an engine in the bench's own process, with the cluster's
+A **session** is two turns: the first (~110 words, ~150 tokens, and 128 generated) ends past
+one pool object of the shipped 256 tokens, which only the decode instance can store into the
+pool, when the turn ends (the prefill instance computed less than an object); the second
+resends it with the reference's answer and a question, as token ids (text would be tokenized
+anew, and a token merged across the turn's boundary would change every pool key after it), and
+finds that object in the pool (the prefill instance's own cache holds only the first prompt's
+blocks). The references come from an engine in the bench's own process, with the cluster's
 precision, before the cluster starts.
 """
 
@@ -40,7 +43,7 @@ class Ask:
     generates as many tokens), streamed or not; ``want`` is the reference text."""
 
     label: str
-    prompt: str
+    prompt: str | list[int]  # text, or token ids
     max_tokens: int
     stream: bool
     want: str = ""
@@ -77,13 +80,13 @@ def fresh_asks(tag: str, n: int, max_tokens: int, n_words: int = 100) -> list[As
 
 
 def session_firsts(tag: str, n: int) -> list[Ask]:
-    return [Ask(f"{tag}/s{i}/1", words(f"{tag}/s{i}", 200), 64, stream=False) for i in range(n)]
+    return [Ask(f"{tag}/s{i}/1", words(f"{tag}/s{i}", 110), 128, stream=False) for i in range(n)]
 
 
-def session_seconds(first: Ask, reply: str, max_tokens: int, shared: bool) -> list[Ask]:
-    """The second turn (two at once, sharing the whole first turn, when ``shared``)."""
-    questions = (" Why?", " And then what happened?") if shared else (" Why?",)
-    return [Ask(f"{first.label[:-2]}/2{'ab'[i]}", first.prompt + reply + q, max_tokens, stream=i == 1)
+def session_seconds(first: Ask, turn: list[int], questions: Sequence[list[int]], max_tokens: int) -> list[Ask]:
+    """The second turns of ``first``: its prompt and answer as token ids (``turn``), then each
+    question's; sent at once, they share the whole first turn's blocks."""
+    return [Ask(f"{first.label[:-2]}/2{'abcd'[i]}", turn + q, max_tokens, stream=i % 2 == 1)
             for i, q in enumerate(questions)]
 
 

@@ -156,7 +156,8 @@ class PoolIO:
         offsets = [r.offset + i * size for i in range(len(run))]
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(self._io, lambda: self.pool.open_read(
-            wanted, self._area.handle, offsets, self._memory, self._stages.reads_layerwise, self._layers, run=run))
+            wanted, self._area.handle, offsets, self._memory, self._stages.reads_layerwise, self._layers, run=run,
+            object_size=(g.nbytes, g.part_bytes)))
         try:
             read = await asyncio.shield(opening)
         except BaseException:

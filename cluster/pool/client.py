@@ -122,7 +122,7 @@ class PoolClient(PoolIndex):
     # -- reading ------------------------------------------------------------------------------------
     def open_read(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int],
                   dst_memory: memoryview, layerwise: bool = True, parts: range | None = None,
-                  run: list[list[str]] | None = None) -> PoolRead:
+                  run: list[list[str]] | None = None, object_size: tuple[int, int] | None = None) -> PoolRead:
         """Start reading the longest available run of ``keys`` into ``dst`` at ``offsets``
         (``dst_memory``: the same region as bytes, for the checksums), layer by layer: every
         part (layer) of every object is requested at once, in layer order, and
@@ -131,7 +131,11 @@ class PoolClient(PoolIndex):
         ``layerwise``, every part travels in one transfer (fewer round trips; part 0 waits for all).
         ``parts``: only these parts of each object (a pipeline stage's layers), held contiguous
         at each offset; None: all. ``run``: what ``lookup(keys)`` answered, if the caller asked it
-        already (a few more keys than offsets is fine: the run is cut to the offsets)."""
+        already (a few more keys than offsets is fine: the run is cut to the offsets).
+        ``object_size``: (bytes, bytes per part) of an object of the reader's geometry; a grant of
+        another size is a miss, counted in ``foreign_objects`` (an object of another model or KV
+        layout under a key that collides, or a segment that lies: read, its checksums would pass
+        and its bytes fill the reader's blocks with KV of another shape)."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         wanted = len(keys)
@@ -146,6 +150,7 @@ class PoolClient(PoolIndex):
         for i, s in enumerate(choice[:cut]):
             by_segment.setdefault(s, []).append(i)
         grants: dict[int, tuple[str, Grant]] = {}
+        foreign: dict[int, tuple[str, Grant]] = {}
         for s, idx in by_segment.items():
             try:
                 reply = self._call_segment(segments[s], LeaseRequest([keys[i] for i in idx]), LeaseReply)
@@ -155,7 +160,15 @@ class PoolClient(PoolIndex):
                 got = []
             for j, i in enumerate(idx):
                 if j < len(got) and got[j] is not None:
-                    grants[i] = (s, got[j])
+                    g = got[j]
+                    if object_size is not None and (g.nbytes, g.part_bytes) != object_size:
+                        log.warning("pool: object %s on segment %s is %d bytes in parts of %d, not %d in parts of %d; "
+                                    "not read", g.key, s, g.nbytes, g.part_bytes, *object_size)
+                        foreign[i] = (s, g)
+                    else:
+                        grants[i] = (s, g)
+        if foreign:
+            self._release(foreign, segments)
         n = next((i for i in range(cut) if i not in grants), cut)  # the leading run actually leased
         read = PoolRead(self, keys[:n], [grants[i] for i in range(n)], segments, dst, offsets[:n], dst_memory,
                         layerwise, parts)
@@ -167,6 +180,7 @@ class PoolClient(PoolIndex):
                 self._reading[s] += 1
                 self._served[s] += 1
             self.counters["misses"] += wanted - n  # not in the index, or its lease refused
+            self.counters["foreign_objects"] += len(foreign)
         return read
 
     def get(self, keys: Sequence[str], dst: RegionHandle, offsets: Sequence[int], dst_memory: memoryview) -> int:
@@ -425,8 +439,6 @@ class PoolWrite:
         for segment_id, batch in self._batches:
             try:
                 batch.wait(self._client._timeout_s)
-                if FAILPOINTS.fire("pool.fail_read"):
-                    raise TransferError("the read failed (failpoint pool.fail_read)")
             except (TransferError, TimeoutError) as exc:
                 log.info("pool: write to segment %s failed: %s", segment_id, exc)
                 failed.add(segment_id)

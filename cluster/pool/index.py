@@ -33,8 +33,8 @@ SEGMENTS = "pool/segments/"
 # statistics; the Conductor sums them, so they are named here, beside the index it holds).
 # ``metadata_unavailable``: pool loads and stores its user gave up because the metadata did not
 # answer (in time); their prompts were computed, their blocks not stored.
-CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed", "metadata_unavailable",
-                   "segment_timeouts", "segments_passed_over")
+CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed", "foreign_objects",
+                   "metadata_unavailable", "segment_timeouts", "segments_passed_over")
 
 # A segment's stats summed over the pool in ``PoolIndex.stats``.
 _SUMMED = ("evictions", "demotions", "promotions", "replicas_made")
