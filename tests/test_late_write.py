@@ -176,6 +176,35 @@ def test_a_corrupted_layer_is_refused_and_its_blocks_are_not_cached(decode):
     asyncio.run(scenario())
 
 
+def test_a_layer_never_written_into_a_reused_range_is_refused_not_taken_from_the_last_use(decode):
+    """The range of a finished request is reused by one of the same length; the new sender never
+    writes layer 2 (neither its KV nor its checksum): the range still holds the first request's
+    layer 2 and its checksum, consistent with each other. The checksums are keyed by the range's
+    use, so this is refused (bench.faults' kv-layer-never-sent row answered another prompt's
+    tokens before)."""
+    d = decode
+    layout = d.layout
+
+    async def scenario():
+        r = _receiver(d)
+        first = await r.reserve("reuse-1", list(range(150, 190)), PARAMS, Fence("c", 1))
+        await asyncio.to_thread(_send_all, d, first)
+        assert await d.client.call(r.take_over(lambda h, kv: h.adopt("reuse-1", kv), "reuse-1")) == 2
+        left = d.staging.buffer[first.offset : first.offset + layout.nbytes(first.num_blocks) + 8 * layout.num_layers].clone()
+        second = await r.reserve("reuse-2", list(range(200, 240)), PARAMS, Fence("c", 1))
+        assert (second.offset, second.num_blocks) == (first.offset, first.num_blocks), "the test wants the range reused"
+        await asyncio.to_thread(_send_all, d, second)
+        # Layer 2 and its checksum as the first use left them: the writes of layer 2 never came.
+        lb, base = layout.layer_bytes(second.num_blocks), second.offset
+        for lo, hi in ((2 * lb, 3 * lb), (layout.nbytes(second.num_blocks) + 16, layout.nbytes(second.num_blocks) + 24)):
+            d.staging.buffer[base + lo : base + hi] = left[lo:hi]
+        with pytest.raises(KVWriteFailed, match="layer 2"):
+            await d.client.call(r.take_over(lambda h, kv: h.adopt("reuse-2", kv), "reuse-2"))
+        await _nothing_held(d, r)
+
+    asyncio.run(scenario())
+
+
 def test_an_abort_before_the_prefill_is_remembered(decode):
     d = decode
 

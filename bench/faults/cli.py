@@ -20,7 +20,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the cluster's and the references' precision (default: deterministic)")
     p.add_argument("--requests", type=int, default=None, help="requests per row of fresh prompts (6; quick: 4)")
     p.add_argument("--sessions", type=int, default=2, help="two-turn sessions per pool row")
-    p.add_argument("--costs", action="store_true", help="also measure what the checks cost (costs.py)")
+    p.add_argument("--costs", action="store_true", help="also measure what the checks cost (costs.py), first")
     p.add_argument("--workdir", type=Path, default=None, help="logs go here (default: a temporary directory)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     return p.parse_args(argv)
@@ -35,5 +35,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.costs:
         from bench.faults.costs import print_costs
 
-        print_costs(cfg.precision)
+        print_costs()
     return main_run(cfg)
