@@ -19,7 +19,7 @@ from cluster.conductor.supervisor import CORE_SHARE_ENV
 from cluster.policies.elastic_roles import ElasticConfig
 from engine.model_config import QUANTIZATIONS
 from server.app import DEFAULT_MAX_BODY_BYTES
-from server.front_door import RESERVED_FDS, FrontDoor
+from server.front_door import DEFAULT_CONNECTIONS_PER_CLIENT, RESERVED_FDS, FrontDoor
 
 SECRET_ENV = "MOONCAKE_CLUSTER_SECRET"
 MIN_SECRET_CHARS = 16
@@ -140,6 +140,12 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     passed_on(p.add_argument("--max-connections", type=_positive_int, default=None,
                              help="open connections per HTTP port; past it new ones are closed at once "
                              f"(default: the open-file limit less {RESERVED_FDS})"))
+    p.add_argument("--max-connections-per-client", type=_non_negative_int, default=DEFAULT_CONNECTIONS_PER_CLIENT,
+                   help="(the OpenAI port) open connections from one client address; past it: HTTP 429 "
+                   f"(default {DEFAULT_CONNECTIONS_PER_CLIENT}; 0: no cap; loopback clients are exempt)")
+    p.add_argument("--max-requests-per-client-s", type=_non_negative_float, default=0.0,
+                   help="(the OpenAI port) requests a second from one client address, in bursts of two "
+                   "seconds' worth; past it: HTTP 429 with Retry-After (default 0: no cap; loopback is exempt)")
     c = p.add_argument_group("cluster")
     c.add_argument("--mode", choices=["disaggregated", "colocated"], default=_env("MOONCAKE_MODE", "disaggregated"),
                    help="disaggregated: Conductor + prefill and decode instances; colocated: one engine (env MOONCAKE_MODE)")

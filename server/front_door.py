@@ -22,14 +22,31 @@ still open after 75 s). So:
 
 An expired deadline closes the connection (a client that has not finished its request has no
 response to read); it is logged at debug level, since a flood of them is the attack itself.
+
+On a public port (the OpenAI API: the Conductor's, the colocated server's; not an instance's,
+whose callers are the Conductors) one client may not take the whole door:
+
+* **connections per client** (``max_connections_per_client``, by IP address): one past it is
+  answered 429 with ``Retry-After`` and closed as soon as it is accepted;
+* **requests per client** (``max_requests_per_client_s``, a token bucket holding two seconds'
+  worth): a request past it is answered 429 with ``Retry-After`` (the seconds until the bucket
+  holds one again) without reaching the app.
+
+Loopback clients are exempt: on this host they are the cluster itself, the operator's tools, or
+a balancer in front that speaks for many clients.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import logging
+import math
 import resource
 import socket
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import h11
@@ -42,6 +59,10 @@ log = logging.getLogger(__name__)
 # connections to instances or peers, KV transfer sockets, shared memory, logs.
 RESERVED_FDS = 256
 MIN_CONNECTIONS = 64
+# One client address may hold this many connections to the OpenAI port: far more than a client
+# needs (a connection carries a stream at a time, and a 2-core instance serves a few dozen), far
+# fewer than the door's cap, so one client cannot take the descriptors of all the others.
+DEFAULT_CONNECTIONS_PER_CLIENT = 256
 
 
 def raise_open_file_limit() -> int:
@@ -76,20 +97,34 @@ class FrontDoor:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int | None = None  # None: default_max_connections()
+    max_connections_per_client: int | None = None  # None: no cap per client
+    max_requests_per_client_s: float | None = None  # None: no rate cap per client
 
     def __post_init__(self) -> None:
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
             raise ValueError("the header and body timeouts must be positive")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ValueError("max_connections must be at least 1")
+        for name in ("max_connections", "max_connections_per_client"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_requests_per_client_s is not None and not self.max_requests_per_client_s > 0:
+            raise ValueError("max_requests_per_client_s must be positive")
+
+    def wrap(self, app):
+        """``app`` behind this door's rate cap per client (itself when there is none)."""
+        if self.max_requests_per_client_s is None:
+            return app
+        return ClientRateLimit(app, self.max_requests_per_client_s)
 
     def protocol(self) -> type[H11Protocol]:
-        """uvicorn's h11 protocol with this door's deadlines and cap."""
+        """uvicorn's h11 protocol with this door's deadlines and caps."""
         door, cap = self, self.max_connections or default_max_connections()
+        per_client_cap = self.max_connections_per_client
+        per_client: Counter[str] = Counter()  # open connections by client address, loopback not counted
 
         class GuardedH11Protocol(H11Protocol):
             _timer: asyncio.TimerHandle | None = None
             _phase: str | None = None
+            _counted: str | None = None  # the client address this connection counts against
 
             def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
                 super().connection_made(transport)
@@ -98,6 +133,17 @@ class FrontDoor:
                               len(self.connections) - 1, cap)
                     transport.close()
                     return
+                host = self.client[0] if self.client else None
+                if per_client_cap is not None and host is not None and not _is_loopback(host):
+                    self._counted = host
+                    per_client[host] += 1
+                    if per_client[host] > per_client_cap:
+                        log.debug("connection from %s refused: %d open from it, the cap is %d", host,
+                                  per_client[host] - 1, per_client_cap)
+                        transport.write(_too_many(f"too many connections from {host} (at most {per_client_cap})",
+                                                  1.0))
+                        transport.close()
+                        return
                 self._arm()
 
             def data_received(self, data: bytes) -> None:
@@ -110,6 +156,11 @@ class FrontDoor:
 
             def connection_lost(self, exc: Exception | None) -> None:
                 self._disarm()
+                if self._counted is not None:
+                    per_client[self._counted] -= 1
+                    if not per_client[self._counted]:
+                        del per_client[self._counted]
+                    self._counted = None
                 super().connection_lost(exc)
 
             def _arm(self) -> None:
@@ -140,10 +191,74 @@ class FrontDoor:
         return GuardedH11Protocol
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a Unix socket's path, say: not a network client
+        return True
+
+
+def _too_many_body(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "rate_limit_exceeded", "param": None,
+                                 "code": "rate_limit_exceeded"}}).encode()
+
+
+def _too_many(message: str, retry_after_s: float) -> bytes:
+    """A whole HTTP/1.1 429 answer, for a connection refused before any request was read."""
+    body = _too_many_body(message)
+    return (f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+            f"Retry-After: {max(1, math.ceil(retry_after_s))}\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body
+
+
+class ClientRateLimit:
+    """ASGI middleware: at most ``rate`` HTTP requests a second from one client address, in
+    bursts of up to two seconds' worth (a token bucket per address); one past it is answered 429
+    with ``Retry-After`` before the app sees it. Loopback clients are exempt. The table of
+    buckets forgets an address once its bucket is full again, so it holds only the addresses
+    active in the last two seconds."""
+
+    def __init__(self, app, rate: float) -> None:
+        self.app = app
+        self.rate = rate
+        self.burst = max(1.0, 2.0 * rate)
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, when)
+        self._swept = time.monotonic()
+
+    def take(self, host: str, now: float) -> float:
+        """Take a token for ``host``; 0 when there was one, else the seconds until there is."""
+        tokens, then = self._buckets.get(host, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if tokens < 1.0:
+            self._buckets[host] = (tokens, now)
+            return (1.0 - tokens) / self.rate
+        self._buckets[host] = (tokens - 1.0, now)
+        if now - self._swept > self.burst / self.rate:
+            self._swept = now
+            full = self.burst / self.rate
+            for h in [h for h, (_, t) in self._buckets.items() if now - t > full]:
+                del self._buckets[h]
+        return 0.0
+
+    async def __call__(self, scope, receive, send) -> None:
+        client = scope.get("client")
+        if scope["type"] == "http" and client and not _is_loopback(client[0]):
+            wait = self.take(client[0], time.monotonic())
+            if wait:
+                body = _too_many_body(f"too many requests from {client[0]} (at most {self.rate:g} a second)")
+                await send({"type": "http.response.start", "status": 429,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"retry-after", str(max(1, math.ceil(wait))).encode()),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 def serve(app, host: str, port: int, door: FrontDoor, *, log_level: str = "info", fd: int | None = None) -> None:
     """Run ``app`` on ``host:port`` until SIGINT / SIGTERM, behind ``door``; with ``fd``, on that
     inherited listening socket instead (the Supervisor's, which keeps the port across restarts)."""
     raise_open_file_limit()  # before the door's default cap is read from it
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+    config = uvicorn.Config(door.wrap(app), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             http=door.protocol())
     uvicorn.Server(config).run(sockets=None if fd is None else [socket.socket(fileno=fd)])

@@ -1,4 +1,5 @@
-"""server/front_door.py: the head and body deadlines and the connection cap of every HTTP port."""
+"""server/front_door.py: the head and body deadlines and the connection cap of every HTTP port,
+and the caps per client of the public one."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from starlette.routing import Route
 
 from server.cli import instance_args, parse_args
 from server.launch import front_door
-from server.front_door import MIN_CONNECTIONS, RESERVED_FDS, FrontDoor, default_max_connections
+import server.front_door as front_door_module
+from server.front_door import (DEFAULT_CONNECTIONS_PER_CLIENT, MIN_CONNECTIONS, RESERVED_FDS, FrontDoor,
+                               default_max_connections)
 from threaded_server import serve_in_thread
 
 
@@ -52,7 +55,7 @@ def serve_door():
     with contextlib.ExitStack() as stack:
         def start(door: FrontDoor) -> tuple[int, dict]:
             seen: dict = {}
-            return stack.enter_context(serve_in_thread(_app(seen), http=door.protocol())), seen
+            return stack.enter_context(serve_in_thread(door.wrap(_app(seen)), http=door.protocol())), seen
 
         yield start
 
@@ -135,6 +138,48 @@ def test_connections_past_the_cap_are_closed_at_once(serve_door):
             time.sleep(0.1)
 
 
+def test_one_client_past_its_connection_cap_gets_a_429_and_loopback_is_exempt(serve_door, monkeypatch):
+    """Issue 40 item 6: one client address may not hold more than its share of connections."""
+    port, _ = serve_door(FrontDoor(header_timeout_s=30, body_timeout_s=30, max_connections_per_client=3))
+    loopback = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]  # exempt: the cluster itself
+    time.sleep(0.2)
+    assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).text == "hi"
+    for s in loopback:
+        s.close()
+    monkeypatch.setattr(front_door_module, "_is_loopback", lambda host: False)  # as if from another host
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    time.sleep(0.2)
+    extra = socket.create_connection(("127.0.0.1", port))
+    extra.settimeout(5)
+    answer = extra.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 429 ") and b"Retry-After: 1" in answer and b"rate_limit_exceeded" in answer
+    assert _closed_within(extra, 2) < 1.0
+    held.pop().close()
+    deadline = time.monotonic() + 5
+    while True:  # the server notices the close: the client has room for one again
+        r = httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200
+    for s in held:
+        s.close()
+
+
+def test_one_client_past_its_request_rate_gets_a_429_with_retry_after(serve_door, monkeypatch):
+    port, _ = serve_door(FrontDoor(header_timeout_s=30, body_timeout_s=30, max_requests_per_client_s=2))
+    url = f"http://127.0.0.1:{port}/"
+    with httpx.Client(timeout=5) as http:
+        assert all(http.get(url).status_code == 200 for _ in range(10)), "a loopback client is exempt"
+        monkeypatch.setattr(front_door_module, "_is_loopback", lambda host: False)
+        statuses = [http.get(url) for _ in range(5)]  # a burst of two seconds' worth, then none
+        assert [r.status_code for r in statuses] == [200, 200, 200, 200, 429]
+        refused = statuses[-1]
+        assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+        time.sleep(0.6)  # one token back at two a second
+        assert http.get(url).status_code == 200
+
+
 def test_serving_raises_the_soft_open_file_limit_to_the_hard_one():
     """Under the common soft limit of 1,024 the default cap was 768 connections (issue 40)."""
     code = ("import resource, server.front_door as f; soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
@@ -162,3 +207,13 @@ def test_the_limits_and_their_flags():
     for flag, value in (("--header-timeout-s", "3.0"), ("--body-timeout-s", "7.0"), ("--max-connections", "900")):
         assert flags[flags.index(flag) + 1] == value
     assert "--max-connections" not in instance_args(parse_args([]))
+    # The caps per client are the public port's only: an instance's callers are Conductors.
+    args = parse_args(["--max-connections-per-client", "8", "--max-requests-per-client-s", "5"])
+    assert front_door(args, public=True) == FrontDoor(max_connections_per_client=8, max_requests_per_client_s=5)
+    assert front_door(args) == FrontDoor()
+    assert "--max-connections-per-client" not in instance_args(args)
+    assert front_door(parse_args([]), public=True) == FrontDoor(max_connections_per_client=DEFAULT_CONNECTIONS_PER_CLIENT)
+    assert front_door(parse_args(["--max-connections-per-client", "0"]), public=True) == FrontDoor()
+    for bad in (dict(max_connections_per_client=0), dict(max_requests_per_client_s=0)):
+        with pytest.raises(ValueError):
+            FrontDoor(**bad)

@@ -28,7 +28,7 @@ from cluster.instance.prefill import Prefiller
 from cluster.instance.receiver import Receiver
 from cluster.messenger import Messenger, MessengerConfig, StaleWrite
 from cluster.messenger.staging import StagingArea
-from cluster.protocol import Fence, KVWriteFailed, UnknownReservation
+from cluster.protocol import Fence, KVWriteFailed, NotOwner, UnknownReservation
 from engine.hooks import PromptChunk
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams
@@ -200,6 +200,34 @@ def test_a_layer_never_written_into_a_reused_range_is_refused_not_taken_from_the
             d.staging.buffer[base + lo : base + hi] = left[lo:hi]
         with pytest.raises(KVWriteFailed, match="layer 2"):
             await d.client.call(r.take_over(lambda h, kv: h.adopt("reuse-2", kv), "reuse-2"))
+        await _nothing_held(d, r)
+
+    asyncio.run(scenario())
+
+
+def test_only_the_conductor_that_made_a_reservation_releases_adopts_or_continues_it(decode):
+    """Issue 40 item 3: aborts and releases are checked against the reservation's owner. Another
+    Conductor's release is refused (``NotOwner``) and the reservation stays; its early abort of
+    an id does not refuse the owner's reserve of it; the owner's release works."""
+    d = decode
+
+    async def scenario():
+        r = _receiver(d)
+        owner, other = Fence("conductor-a", 1), Fence("conductor-b", 7)
+        await r.reserve("owned-1", PROMPT, PARAMS, owner)
+        with pytest.raises(NotOwner):
+            await r.release("owned-1", settled=True, fence=other)
+        with pytest.raises(NotOwner):
+            r.check_owner("owned-1", other)
+        r.check_owner("owned-1", owner)
+        assert "owned-1" in r
+        # Another Conductor's abort of an id it does not hold: remembered as its own only.
+        assert await r.release("owned-2", settled=True, fence=other) is False
+        await r.reserve("owned-2", PROMPT, PARAMS, owner)
+        assert await r.release("owned-2", settled=True, fence=owner) is True
+        with pytest.raises(UnknownReservation):  # the owner's own early abort still refuses it
+            await r.reserve("owned-2", PROMPT, PARAMS, owner)
+        assert await r.release("owned-1", settled=True, fence=owner) is True
         await _nothing_held(d, r)
 
     asyncio.run(scenario())

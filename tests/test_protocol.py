@@ -146,7 +146,7 @@ def test_each_error_has_one_status_and_code_and_maps_back_to_itself():
         back = error_from(e.status, json.loads(json.dumps(e.to_dict())))
         assert type(back) is cls and str(back) == "why"
         assert type(error_from(e.status, None)) is (InstanceFailed if cls is RequestFailed else cls)
-    assert {c.status for c in ERRORS if issubclass(c, RequestError)} == {400, 404, 410, 413, 424, 429, 500, 507}
+    assert {c.status for c in ERRORS if issubclass(c, RequestError)} == {400, 403, 404, 410, 413, 424, 429, 500, 507}
     assert {c.status for c in ERRORS if issubclass(c, InstanceUnavailable)} == {401, 409, 500, 502, 503, 504}
     assert type(error_from(418, {"error": "teapot"})) is InstanceFailed
     busy = error_from(429, {"error": "full"}, retry_after="3")
@@ -299,3 +299,11 @@ def test_registration_answers_a_register_reply_and_a_malformed_body_400():
         assert r.status_code == 400 and r.json()["code"] == BadRequest.code
     assert "url" in bad.json()["error"] and "JSON object" in not_json.json()["error"]
     assert unsigned.status_code == 401 and unsigned.json()["code"] == Unauthorized.code
+
+
+def test_a_fence_header_is_an_id_and_an_int64_epoch():
+    assert Fence.parse("conductor-a/12") == Fence("conductor-a", 12) and Fence.parse("7") == Fence("", 7)
+    assert Fence.parse(f"a/{2**63 - 1}").epoch == 2**63 - 1
+    for bad in ("nonsense", "a/-1", f"a/{2**63}", "a/" + "1" + "0" * 30, "a/1e3", "bad id/3", "x" * 65 + "/1"):
+        with pytest.raises(BadRequest):
+            Fence.parse(bad)

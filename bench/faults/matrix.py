@@ -19,7 +19,8 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,8 @@ ROWS: tuple[Row, ...] = (
         {DECODE: {"reserve.lapse": 2}}),
     Row("control-foreign-blocks", "signed control calls naming foreign, out-of-range or negative blocks",
         FRESH, action="hostile_control", quick=True),
+    Row("control-fuzz", "every control endpoint, signed malformed bodies (item 7: only 4xx)", FRESH,
+        action="control_fuzz", quick=True),
     Row("pool-dram-corrupt", "one bit flipped in a pool object in DRAM, after its checksums", SESSIONS,
         {EVERY: {"pool.flip_bit": 1}}),
     Row("pool-evicted-after-lookup", "a pool object evicted between the lookup and the read", SESSIONS,
@@ -98,23 +101,37 @@ class ControlCall:
         return self.status is not None and 400 <= self.status < 500
 
 
-async def hostile_control(control: httpx.AsyncClient, prefill_url: str, decode_url: str) -> list[ControlCall]:
-    """Signed control calls a confused or hostile caller with the cluster's key could make while
-    the cluster serves: a prefill told to write into a real reservation of the bench's own but
-    past its end, into another range of the same region, under another use's generation, with a
-    negative or huge block count, into a region of another engine; a reserve for a prompt of a
-    million tokens. Each must be refused with a 4xx, and the traffic beside them must not notice."""
+@asynccontextmanager
+async def bench_reservation(control: httpx.AsyncClient, decode_url: str) -> AsyncIterator[dict[str, Any]]:
+    """A real reservation of the bench's own on the decode instance (its ``KVDestination`` as a
+    dict), aborted on the way out: what hostile calls name as their destination."""
     headers = {EPOCH_HEADER: BENCH_FENCE}
-    ids = list(range(1000, 1000 + 40))  # 3 blocks of 16
-    reserve = ReserveRequest("faults-bench-reservation", ids, SamplingParams(max_tokens=1))
+    reserve = ReserveRequest("faults-bench-reservation", list(range(1000, 1040)), SamplingParams(max_tokens=1))
     r = await control.post(decode_url + "/instance/reserve", content=json.dumps(reserve.to_dict()), headers=headers)
     if r.status_code != 200:
         raise RuntimeError(f"the bench's own reservation was refused: {r.status_code} {r.text[:300]}")
-    dest = r.json()["dest"]
+    try:
+        yield r.json()["dest"]
+    finally:
+        await control.post(decode_url + "/instance/abort", headers=headers,
+                           content=json.dumps(AbortRequest("faults-bench-reservation", writes_done=True).to_dict()))
+
+
+async def hostile_control(control: httpx.AsyncClient, prefill_url: str, decode_url: str,
+                          dest: dict[str, Any]) -> list[ControlCall]:
+    """Signed control calls a confused or hostile caller with the cluster's key could make while
+    the cluster serves, ``dest`` a real reservation of the caller's (``bench_reservation``): a
+    prefill told to write into it past its end, into another range of the same region, under
+    another use's generation, with a negative or huge block count, into a region of another
+    engine; a reserve for a prompt of a million tokens. Each must be refused with a 4xx, and the
+    traffic beside them must not notice."""
+    headers = {EPOCH_HEADER: BENCH_FENCE}
+    ids = list(range(1000, 1000 + 40))  # 3 blocks of 16
     region_len = int(dest["region"]["length"])
     variants: list[tuple[str, dict[str, Any]]] = [
         ("prefill into offsets past the region's end", {**dest, "offset": region_len + 4096}),
-        ("prefill into another range of the region (the real generation)", {**dest, "offset": (dest["offset"] + region_len // 2) % region_len}),
+        ("prefill into another range of the region (the real generation)",
+         {**dest, "offset": (dest["offset"] + region_len // 2) % region_len}),
         ("prefill naming another use's generation", {**dest, "generation": int(dest.get("generation", 0)) + 7919}),
         ("prefill with a negative block count", {**dest, "num_blocks": -3}),
         ("prefill with a billion blocks", {**dest, "num_blocks": 10**9}),
@@ -123,16 +140,12 @@ async def hostile_control(control: httpx.AsyncClient, prefill_url: str, decode_u
         ("prefill with a region of negative length", {**dest, "region": {**dest["region"], "length": -1}}),
     ]
     calls: list[ControlCall] = []
-    try:
-        for i, (label, bad) in enumerate(variants):
-            body = PrefillRequest(f"faults-bench-hostile-{i}", ids, SamplingParams(max_tokens=1), bad).to_dict()
-            calls.append(await _call(control, prefill_url + "/instance/prefill", body, headers, label))
-        huge = ReserveRequest("faults-bench-huge", [7] * 1_000_000, SamplingParams(max_tokens=1)).to_dict()
-        calls.append(await _call(control, decode_url + "/instance/reserve", huge, headers,
-                                 "reserve for a prompt of a million tokens"))
-    finally:
-        await control.post(decode_url + "/instance/abort", headers=headers,
-                           content=json.dumps(AbortRequest("faults-bench-reservation", writes_done=True).to_dict()))
+    for i, (label, bad) in enumerate(variants):
+        body = PrefillRequest(f"faults-bench-hostile-{i}", ids, SamplingParams(max_tokens=1), bad).to_dict()
+        calls.append(await _call(control, prefill_url + "/instance/prefill", body, headers, label))
+    huge = ReserveRequest("faults-bench-huge", [7] * 1_000_000, SamplingParams(max_tokens=1)).to_dict()
+    calls.append(await _call(control, decode_url + "/instance/reserve", huge, headers,
+                             "reserve for a prompt of a million tokens"))
     return calls
 
 

@@ -19,7 +19,9 @@ from typing import Any
 import httpx
 
 from bench.faults.matrix import (BENCH_FENCE, DECODE, EVERY, FRESH, NONE, PREFILL, ROWS, SHARED_SESSIONS, ControlCall,
-                                 Row, hostile_control, pause_conductor, plant_foreign_objects, restarted_peer)
+                                 Row, bench_reservation, hostile_control, pause_conductor, plant_foreign_objects,
+                                 restarted_peer)
+from bench.faults.control_fuzz import cases, drive
 from bench.faults.traffic import (DIFFERS, ERROR, HUNG, IDENTICAL, Ask, Outcome, fresh_asks, send_all, session_firsts,
                                   session_seconds, with_references)
 from bench.harness import ServerProcess, launch_server
@@ -187,10 +189,15 @@ class FaultsRun:
     async def _with_action(self, row: Row, res: RowResult, traffic) -> list[Outcome]:
         task = asyncio.ensure_future(traffic)
         try:
-            if row.action == "hostile_control":
+            if row.action in ("hostile_control", "control_fuzz"):
                 await asyncio.sleep(0.3)  # the traffic is under way
                 prefill, decode = self._urls(PREFILL)[0], self._urls(DECODE)[0]
-                res.calls = await hostile_control(self.control, prefill, decode)
+                async with bench_reservation(self.control, decode) as dest:
+                    if row.action == "hostile_control":
+                        res.calls = await hostile_control(self.control, prefill, decode, dest)
+                    else:
+                        answers = await drive(self.control, cases(prefill, decode, dest, BENCH_FENCE))
+                        res.calls = [ControlCall(a.case.label, a.status, a.text) for a in answers]
                 res.fired = len(res.calls)
                 res.problems += [f"{c.label}: answered {c.status} {c.answer[:120]}" for c in res.calls if not c.refused]
             elif row.action == "pause_conductor":
@@ -259,8 +266,12 @@ def format_table(results: Sequence[RowResult]) -> str:
     for r in results:
         for why, n in r.errors().items():
             notes.append(f"- {r.name}: {n} x HTTP {why}")
-        for c in r.calls:
-            notes.append(f"- {r.name}: {c.label}: {c.status} {c.answer[:100]}")
+        if len(r.calls) <= 16:
+            notes += [f"- {r.name}: {c.label}: {c.status} {c.answer[:100]}" for c in r.calls]
+        elif r.calls:
+            statuses = Counter(c.status for c in r.calls)
+            notes.append(f"- {r.name}: {len(r.calls)} calls answered " +
+                         ", ".join(f"{n} x {s}" for s, n in sorted(statuses.items(), key=lambda x: str(x[0]))))
         for o in r.outcomes:
             if o.result in (DIFFERS, HUNG):
                 notes.append(f"- {r.name}: {o.ask.label} {o.result}: got {o.text[:80]!r} want {o.ask.want[:80]!r} "

@@ -37,7 +37,7 @@ import torch
 
 from cluster.failpoints import FAILPOINTS, LAPSE_AFTER_S
 from cluster.kv_stream import KVDestination, sums_bytes, verify_layers
-from cluster.protocol import BadRequest, Fence, KVWriteFailed, UnknownReservation, WrongEpoch
+from cluster.protocol import BadRequest, Fence, KVWriteFailed, NotOwner, UnknownReservation, WrongEpoch
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVCapacityError, KVHandoff
@@ -60,6 +60,13 @@ class _Lease:
     prompt: list[int]
 
 
+def _owned(request_id: str, lease: _Lease | None, fence: Fence | None) -> None:
+    """``NotOwner`` unless the reservation (if any) is ``fence``'s Conductor's (None: anyone's)."""
+    if lease is not None and fence is not None and lease.fence.conductor != fence.conductor:
+        raise NotOwner(f"the reservation for {request_id!r} is Conductor {lease.fence.conductor!r}'s, "
+                       f"not {fence.conductor!r}'s")
+
+
 class Receiver:
     def __init__(self, client: AsyncLLMEngine, handoff: KVHandoff, staging: StagingArea, address: str,
                  lease_s: float, transfer_timeout_s: float) -> None:
@@ -75,9 +82,11 @@ class Receiver:
         # Touched from the event loop and (take-over) the engine thread.
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
-        # Ids released recently: an abort can overtake the reserve it answers (the Conductor
-        # gave up waiting for it), and that late reserve must not be granted to nobody.
-        self._released: dict[str, float] = {}
+        # Ids released recently, with the Conductor id that released them (None: this instance,
+        # at expiry): an abort can overtake the reserve it answers (the Conductor gave up waiting
+        # for it), and that late reserve must not be granted to nobody. Another Conductor's
+        # abort of an id does not refuse its owner's reserve.
+        self._released: dict[str, tuple[float, str | None]] = {}
         self._lapsing: set[asyncio.Task] = set()  # releases the ``reserve.lapse`` failpoint started
 
     def __len__(self) -> int:
@@ -98,8 +107,19 @@ class Receiver:
         """Whether ``request_id`` was released (aborted) lately, perhaps before this instance had
         seen it: a prefill or push for it that arrives now comes too late."""
         with self._lock:
-            at = self._released.get(request_id)
-            return at is not None and time.monotonic() - at <= self.lease_s
+            released = self._released.get(request_id)
+            return released is not None and time.monotonic() - released[0] <= self.lease_s
+
+    def check_owner(self, request_id: str, fence: Fence) -> None:
+        """``NotOwner`` when ``request_id``'s reservation here was made by another Conductor than
+        ``fence``'s: only its owner aborts, releases, adopts or continues it. (Its owner never
+        changes: a request id is its Conductor's.)"""
+        with self._lock:
+            _owned(request_id, self._leases.get(request_id), fence)
+
+    def _aborted_by(self, request_id: str, fence: Fence) -> bool:
+        released = self._released.get(request_id)
+        return released is not None and released[1] in (None, fence.conductor)
 
     def _nbytes(self, num_blocks: int) -> int:
         """A reservation's receive range: its KV, then a checksum per layer."""
@@ -121,7 +141,7 @@ class Receiver:
         self.check_current(fence)
         if request_id in self._leases:
             raise BadRequest(f"request {request_id!r} already holds a reservation")
-        if request_id in self._released:
+        if self._aborted_by(request_id, fence):
             raise UnknownReservation(f"request {request_id!r} was aborted")
         res = await self._client.call(lambda e: self._handoff.reserve(request_id, token_ids, params))
         n = res.num_sent_blocks
@@ -135,7 +155,7 @@ class Receiver:
         with self._lock:
             # While the engine thread was reserving, the request may have been aborted or a newer
             # Conductor may have released this one's reservations: then nobody would take it over.
-            aborted = request_id in self._released
+            aborted = self._aborted_by(request_id, fence)
             stale = fence.epoch < self.epochs[fence.conductor]
             if not (aborted or stale):
                 self._leases[request_id] = _Lease(staging, n, fence, time.monotonic() + self.lease_s, token_ids)
@@ -231,14 +251,17 @@ class Receiver:
             raise KVWriteFailed(f"the KV received for {request_id!r} is corrupt (layer {bad} does not match its checksum)")
         return kv
 
-    async def release(self, request_id: str, settled: bool) -> bool:
+    async def release(self, request_id: str, settled: bool, fence: Fence | None = None) -> bool:
         """Release a reservation not taken over (idempotent; False if there was none). Its
-        staging is reused at once only when ``settled`` (the sender is done writing)."""
+        staging is reused at once only when ``settled`` (the sender is done writing). ``fence``:
+        the Conductor that asks (``NotOwner`` if the reservation is another's); None: this
+        instance itself (an expiry)."""
         now = time.monotonic()
         with self._lock:
+            _owned(request_id, self._leases.get(request_id), fence)
             lease = self._leases.pop(request_id, None)
-            self._released[request_id] = now
-            for rid in [r for r, t in self._released.items() if now - t > self.lease_s]:
+            self._released[request_id] = (now, None if fence is None else fence.conductor)
+            for rid in [r for r, (t, _) in self._released.items() if now - t > self.lease_s]:
                 del self._released[rid]
         if lease is None:
             return False

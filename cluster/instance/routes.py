@@ -59,7 +59,7 @@ from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
     InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
-    RenewReply, RenewRequest, RequestFailed, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, SwitchRoleRequest,
+    NotOwner, RenewReply, RenewRequest, RequestFailed, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, SwitchRoleRequest,
     stream_line)
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
@@ -111,6 +111,8 @@ class InstanceRoutes:
         # One verifier for every route, so a nonce seen by one is a replay on all; it takes only
         # calls signed for the URL this instance advertises (and registers with).
         self._verifier = ControlVerifier(derive_key(service.config.secret, CONTROL), audiences=[service.config.url])
+        # The Conductor id each prefill or decode running here was started by (``_owned``).
+        self._owners: dict[str, str] = {}
 
     def _control(self, roles: tuple[str, ...] | None = None, needs_ready: bool = True,
                  max_body: int = SMALL_BODY) -> Callable[[Handler], Handler]:
@@ -172,7 +174,11 @@ class InstanceRoutes:
     async def prefill(self, request: Request) -> Response:
         r = PrefillRequest.from_dict(await _body(request))
         with self.s.roles.work(Work.PREFILL):
-            return await self._prefill(request, r)
+            self._claim(r.request_id, _fence(request))
+            try:
+                return await self._prefill(request, r)
+            finally:
+                self._let_go(r.request_id)
 
     async def _prefill(self, request: Request, r: PrefillRequest) -> Response:
         work = asyncio.ensure_future(
@@ -193,23 +199,48 @@ class InstanceRoutes:
 
     async def generate(self, request: Request) -> Response:
         r = GenerateRequest.from_dict(await _body(request))
+        fence = _fence(request)
         if r.prefilled is None:
             # A decode instance computes the prompt itself where the Conductor chose local prefill.
             stream = self.s.decoder.whole(r.request_id, r.prompt_token_ids, r.params)
         else:
+            self.s.receiver.check_owner(r.request_id, fence)  # another Conductor's KV is not to take
             stream = self.s.decoder.continue_decode(r.request_id, r.prefilled)
+        self._claim(r.request_id, fence)
         try:
             first = await anext(stream)
         except StopAsyncIteration:
+            self._let_go(r.request_id)
             raise InstanceFailed("the engine ended the request without output") from None
-        return StreamingResponse(_ndjson(first, stream), media_type="application/x-ndjson")
+        except BaseException:
+            self._let_go(r.request_id)
+            raise
+        return StreamingResponse(_ndjson(first, stream, lambda: self._let_go(r.request_id)),
+                                 media_type="application/x-ndjson")
+
+    def _claim(self, request_id: str, fence: Fence) -> None:
+        """A prefill or a decode of ``request_id`` runs here for the Conductor of ``fence`` until
+        ``_let_go``: an abort from another is refused (``NotOwner``), and so is a second run of
+        the id for another Conductor."""
+        owner = self._owners.setdefault(request_id, fence.conductor)
+        if owner != fence.conductor:
+            raise NotOwner(f"request {request_id!r} runs for Conductor {owner!r}, not {fence.conductor!r}")
+
+    def _let_go(self, request_id: str) -> None:
+        self._owners.pop(request_id, None)
 
     async def abort(self, request: Request) -> Response:
         r = AbortRequest.from_dict(await _body(request))
+        fence = _fence(request)
+        owner = self._owners.get(r.request_id)
+        if owner is not None and owner != fence.conductor:
+            raise NotOwner(f"request {r.request_id!r} runs for Conductor {owner!r}, not {fence.conductor!r}")
+        if self.s.receiver is not None:
+            self.s.receiver.check_owner(r.request_id, fence)
         if self.s.client.is_ready:
             await self.s.client.abort(r.request_id)  # a live request (its stream ends with "abort")
         if self.s.receiver is not None:
-            await self.s.receiver.release(r.request_id, settled=r.writes_done)
+            await self.s.receiver.release(r.request_id, settled=r.writes_done, fence=fence)
         return JSONResponse(AbortReply(r.request_id).to_dict())
 
     async def push(self, request: Request) -> Response:
@@ -220,6 +251,7 @@ class InstanceRoutes:
 
     async def adopt(self, request: Request) -> Response:
         r = AdoptRequest.from_dict(await _body(request))
+        self.s.receiver.check_owner(r.request_id, _fence(request))
         return JSONResponse(AdoptReply(await self.s.replicator.adopt(r.request_id, r.ok)).to_dict())
 
     async def switch_role(self, request: Request) -> Response:
@@ -291,7 +323,8 @@ def _fence(request: Request) -> Fence:
     return Fence.parse(request.headers.get(EPOCH_HEADER, "0"))
 
 
-async def _ndjson(first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+async def _ndjson(first: RequestOutput, stream: AsyncIterator[RequestOutput],
+                  ended: Callable[[], None]) -> AsyncIterator[bytes]:
     # Leaving early (the Conductor disconnected) closes ``stream``, which aborts the request.
     try:
         yield stream_line(first)
@@ -303,6 +336,7 @@ async def _ndjson(first: RequestOutput, stream: AsyncIterator[RequestOutput]) ->
         yield stream_line(_as_protocol_error(e))
     finally:
         await stream.aclose()
+        ended()
 
 
 def build_instance_app(service: InstanceService) -> Starlette:

@@ -26,6 +26,7 @@ Conductor's client turns it back into the same class (``error_from``):
 -------------------------------------------------------------------------------------------------
 ``BadRequest``                 400     a malformed or impossible request (also a ``ValueError``)
 ``UnknownReservation``         404     no reservation by that id: never made, released, expired
+``NotOwner``                   403     the reservation or request is another Conductor's
 ``PrefixNotCached``            410     a push's prefix blocks are no longer (all) cached there
 ``TooLarge``                   413     the body is over the route's cap (read no further)
 ``KVWriteFailed``              424     a KV write to *another* instance failed
@@ -80,7 +81,7 @@ from __future__ import annotations
 
 from cluster.protocol.errors import (
     BadRequest, ERRORS, InstanceBusy, InstanceFailed, InstanceNotReady, InstanceUnavailable,
-    KVWriteFailed, NoKVRoom, PrefixNotCached, ProtocolError, RequestError, RequestFailed, TimedOut, TooLarge,
+    KVWriteFailed, NoKVRoom, NotOwner, PrefixNotCached, ProtocolError, RequestError, RequestFailed, TimedOut, TooLarge,
     Unauthorized, UnknownReservation, Unreachable, WrongEpoch, error_from
 )
 from cluster.protocol.fields import (
@@ -100,7 +101,7 @@ from cluster.protocol.stage import (
 )
 from cluster.protocol.signing import (
     AUDIENCE_HEADER, CONTROL, ControlAuth, ControlAuthError, ControlVerifier, DIGEST_HEADER,
-    EPOCH_HEADER, Fence, MAX_CONDUCTOR_ID, MEMBERSHIP, MESSENGER, NONCE_HEADER, NO_BODY, PROMPT_BODY,
+    EPOCH_HEADER, Fence, MAX_CONDUCTOR_ID, MAX_EPOCH, MEMBERSHIP, MESSENGER, NONCE_HEADER, NO_BODY, PROMPT_BODY,
     SIGNATURE_HEADER, SMALL_BODY, TIMESTAMP_HEADER, audience_of, derive_key, request_target, sign,
     verify_request
 )
@@ -109,8 +110,8 @@ __all__ = [
     "AUDIENCE_HEADER", "AbortReply", "AbortRequest", "AdoptReply", "AdoptRequest", "BadRequest", "CONTROL",
     "CacheDelta", "ControlAuth", "ControlAuthError", "ControlVerifier", "DIGEST_HEADER", "EPOCH_HEADER",
     "ERRORS", "Fence", "GenerateRequest", "InstanceBusy", "InstanceFailed", "InstanceInfo",
-    "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID",
-    "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "PROMPT_BODY", "PoolNaming", "PrefillReply",
+    "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID", "MAX_EPOCH",
+    "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "NotOwner", "PROMPT_BODY", "PoolNaming", "PrefillReply",
     "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",
     "RegisterReply", "RegisterRequest", "RenewReply", "RenewRequest", "RequestError", "RequestFailed", "ReserveReply",
     "ReserveRequest", "SIGNATURE_HEADER", "SMALL_BODY", "SWITCHABLE_ROLES", "SwitchRoleReply", "SwitchRoleRequest",

@@ -41,6 +41,13 @@ class UnknownReservation(RequestError, LookupError):
     status, code = 404, "unknown_reservation"
 
 
+class NotOwner(RequestError):
+    """The call names a reservation or request that another Conductor made: only its owner may
+    abort, release, adopt or continue it."""
+
+    status, code = 403, "not_owner"
+
+
 class PrefixNotCached(RequestError):
     """A push asked for prefix blocks the holder no longer (all) caches."""
 
@@ -131,7 +138,7 @@ class TimedOut(InstanceUnavailable):
 
 ERRORS: tuple[type[ProtocolError], ...] = (
     # RequestFailed before InstanceFailed: a 500 without a known code is the instance's failure.
-    BadRequest, UnknownReservation, PrefixNotCached, TooLarge, KVWriteFailed, RequestFailed, InstanceBusy, NoKVRoom,
+    BadRequest, UnknownReservation, NotOwner, PrefixNotCached, TooLarge, KVWriteFailed, RequestFailed, InstanceBusy, NoKVRoom,
     Unauthorized, WrongEpoch, InstanceFailed, Unreachable, InstanceNotReady, TimedOut)
 _BY_CODE = {cls.code: cls for cls in ERRORS}
 _BY_STATUS = {cls.status: cls for cls in ERRORS}

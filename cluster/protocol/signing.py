@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 EPOCH_HEADER = "X-Conductor-Epoch"
 _CONDUCTOR_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-[]")
 MAX_CONDUCTOR_ID = 64
+# An epoch is an etcd revision (an int64) or a start time in nanoseconds (~1.8e18 now): past
+# int64 it is no epoch at all.
+MAX_EPOCH = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,8 @@ class Fence:
         if len(self.conductor) > MAX_CONDUCTOR_ID or not set(self.conductor) <= _CONDUCTOR_ID_CHARS:
             raise ValueError(f"a Conductor id is at most {MAX_CONDUCTOR_ID} of the characters A-Z a-z 0-9 . _ : - "
                              f"[ ], got {self.conductor!r}")
-        if self.epoch < 0:
-            raise ValueError(f"an epoch is >= 0, got {self.epoch}")
+        if not 0 <= self.epoch <= MAX_EPOCH:
+            raise ValueError(f"an epoch is an integer from 0 to 2**63 - 1, got {self.epoch}")
 
     def header(self) -> str:
         return f"{self.conductor}/{self.epoch}" if self.conductor else str(self.epoch)
