@@ -82,6 +82,15 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]  # one per row; None where the row did not ask for them
 
 
+# Rows sampled in one pass. A pass holds a few float32 copies of its rows' logits over the whole
+# vocabulary (the penalised logits, their tempered copy, probabilities, noise): at 256 rows of a
+# 49k vocabulary ~250 MB at once, which the allocator then keeps, and which made most of a decode
+# instance's private memory growth under overload (issue 40, item 5: +280 MiB above its
+# baseline at 10x the sustainable load). In passes of this many rows the sampler's temporaries
+# stay ~30 MB at any batch; a row's token does not depend on the pass it is in.
+ROWS_PER_PASS = 32
+
+
 class Sampler:
     """Stateless apart from `generator`, the shared source of noise for unseeded rows
     (None: torch's default generator for the logits' device)."""
@@ -96,6 +105,13 @@ class Sampler:
             )
         if not batch:
             return SamplerOutput([], [])
+        if len(batch) <= ROWS_PER_PASS:
+            return self._pass(logits, batch)
+        passes = [self._pass(logits[i : i + ROWS_PER_PASS], batch[i : i + ROWS_PER_PASS])
+                  for i in range(0, len(batch), ROWS_PER_PASS)]
+        return SamplerOutput([t for p in passes for t in p.token_ids], [r for p in passes for r in p.logprobs])
+
+    def _pass(self, logits: torch.Tensor, batch: list[SamplingState]) -> SamplerOutput:
         params = [state.params for state in batch]
         greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
 

@@ -299,3 +299,25 @@ def test_candidate_truncation_keeps_what_a_full_sort_keeps(temperature) -> None:
         assert torch.equal(torch.isinf(got[row]), torch.isinf(want)), (k, p)
         kept = ~torch.isinf(want)
         assert torch.equal(got[row][kept], want[kept])
+
+
+def test_a_batch_past_one_pass_gives_each_row_what_it_gets_alone() -> None:
+    """Rows are sampled in passes of ``ROWS_PER_PASS`` (bounded temporaries, issue 40 item 5):
+    greedy, seeded, penalised and logprob rows anywhere in a 100-row batch, across pass edges,
+    give what each gives alone."""
+    from engine.sampler import ROWS_PER_PASS
+
+    rows, vocab = 100, 500
+    assert rows > 3 * ROWS_PER_PASS
+    logits = random_logits(rows, vocab, seed=11)
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, seed=5, top_k=20), dict(seed=9, top_p=0.9, logprobs=3),
+             dict(temperature=0.0, logprobs=2, repetition_penalty=1.3)]
+
+    def batch() -> list[SamplingState]:
+        return [state([1, 2, 3], [i % 7], **kinds[i % len(kinds)]) for i in range(rows)]
+
+    together = Sampler()(logits, batch())
+    alone = [Sampler()(logits[i : i + 1], [s]) for i, s in enumerate(batch())]
+    assert together.token_ids == [a.token_ids[0] for a in alone]
+    assert together.logprobs == [a.logprobs[0] for a in alone]
+    assert sum(lp is not None for lp in together.logprobs) == rows // 2
