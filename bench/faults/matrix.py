@@ -106,7 +106,9 @@ async def bench_reservation(control: httpx.AsyncClient, decode_url: str) -> Asyn
     """A real reservation of the bench's own on the decode instance (its ``KVDestination`` as a
     dict), aborted on the way out: what hostile calls name as their destination."""
     headers = {EPOCH_HEADER: BENCH_FENCE}
-    reserve = ReserveRequest("faults-bench-reservation", list(range(1000, 1040)), SamplingParams(max_tokens=1))
+    # An id of its own each time: an aborted id is refused to its Conductor for a lease.
+    rid = f"faults-bench-reservation-{os.urandom(4).hex()}"
+    reserve = ReserveRequest(rid, list(range(1000, 1040)), SamplingParams(max_tokens=1))
     r = await control.post(decode_url + "/instance/reserve", content=json.dumps(reserve.to_dict()), headers=headers)
     if r.status_code != 200:
         raise RuntimeError(f"the bench's own reservation was refused: {r.status_code} {r.text[:300]}")
@@ -114,7 +116,7 @@ async def bench_reservation(control: httpx.AsyncClient, decode_url: str) -> Asyn
         yield r.json()["dest"]
     finally:
         await control.post(decode_url + "/instance/abort", headers=headers,
-                           content=json.dumps(AbortRequest("faults-bench-reservation", writes_done=True).to_dict()))
+                           content=json.dumps(AbortRequest(rid, writes_done=True).to_dict()))
 
 
 async def hostile_control(control: httpx.AsyncClient, prefill_url: str, decode_url: str,

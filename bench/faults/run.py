@@ -200,6 +200,11 @@ class FaultsRun:
                         res.calls = [ControlCall(a.case.label, a.status, a.text) for a in answers]
                 res.fired = len(res.calls)
                 res.problems += [f"{c.label}: answered {c.status} {c.answer[:120]}" for c in res.calls if not c.refused]
+                outcomes = await task
+                # Nothing the hostile calls touched may stay held (the traffic beside them is done).
+                if held := await self.held(10.0):
+                    res.problems.append(f"held after the hostile calls: {held}")
+                return outcomes
             elif row.action == "pause_conductor":
                 await pause_conductor(self.server.proc.pid, 1.0, LEASE_S + 3.0)
                 res.fired = 1

@@ -158,6 +158,9 @@ class InstanceRoutes:
 
     async def state(self, request: Request) -> Response:
         since = request.query_params.get("since")
+        if since and not (since.isascii() and since.isdigit() and int(since) < 1 << 63):
+            # A cache version this instance gave out: a non-negative int64.
+            raise BadRequest(f"since must be a cache version (a non-negative integer), not {since[:40]!r}")
         return JSONResponse(self.s.state(int(since) if since else None).to_dict())
 
     # -- requests ----------------------------------------------------------------------------------
