@@ -33,7 +33,8 @@ instance is up. Then:
    within seconds, and no prompt token is computed afterwards), a corrupt object on a pool SSD
    tier (``corrupt_ssd.py``, on a small cluster of its own: its prompt is served right and the
    read is counted), ten kill -9 restarts of one instance (``restarts.py``: the survivors' memory,
-   threads and descriptors before and after);
+   threads and descriptors before and after), a minute at ten times the sustainable load
+   (``overload.py``: no process's private memory more than 300 MiB above its rest);
 6. a **burst** of ``--burst`` requests at once, far above what two cores serve;
 7. a **fuzz** of the HTTP API: handmade bodies (malformed and truncated JSON, wrong types, huge
    numbers, 10k-deep nesting, invalid UTF-8, lone surrogates, thousands of prompts, a body over
@@ -76,7 +77,7 @@ The package, one module a part, over one harness: ``config.py`` (settings, promp
 requests and how answers are judged), ``load.py`` (the long-prompt load, the monitor),
 ``run.py`` (``Run``: the scenarios in order), the fault families ``faults.py`` (shared parts),
 ``pool_node.py``, ``conductors.py``, ``connections.py``, ``disconnect.py``, ``corrupt_ssd.py``,
-``restarts.py`` and ``fuzz.py`` (malformed input), ``report.py`` (the rows and the table) and
+``restarts.py``, ``overload.py`` and ``fuzz.py`` (malformed input), ``report.py`` (the rows and the table) and
 ``cli.py``. ``--only FAMILY`` runs some of the families alone.
 """
 

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only these fault families, repeatable (default: all; --quick leaves out "
                         f"{', '.join(FULL_ONLY)}): {', '.join(FAMILIES)}")
     p.add_argument("--restarts", type=int, default=None, help=f"kill -9 restarts of one instance (default {d.restarts})")
+    p.add_argument("--overload-s", type=float, default=None,
+                   help=f"seconds at ten times the sustainable load (default {d.overload_s:g})")
     p.add_argument("--frozen-prompts", type=int, default=None,
                    help=f"fresh long prompts before and while the pool node is frozen (default {d.frozen_prompts}; "
                         "quick 0)")
@@ -99,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
              "etcd": False if args.no_etcd else None, "pool_node": False if args.no_pool_node else None,
              "idle_connections": args.idle_connections, "slow_header_connections": args.slow_header_connections,
              "second_conductor": False if args.no_second_conductor else None,
-             "restarts": args.restarts, "frozen_prompts": args.frozen_prompts,
+             "restarts": args.restarts, "frozen_prompts": args.frozen_prompts, "overload_s": args.overload_s,
              "families": _families(args.only) if args.only else None}
     return replace(cfg, python=args.python, server_args=[*args.server_arg, *shlex.split(args.server_args)],
                    **{k: v for k, v in given.items() if v is not None})

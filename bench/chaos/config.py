@@ -34,6 +34,8 @@ SSD_WRONG = "corrupt SSD object: its prompt served wrong"
 SSD_UNCOUNTED = "corrupt SSD object read but not counted"
 FROZEN_SLOW = "prompts slowed by a frozen pool node past its bound"
 FROZEN_UNASKED = "pool node frozen but no pool call ran into it"
+OVERLOAD_MEMORY = "processes whose private memory rose past its bound under 10x overload"
+OVERLOAD_UNCLEAR = "answers under 10x overload neither 200 nor 429 with Retry-After"
 
 # The Conductor's own books about each instance.
 CONDUCTOR_HELD = ("prefilling", "running", "incoming", "reserved")
@@ -46,12 +48,14 @@ ENGINE_FAILED = "the engine failed while serving the request"
 
 # --------------------------------------------------------------------------- configuration
 
-# The fault families, in the order a run takes them (``--only`` picks some). The three whose
+# The fault families, in the order a run takes them (``--only`` picks some). The four whose
 # scenario is long or needs a cluster of its own (a bench-owned instance restarted ten times, a
-# storm of clients with the traffic paused, a cluster with an SSD tier) are the full run's only.
+# storm of clients with the traffic paused, a cluster with an SSD tier, a minute at ten times the
+# sustainable load) are the full run's only.
 FAMILIES = ("kill", "sigstop", "etcd", "pool-node", "second-conductor", "connections", "disconnect",
-            "corrupt-ssd", "restarts", "stale-epoch", "huge-body", "burst", "fuzz", "framing", "slow-clients")
-FULL_ONLY = ("disconnect", "corrupt-ssd", "restarts")
+            "corrupt-ssd", "restarts", "overload", "stale-epoch", "huge-body", "burst", "fuzz", "framing",
+            "slow-clients")
+FULL_ONLY = ("disconnect", "corrupt-ssd", "restarts", "overload")
 QUICK_SKIPS = ("etcd", "pool-node", "second-conductor", "connections")  # see ``ChaosConfig.quick``
 
 
@@ -95,6 +99,7 @@ class ChaosConfig:
     disconnect_streams: int = 32  # streams dropped mid-decode at once (disconnect.py) ...
     disconnect_prompts: int = 6  # ... beside prompts of ``disconnect_words`` abandoned before their first token
     disconnect_words: int = 2300
+    overload_s: float = 60.0  # ten times the sustainable load for this long (overload.py)
     stall_s: float = 5.0
     restart_timeout_s: float = 240.0
     probe_timeout_s: float = 90.0

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench.chaos.config import (COMPLETED, DISCONNECT_HELD, DISCONNECT_TOKENS, ENGINE_FAILED, FROZEN_SLOW,
-                                FROZEN_UNASKED, HTTP_ERROR, HUGE, HUNG, LOST, MARKED_DOWN, PROMPTS, RESTART_GROWTH,
-                                SSD_UNCOUNTED, SSD_WRONG, STALE, STREAM_ERROR, UNCLEAR, ChaosConfig)
+                                FROZEN_UNASKED, HTTP_ERROR, HUGE, HUNG, LOST, MARKED_DOWN, OVERLOAD_MEMORY, OVERLOAD_UNCLEAR,
+                                PROMPTS, RESTART_GROWTH, SSD_UNCOUNTED, SSD_WRONG, STALE, STREAM_ERROR, UNCLEAR,
+                                ChaosConfig)
 from bench.chaos.fuzz import FuzzOutcome, RawOutcome, framing_cases
 from bench.chaos.restarts import LABELS
 
@@ -64,6 +65,7 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
     restarts = extra.get("restarts") or {}
     disconnect = extra.get("disconnect") or {}
     ssd = extra.get("corrupt_ssd") or {}
+    overloaded = extra.get("overload") or {}
     frozen = [f["frozen_node"] for f in run.faults if "frozen_node" in f]
     peak_mib = max(mon.peak_hwm_kib, front.get("VmHWM", 0)) // 1024
 
@@ -88,6 +90,8 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         SSD_UNCOUNTED: ssd.get("not_counted", 0),
         FROZEN_SLOW: sum(f["slowed"] for f in frozen),
         FROZEN_UNASKED: sum(f["node_never_asked"] for f in frozen),
+        OVERLOAD_MEMORY: len(overloaded.get("over_bound", [])),
+        OVERLOAD_UNCLEAR: overloaded.get("unclear_answers", 0),
         "resources held at the end": held_total,
         "instances not up at the end": len(end.get("down", [])) + ("conductor_stats" in end),
     }
@@ -132,6 +136,7 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         "restarts": restarts,
         "disconnect": disconnect,
         "corrupt_ssd": ssd,
+        "overload": overloaded,
         "held_at_end": held,
         "down_at_end": end.get("down", {}),
         "server_log": scan_log(cfg.log_path),
@@ -172,6 +177,16 @@ def _new_rows(report: dict[str, Any], row: Callable[..., str]) -> list[str]:
         lines.append(row("  its prompt served wrong (not 200, another text)", report["must_be_zero"][SSD_WRONG],
                          SSD_WRONG))
         lines.append(row("  corrupt read not counted", report["must_be_zero"][SSD_UNCOUNTED], SSD_UNCOUNTED))
+    if over := report.get("overload"):
+        lines.append(f"fault: {over['offered_rps']} req/s for {over['seconds']:g} s, ten times the "
+                     f"{over['sustainable_rps']} the cluster sustains ({over['sent']} sent: {over['statuses']})")
+        lines += [row(f"  private memory (RssAnon) of {name}, rest -> peak MiB",
+                      f"{over['rest_mib'][name]} -> {over['peak_mib'][name]} (+{above})")
+                  for name, above in over["above_rest_mib"].items()]
+        lines.append(row(f"  processes more than {over['bound_mib']} MiB above rest", report["must_be_zero"][OVERLOAD_MEMORY],
+                         OVERLOAD_MEMORY))
+        lines.append(row("  answers neither 200 nor 429 with Retry-After", report["must_be_zero"][OVERLOAD_UNCLEAR],
+                         OVERLOAD_UNCLEAR))
     for f in report["faults"]:
         if frozen := f.get("frozen_node"):
             lines.append(f"fault: frozen pool node: fresh long prompts {frozen['baseline_s']} s before, "

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.chaos import conductors, connections, corrupt_ssd, disconnect, faults, load, pool_node, restarts
+from bench.chaos import conductors, connections, corrupt_ssd, disconnect, faults, load, overload, pool_node, restarts
 from bench.chaos.cluster import Cluster, all_up, conductor_stats, signal_pid, wait_until
 from bench.chaos.config import (COMPLETED, COMPLETIONS, CONDUCTOR_HELD, FAMILIES, HOST, HTTP_ERROR, PROMPTS, ChaosConfig,
                                 progress)
@@ -357,6 +357,7 @@ async def run_scenarios(cfg: ChaosConfig, cluster: Cluster, fuzz_cases: list[Fuz
             "corrupt-ssd": [("corrupt SSD object", lambda: corrupt_ssd.corrupt_ssd_object(run), "corrupt_ssd")],
             "restarts": [(f"{cfg.restarts} restarts of one instance", lambda: restarts.restart_one_instance(run),
                           "restarts")],
+            "overload": [("ten times the sustainable load", lambda: overload.overload(run), "overload")],
             "stale-epoch": [("stale epoch", lambda: faults.stale_epoch(run), "stale_epoch")],
             "huge-body": [("huge control body", lambda: faults.huge_body(run), "huge_body")],
             "burst": [("burst", run.burst, "burst")],

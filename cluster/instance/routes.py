@@ -244,6 +244,8 @@ class InstanceRoutes:
             await self.s.client.abort(r.request_id)  # a live request (its stream ends with "abort")
         if self.s.receiver is not None:
             await self.s.receiver.release(r.request_id, settled=r.writes_done, fence=fence)
+        # A stream whose caller left before its first byte never ran its end: its owner goes here.
+        self._let_go(r.request_id)
         return JSONResponse(AbortReply(r.request_id).to_dict())
 
     async def push(self, request: Request) -> Response:
