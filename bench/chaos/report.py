@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench.chaos.config import (COMPLETED, DISCONNECT_HELD, DISCONNECT_TOKENS, ENGINE_FAILED, FROZEN_SLOW,
-                                FROZEN_UNASKED, HTTP_ERROR, HUGE, HUNG, LOST, MARKED_DOWN, OVERLOAD_MEMORY, OVERLOAD_UNCLEAR,
-                                PROMPTS, RESTART_GROWTH, SSD_UNCOUNTED, SSD_WRONG, STALE, STREAM_ERROR, UNCLEAR,
-                                ChaosConfig)
+                                FROZEN_UNASKED, HTTP_ERROR, HUGE, HUNG, LOST, MARKED_DOWN, OVERLOAD_MEMORY,
+                                OVERLOAD_UNCLEAR, PROMPTS, RESTART_GROWTH, SSD_UNCOUNTED, SSD_WRONG, STALE, STREAM_ERROR,
+                                UNCLEAR, ChaosConfig)
 from bench.chaos.fuzz import FuzzOutcome, RawOutcome, framing_cases
 from bench.chaos.restarts import LABELS
 
@@ -183,8 +183,8 @@ def _new_rows(report: dict[str, Any], row: Callable[..., str]) -> list[str]:
         lines += [row(f"  private memory (RssAnon) of {name}, rest -> peak MiB",
                       f"{over['rest_mib'][name]} -> {over['peak_mib'][name]} (+{above})")
                   for name, above in over["above_rest_mib"].items()]
-        lines.append(row(f"  processes more than {over['bound_mib']} MiB above rest", report["must_be_zero"][OVERLOAD_MEMORY],
-                         OVERLOAD_MEMORY))
+        lines.append(row(f"  processes more than {over['bound_mib']} MiB above rest",
+                         report["must_be_zero"][OVERLOAD_MEMORY], OVERLOAD_MEMORY))
         lines.append(row("  answers neither 200 nor 429 with Retry-After", report["must_be_zero"][OVERLOAD_UNCLEAR],
                          OVERLOAD_UNCLEAR))
     for f in report["faults"]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from bench.faults.matrix import ControlCall
 from cluster.failpoints import Failpoints
 from cluster.kv_stream import KVDestination
 from cluster.protocol import (EPOCH_HEADER, AbortRequest, AdoptRequest, GenerateRequest, Prefilled, PrefillRequest,
@@ -42,19 +43,8 @@ class Case:
     label: str
     method: str
     path: str  # with its query
-    body: Any  # JSON, or ``RAW`` bytes
+    body: Any  # JSON (None for a GET)
     epoch: str
-
-
-@dataclass
-class Answer:
-    case: Case
-    status: int | None = None
-    text: str = ""
-
-    @property
-    def refused(self) -> bool:
-        return self.status is not None and 400 <= self.status < 500
 
 
 def _mutations(base: dict[str, Any], depth: int = 2, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -139,17 +129,17 @@ def cases(prefill_url: str, decode_url: str, dest: dict[str, Any], epoch: str) -
     return out
 
 
-async def drive(control: httpx.AsyncClient, todo: list[Case]) -> list[Answer]:
+async def drive(control: httpx.AsyncClient, todo: list[Case]) -> list[ControlCall]:
     """Send every case, one after another; each answer (or that there was none)."""
     answers = []
     for case in todo:
-        answer = Answer(case)
+        answer = ControlCall(case.label)
         try:
             content = None if case.body is None and case.method == "GET" else json.dumps(case.body)
             r = await control.request(case.method, case.path, content=content,
                                       headers={EPOCH_HEADER: case.epoch, "Content-Type": "application/json"})
-            answer.status, answer.text = r.status_code, r.text[:200]
+            answer.status, answer.answer = r.status_code, r.text[:200]
         except httpx.HTTPError as e:
-            answer.text = f"no answer: {type(e).__name__}: {e}"
+            answer.answer = f"no answer: {type(e).__name__}: {e}"
         answers.append(answer)
     return answers

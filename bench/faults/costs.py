@@ -75,8 +75,8 @@ def measure(tokens: int = 512) -> dict[str, float]:
 
 
 def format_costs(m: dict[str, float]) -> str:
-    lines = [f"checks' costs: a {m['tokens']}-token prompt, {m['layers']} layers, {m['kv_bytes'] / 2**20:.1f} MiB of KV; "
-             f"its prefill step {m['prefill_s'] * 1e3:.1f} ms",
+    lines = [f"checks' costs: a {m['tokens']}-token prompt, {m['layers']} layers, "
+             f"{m['kv_bytes'] / 2**20:.1f} MiB of KV; its prefill step {m['prefill_s'] * 1e3:.1f} ms",
              "| hash | all layers | share of the prefill step | GB/s |", "|---|---|---|---|"]
     for name, key in (("xxh3-64 as shipped (keyed, per layer tensor)", "xxh3_s"),
                       ("xxh3-64 over the same bytes", "xxh3_raw_s"),

@@ -196,8 +196,7 @@ class FaultsRun:
                     if row.action == "hostile_control":
                         res.calls = await hostile_control(self.control, prefill, decode, dest)
                     else:
-                        answers = await drive(self.control, cases(prefill, decode, dest, BENCH_FENCE))
-                        res.calls = [ControlCall(a.case.label, a.status, a.text) for a in answers]
+                        res.calls = await drive(self.control, cases(prefill, decode, dest, BENCH_FENCE))
                 res.fired = len(res.calls)
                 res.problems += [f"{c.label}: answered {c.status} {c.answer[:120]}" for c in res.calls if not c.refused]
                 outcomes = await task
@@ -265,8 +264,8 @@ def format_table(results: Sequence[RowResult]) -> str:
         moved = r.counters.get("moved", 0)
         pool = r.counters.get("pool failed_reads_recomputed", 0) + r.counters.get("pool misses", 0)
         verdict = "ok" if r.ok else "FAILED"
-        lines.append(f"| {r.name} | {r.fault} | {r.fired} | {len(r.outcomes)} | {r.count(IDENTICAL)} | {moved} / {pool} "
-                     f"| {r.count(ERROR)} | {r.count(DIFFERS)} | {r.count(HUNG)} | {verdict} |")
+        lines.append(f"| {r.name} | {r.fault} | {r.fired} | {len(r.outcomes)} | {r.count(IDENTICAL)} "
+                     f"| {moved} / {pool} | {r.count(ERROR)} | {r.count(DIFFERS)} | {r.count(HUNG)} | {verdict} |")
     notes = []
     for r in results:
         for why, n in r.errors().items():
@@ -332,11 +331,11 @@ def main_run(cfg: FaultsConfig) -> int:
     if extra.get("instances_down_at_end"):
         print(f"\ninstances down at the end: {extra['instances_down_at_end']}")
     if cfg.json_path is not None:
+        rows = [{"name": r.name, "fault": r.fault, "fired": r.fired, "ok": r.ok,
+                 "counts": {k: r.count(k) for k in (IDENTICAL, ERROR, DIFFERS, HUNG)}, "counters": r.counters,
+                 "problems": r.problems} for r in results]
         cfg.json_path.write_text(json.dumps({"config": {k: str(v) for k, v in asdict(cfg).items()}, "extra": extra,
-                                             "rows": [{"name": r.name, "fault": r.fault, "fired": r.fired, "ok": r.ok,
-                                                       "counts": {k: r.count(k) for k in (IDENTICAL, ERROR, DIFFERS, HUNG)},
-                                                       "counters": r.counters, "problems": r.problems}
-                                                      for r in results]}, indent=1))
+                                             "rows": rows}, indent=1))
     differing = sum(r.count(DIFFERS) for r in results)
     print(f"\n{sum(len(r.outcomes) for r in results)} requests, {differing} differing 200s, "
           f"{time.monotonic() - t0:.0f} s (pid {os.getpid()})")

@@ -58,9 +58,9 @@ from cluster.protocol import CONTROL, EPOCH_HEADER, ControlVerifier, Fence, deri
 from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
-    InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
-    NotOwner, RenewReply, RenewRequest, RequestFailed, ReserveReply, ReserveRequest, StageJoin, StageSpecReply, SwitchRoleRequest,
-    stream_line)
+    InstanceNotReady, KVWriteFailed, NoKVRoom, NotOwner, PrefillReply, PrefillRequest, ProtocolError, PushReply,
+    PushRequest, RenewReply, RenewRequest, RequestFailed, ReserveReply, ReserveRequest, StageJoin, StageSpecReply,
+    SwitchRoleRequest, stream_line)
 from engine.disaggregation import KVCapacityError
 from engine.engine_client import EngineError, EngineNotReady, EngineOverloaded
 from engine.engine_client import RequestFailed as EngineRequestFailed
@@ -111,7 +111,7 @@ class InstanceRoutes:
         # One verifier for every route, so a nonce seen by one is a replay on all; it takes only
         # calls signed for the URL this instance advertises (and registers with).
         self._verifier = ControlVerifier(derive_key(service.config.secret, CONTROL), audiences=[service.config.url])
-        # The Conductor id each prefill or decode running here was started by (``_owned``).
+        # The Conductor id each prefill or decode running here was started by (``_claim``).
         self._owners: dict[str, str] = {}
 
     def _control(self, roles: tuple[str, ...] | None = None, needs_ready: bool = True,
@@ -225,8 +225,12 @@ class InstanceRoutes:
         """A prefill or a decode of ``request_id`` runs here for the Conductor of ``fence`` until
         ``_let_go``: an abort from another is refused (``NotOwner``), and so is a second run of
         the id for another Conductor."""
-        owner = self._owners.setdefault(request_id, fence.conductor)
-        if owner != fence.conductor:
+        self._check_runner(request_id, fence)
+        self._owners[request_id] = fence.conductor
+
+    def _check_runner(self, request_id: str, fence: Fence) -> None:
+        owner = self._owners.get(request_id)
+        if owner is not None and owner != fence.conductor:
             raise NotOwner(f"request {request_id!r} runs for Conductor {owner!r}, not {fence.conductor!r}")
 
     def _let_go(self, request_id: str) -> None:
@@ -235,9 +239,7 @@ class InstanceRoutes:
     async def abort(self, request: Request) -> Response:
         r = AbortRequest.from_dict(await _body(request))
         fence = _fence(request)
-        owner = self._owners.get(r.request_id)
-        if owner is not None and owner != fence.conductor:
-            raise NotOwner(f"request {r.request_id!r} runs for Conductor {owner!r}, not {fence.conductor!r}")
+        self._check_runner(r.request_id, fence)
         if self.s.receiver is not None:
             self.s.receiver.check_owner(r.request_id, fence)
         if self.s.client.is_ready:
