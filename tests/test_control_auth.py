@@ -20,6 +20,8 @@ from starlette.routing import Route
 
 from cluster.protocol import (
     CONTROL,
+    INSTANCE,
+    MEMBERSHIP,
     DIGEST_HEADER,
     MESSENGER,
     NONCE_HEADER,
@@ -57,6 +59,9 @@ def test_keys_per_purpose_are_unrelated_to_each_other_and_to_the_secret():
     control, messenger = derive_key(SECRET, CONTROL), derive_key(SECRET, MESSENGER)
     assert len(control) == len(messenger) == 32
     assert control != messenger
+    # Each purpose a key of its own: a call signed with one is not one signed with another.
+    keys = {derive_key(SECRET, p) for p in (CONTROL, MESSENGER, INSTANCE, MEMBERSHIP)}
+    assert len(keys) == 4
     assert SECRET not in (control, messenger)
     assert SECRET.hex().encode() not in (control, messenger)
     assert derive_key(SECRET, CONTROL) == control  # deterministic: both ends derive the same key

@@ -38,6 +38,7 @@ from cluster.instance.roles import RoleState
 from cluster.messenger import RegionHandle
 from cluster.protocol import (
     CONTROL,
+    INSTANCE,
     EPOCH_HEADER,
     Fence,
     CacheDelta,
@@ -55,6 +56,7 @@ from threaded_server import serve_in_thread
 
 SECRET = b"control plane test secret 0123456789"
 KEY = derive_key(SECRET, CONTROL)
+INSTANCE_KEY = derive_key(SECRET, INSTANCE)  # what instances sign their registrations with
 MIB = 1 << 20
 
 
@@ -187,10 +189,10 @@ def test_a_gigabyte_sent_in_full_regardless_of_the_answer_is_not_kept():
     assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
 
 
-def _signed_headers(url: str, body: bytes, epoch: str | None = None) -> dict[str, str]:
+def _signed_headers(url: str, body: bytes, epoch: str | None = None, key: bytes = KEY) -> dict[str, str]:
     """The headers ``ControlAuth`` puts on a POST of ``body`` to ``url``."""
     request = httpx.Request("POST", url, content=body, headers={EPOCH_HEADER: epoch} if epoch else {})
-    flow = ControlAuth(KEY).auth_flow(request)
+    flow = ControlAuth(key).auth_flow(request)
     signed = next(flow)
     return {k: v for k, v in signed.headers.items() if k.lower().startswith(("x-mooncake", "x-conductor"))}
 
@@ -202,21 +204,21 @@ def test_a_signed_body_over_the_routes_cap_is_413_and_a_fitting_one_passes():
         target = url.format(port=server.port)
         # Declared too large: refused from the headers (the digest is of a body never sent).
         status, body, _sent, grew = _post_huge(server.port, "/cluster/register", 1 << 30, False,
-                                              _signed_headers(target, b"x"))
+                                              _signed_headers(target, b"x", key=INSTANCE_KEY))
         assert status == 413 and json.loads(body)["code"] == "too_large", (status, body[:300])
         assert grew < 64 * MIB
         # Chunked, so only the reading finds it too large: it stops at the cap.
         status, body, _sent, grew = _post_huge(server.port, "/cluster/register", 64 * MIB, True,
-                                              _signed_headers(target, b"x"))
+                                              _signed_headers(target, b"x", key=INSTANCE_KEY))
         assert status == 413 and json.loads(body)["code"] == "too_large", (status, body[:300])
         assert grew < 64 * MIB
         # Within the cap, signed: the handler reads the (cached) body as JSON and answers.
-        with httpx.Client(auth=ControlAuth(KEY)) as http:
+        with httpx.Client(auth=ControlAuth(INSTANCE_KEY)) as http:
             r = http.post(target, json=RegisterRequest("http://127.0.0.1:9", "i9").to_dict(), timeout=30)
             assert r.status_code == 200 and r.json() == {"registered": "http://127.0.0.1:9", "up": False}, r.text
             # The same body with another one's digest: 401, after reading (at most the cap).
             r = http.post(target, content=b'{"url": "http://127.0.0.1:9"}',
-                          headers=_signed_headers(target, b"{}"), auth=None)
+                          headers=_signed_headers(target, b"{}", key=INSTANCE_KEY), auth=None)
             assert r.status_code == 401 and "digest" in r.json()["error"]
 
 
@@ -364,7 +366,7 @@ def test_registering_an_instance_that_does_not_fit_is_refused():
 
     async def run() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://c",
-                                     auth=ControlAuth(KEY)) as http:
+                                     auth=ControlAuth(INSTANCE_KEY)) as http:
             fits = await http.post("/cluster/register", json=RegisterRequest("http://a:1", "a").to_dict())
             misfit = await http.post("/cluster/register", json=RegisterRequest("http://b:1", "b").to_dict())
         await conductor.client.close()

@@ -19,7 +19,7 @@ from cluster.instance.routes import _as_protocol_error
 from cluster.messenger import TransferError
 from cluster.policies.cost_model import InstanceProfile, PrefillCostModel
 from cluster.protocol import (
-    CONTROL, ERRORS, Fence, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, CacheDelta, ControlAuth,
+    CONTROL, ERRORS, INSTANCE, Fence, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, CacheDelta, ControlAuth,
     GenerateRequest, InstanceBusy, InstanceFailed, InstanceInfo, InstanceNotReady, InstanceState, InstanceUnavailable,
     KVWriteFailed, NoKVRoom, PoolNaming, Prefilled, PrefillReply, PrefillRequest, PrefixNotCached, PushReply,
     PushRequest, RegisterReply, RegisterRequest, RenewReply, RenewRequest, RequestError, RequestFailed, ReserveReply,
@@ -280,7 +280,10 @@ def test_registration_answers_a_register_reply_and_a_malformed_body_400():
         conductor = Conductor(ConductorConfig(secret=secret, epoch=1))
         conductor.registry.client = _client(instance)
         app = Starlette(routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
-        auth = ControlAuth(derive_key(secret, CONTROL))
+        auth = ControlAuth(derive_key(secret, INSTANCE))  # instances sign with a key of their own purpose
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://c",
+                                     auth=ControlAuth(derive_key(secret, CONTROL))) as http:
+            as_conductor = await http.post("/cluster/register", json=RegisterRequest("http://i:1", "i1").to_dict())
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://c", auth=auth) as http:
             ok = await http.post("/cluster/register", json=RegisterRequest("http://i:1", "i1").to_dict())
             bad = await http.post("/cluster/register", json={"url": "i:1", "instance_id": "i1"})
@@ -289,9 +292,10 @@ def test_registration_answers_a_register_reply_and_a_malformed_body_400():
             unsigned = await http.post("/cluster/register", json=RegisterRequest("http://i:1", "i1").to_dict())
         await conductor.registry.client.close()
         await conductor.client.close()
-        return conductor, ok, bad, not_json, unsigned
+        return conductor, ok, bad, not_json, unsigned, as_conductor
 
-    conductor, ok, bad, not_json, unsigned = asyncio.run(call())
+    conductor, ok, bad, not_json, unsigned, as_conductor = asyncio.run(call())
+    assert as_conductor.status_code == 401, "a registration signed with the Conductors' key was taken"
     assert ok.status_code == 200 and RegisterReply.from_dict(ok.json()) == RegisterReply("http://i:1", True)
     (rec,) = conductor.registry.records
     assert rec.url == "http://i:1" and rec.up and rec.info.pid == 7 and rec.state == STATE

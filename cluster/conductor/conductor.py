@@ -52,7 +52,7 @@ from cluster.policies.snapshot import RequestInfo
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
 from cluster.pool.metadata import MetadataStore
 from cluster.pool.objects import object_keys
-from cluster.protocol import CONTROL, MEMBERSHIP, ControlVerifier, derive_key, verify_request
+from cluster.protocol import INSTANCE, MEMBERSHIP, ControlVerifier, derive_key, verify_request
 from cluster.protocol import BadRequest, Fence, RegisterReply, RegisterRequest, TimedOut, Unauthorized
 from engine.default_model import default_model_name
 from engine.model_config import ModelConfig
@@ -134,7 +134,9 @@ class Conductor(EngineClient):
         self.fence = Fence(config.conductor_id, config.epoch or time.time_ns())  # a Conductor started later is newer
         self.epoch = self.fence.epoch
         self.client = InstanceClient(config.secret, self.fence, config.control_timeout_s, config.request_timeout_s)
-        self._verifier = ControlVerifier(derive_key(config.secret, CONTROL))  # instances registering
+        # Instances registering sign with the instances' key, not the Conductors' (a call signed
+        # with the one is refused where the other is expected).
+        self._verifier = ControlVerifier(derive_key(config.secret, INSTANCE))
         self.ledger = Ledger()
         self.registry = Registry(self.client, config.poll_interval_s, config.poll_timeout_s,
                                  on_new_incarnation=self.ledger.forget)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import httpx
 
-from cluster.protocol import CONTROL, MESSENGER, ControlAuth, StageJoin, StageLinks, StagePing, StageSpec
+from cluster.protocol import INSTANCE, MESSENGER, ControlAuth, StageJoin, StageLinks, StagePing, StageSpec
 from cluster.protocol import StageSpecReply, derive_key
 from cluster.kv_stream import KVSender
 from cluster.pool.config import model_identity
@@ -269,7 +269,7 @@ def serve_joined(first_url: str, group: str, stage: int, stages: int, host: str,
                  startup_s: float = 600.0) -> int:
     """A later stage started by hand: join group ``group`` at its first stage (the prefill
     instance at ``first_url``), then serve until the first stage is gone. Returns the exit code."""
-    auth = ControlAuth(derive_key(secret, CONTROL))
+    auth = ControlAuth(derive_key(secret, INSTANCE))  # a stage is an instance: not the Conductors' key
     url = first_url.rstrip("/") + "/instance/stage/join"
     join = StageJoin(group, stage, stages)
     with httpx.Client(auth=auth, timeout=startup_s) as http:

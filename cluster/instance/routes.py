@@ -20,7 +20,8 @@ signed requests, ``cluster/protocol/``), and ``/health`` / ``/stats``:
   a Conductor with ``--elastic-roles``): new work is refused while it drains what it holds
   (``roles.py``); its state shows the switch and, once drained, the new role
 * ``POST /instance/stage/join`` (a first pipeline stage whose later stages are started by hand,
-  ``cluster.cpp.group``) a later stage takes its ``StageSpec``, then its links
+  ``cluster.cpp.group``) a later stage takes its ``StageSpec``, then its links; signed with the
+  instances' key (``INSTANCE``), not the Conductors' (``CONTROL``)
 * ``GET|POST /instance/failpoints`` only in a process started with ``MOONCAKE_FAILPOINTS=1``
   (``cluster.failpoints``, for ``bench.faults``): arm faults with ``{"arm": {name: times}}``;
   both answer what is armed and what fired
@@ -54,7 +55,7 @@ from cluster.instance.service import InstanceService
 from cluster.kv_stream import KVDestination
 from cluster.cpp.group import peer_from
 from cluster.messenger import TransferError
-from cluster.protocol import CONTROL, EPOCH_HEADER, ControlVerifier, Fence, derive_key, verify_request
+from cluster.protocol import CONTROL, EPOCH_HEADER, INSTANCE, ControlVerifier, Fence, derive_key, verify_request
 from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
@@ -111,19 +112,23 @@ class InstanceRoutes:
         # One verifier for every route, so a nonce seen by one is a replay on all; it takes only
         # calls signed for the URL this instance advertises (and registers with).
         self._verifier = ControlVerifier(derive_key(service.config.secret, CONTROL), audiences=[service.config.url])
+        # A later pipeline stage joining is an instance, and signs with the instances' key.
+        self._stage_verifier = ControlVerifier(derive_key(service.config.secret, INSTANCE),
+                                               audiences=[service.config.url])
         # The Conductor id each prefill or decode running here was started by (``_claim``).
         self._owners: dict[str, str] = {}
 
     def _control(self, roles: tuple[str, ...] | None = None, needs_ready: bool = True,
-                 max_body: int = SMALL_BODY) -> Callable[[Handler], Handler]:
+                 max_body: int = SMALL_BODY, verifier: ControlVerifier | None = None) -> Callable[[Handler], Handler]:
         """Wrap a control route: authenticate (before reading the body, which is read only up to
-        ``max_body`` bytes), note the Conductor's fence, check readiness and role, and map the
+        ``max_body`` bytes; ``verifier``: the key its callers sign with, by default the
+        Conductors'), note the Conductor's fence, check readiness and role, and map the
         exceptions it raises to status codes."""
 
         def wrap(handler: Handler) -> Handler:
             async def route(request: Request) -> Response:
                 s = self.s
-                if (denied := await verify_request(self._verifier, request, max_body)) is not None:
+                if (denied := await verify_request(verifier or self._verifier, request, max_body)) is not None:
                     return _answer(denied)
                 if needs_ready and not s.ready:
                     # "fatal": the engine could not start and will not by itself (a bad model, say).
@@ -316,7 +321,8 @@ class InstanceRoutes:
             Route("/instance/push", c(("prefill", "both"), max_body=PROMPT_BODY)(self.push), methods=["POST"]),
             Route("/instance/adopt", c()(self.adopt), methods=["POST"]),
             Route("/instance/role", c(("prefill", "decode"))(self.switch_role), methods=["POST"]),
-            Route("/instance/stage/join", c(("prefill",), needs_ready=False)(self.stage_join), methods=["POST"]),
+            Route("/instance/stage/join", c(("prefill",), needs_ready=False, verifier=self._stage_verifier)(
+                self.stage_join), methods=["POST"]),
         ]
 
 

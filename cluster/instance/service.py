@@ -41,7 +41,8 @@ from cluster.pool.metadata.membership import LeasedKey, announce
 from cluster.pool.metadata import MetadataUnavailable, connect_metadata
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
-from cluster.protocol import CONTROL, MEMBERSHIP, MESSENGER, BadRequest, ControlAuth, Fence, StageSpec, SwitchRoleReply, derive_key
+from cluster.protocol import (INSTANCE, MEMBERSHIP, MESSENGER, BadRequest, ControlAuth, Fence, StageSpec,
+                              SwitchRoleReply, derive_key)
 from cluster.protocol import InstanceInfo, InstanceState, PoolNaming, RegisterReply, RegisterRequest
 from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
@@ -356,7 +357,7 @@ class InstanceService:
         url = conductor.rstrip("/") + "/cluster/register"
         body = RegisterRequest(self.config.url, self.instance_id).to_dict()
         was: str | None = None
-        async with httpx.AsyncClient(timeout=5.0, auth=ControlAuth(derive_key(self.config.secret, CONTROL))) as http:
+        async with httpx.AsyncClient(timeout=5.0, auth=ControlAuth(derive_key(self.config.secret, INSTANCE))) as http:
             while True:
                 up = False
                 try:

@@ -101,7 +101,7 @@ from cluster.protocol.stage import (
 )
 from cluster.protocol.signing import (
     AUDIENCE_HEADER, CONTROL, ControlAuth, ControlAuthError, ControlVerifier, DIGEST_HEADER,
-    EPOCH_HEADER, Fence, MAX_CONDUCTOR_ID, MAX_EPOCH, MEMBERSHIP, MESSENGER, NONCE_HEADER, NO_BODY, PROMPT_BODY,
+    EPOCH_HEADER, Fence, INSTANCE, MAX_CONDUCTOR_ID, MAX_EPOCH, MEMBERSHIP, MESSENGER, NONCE_HEADER, NO_BODY, PROMPT_BODY,
     SIGNATURE_HEADER, SMALL_BODY, TIMESTAMP_HEADER, audience_of, derive_key, request_target, sign,
     verify_request
 )
@@ -109,7 +109,7 @@ from cluster.protocol.signing import (
 __all__ = [
     "AUDIENCE_HEADER", "AbortReply", "AbortRequest", "AdoptReply", "AdoptRequest", "BadRequest", "CONTROL",
     "CacheDelta", "ControlAuth", "ControlAuthError", "ControlVerifier", "DIGEST_HEADER", "EPOCH_HEADER",
-    "ERRORS", "Fence", "GenerateRequest", "InstanceBusy", "InstanceFailed", "InstanceInfo",
+    "ERRORS", "Fence", "GenerateRequest", "INSTANCE", "InstanceBusy", "InstanceFailed", "InstanceInfo",
     "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID", "MAX_EPOCH",
     "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "NotOwner", "PROMPT_BODY", "PoolNaming", "PrefillReply",
     "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",

@@ -68,7 +68,8 @@ class Fence:
             raise BadRequest(f"malformed {EPOCH_HEADER} {value[:100]!r}: {e}") from None
 
 
-CONTROL = "control"
+CONTROL = "control"  # what Conductors sign: their calls to instances
+INSTANCE = "instance"  # what instances sign: a registration with a Conductor, a stage joining its first
 MESSENGER = "messenger"
 MEMBERSHIP = "membership"  # the instances' records in etcd (cluster.pool.metadata.membership)
 
