@@ -79,8 +79,9 @@ def _deliver(items: list[tuple[_Request, RequestOutput | BaseException]]) -> Non
 def _not_the_engines_fault(e: Exception) -> bool:
     """A request that cannot start for a reason of its own or of the moment: a reservation that
     lapsed (a ``LookupError`` its owner raised; a bare ``KeyError`` / ``IndexError`` is a bug),
-    KV that arrived corrupt (``NotStarted``), or no room for its KV now. Its caller tells the client so, and may place it elsewhere;
-    wrapped as an ``EngineError`` it would read as a failed instance."""
+    KV that arrived corrupt (``NotStarted``), or no room for its KV now. Its caller tells the
+    client so, and may place it elsewhere; wrapped as an ``EngineError`` it would read as a failed
+    instance."""
     if isinstance(e, (KVCapacityError, NotStarted)):
         return True
     return isinstance(e, LookupError) and not isinstance(e, (KeyError, IndexError))

@@ -233,10 +233,10 @@ class ClientRateLimit:
             self._buckets[host] = (tokens, now)
             return (1.0 - tokens) / self.rate
         self._buckets[host] = (tokens - 1.0, now)
-        if now - self._swept > self.burst / self.rate:
+        refill_s = self.burst / self.rate  # an address untouched this long has a full bucket again
+        if now - self._swept > refill_s:
             self._swept = now
-            full = self.burst / self.rate
-            for h in [h for h, (_, t) in self._buckets.items() if now - t > full]:
+            for h in [h for h, (_, t) in self._buckets.items() if now - t > refill_s]:
                 del self._buckets[h]
         return 0.0
 

@@ -39,7 +39,9 @@ SAMPLE_S = 0.25
 
 
 def _anon_mib(pid: int) -> int | None:
-    return (proc_status(pid, ("RssAnon",)).get("RssAnon", -1024) // 1024) if pid else None
+    """``pid``'s RssAnon in MiB; None when it cannot be read (the process is gone)."""
+    kib = proc_status(pid, ("RssAnon",)).get("RssAnon")
+    return None if kib is None else kib // 1024
 
 
 def _body(i: int) -> dict[str, Any]:

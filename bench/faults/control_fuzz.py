@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.faults.matrix import ControlCall
+from bench.faults.matrix import HOSTILE_PROMPT, ControlCall
 from cluster.failpoints import Failpoints
 from cluster.kv_stream import KVDestination
 from cluster.protocol import (EPOCH_HEADER, AbortRequest, AdoptRequest, GenerateRequest, Prefilled, PrefillRequest,
@@ -86,7 +86,7 @@ def _arm(body: Any) -> None:
 def cases(prefill_url: str, decode_url: str, dest: dict[str, Any], epoch: str) -> list[Case]:
     """Every malformed call: ``dest`` is a real reservation of the caller's on the decode
     instance (what a prefill or push is told to write into); ``epoch`` its fence header."""
-    ids = list(range(1000, 1040))
+    ids = HOSTILE_PROMPT
     params = SamplingParams(max_tokens=1)
     endpoints: list[tuple[str, str, dict[str, Any], Callable[[Any], Any]]] = [
         (decode_url, "/instance/reserve", ReserveRequest("fuzz-reserve", ids, params).to_dict(),

@@ -40,6 +40,9 @@ PREFILL, DECODE, EVERY = "prefill", "decode", "every"
 # What the bench's own control calls say they come from: a Conductor id of its own, so that no
 # real Conductor's reservations are touched by the instance noticing a new epoch.
 BENCH_FENCE = "faults-bench/1"
+# The prompt of the bench's own reservation (3 blocks of 16), which the hostile calls name too:
+# with the same blocks, only what they do wrong on purpose is wrong.
+HOSTILE_PROMPT = list(range(1000, 1040))
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ async def bench_reservation(control: httpx.AsyncClient, decode_url: str) -> Asyn
     headers = {EPOCH_HEADER: BENCH_FENCE}
     # An id of its own each time: an aborted id is refused to its Conductor for a lease.
     rid = f"faults-bench-reservation-{os.urandom(4).hex()}"
-    reserve = ReserveRequest(rid, list(range(1000, 1040)), SamplingParams(max_tokens=1))
+    reserve = ReserveRequest(rid, HOSTILE_PROMPT, SamplingParams(max_tokens=1))
     r = await control.post(decode_url + "/instance/reserve", content=json.dumps(reserve.to_dict()), headers=headers)
     if r.status_code != 200:
         raise RuntimeError(f"the bench's own reservation was refused: {r.status_code} {r.text[:300]}")
@@ -128,7 +131,7 @@ async def hostile_control(control: httpx.AsyncClient, prefill_url: str, decode_u
     engine; a reserve for a prompt of a million tokens. Each must be refused with a 4xx, and the
     traffic beside them must not notice."""
     headers = {EPOCH_HEADER: BENCH_FENCE}
-    ids = list(range(1000, 1000 + 40))  # 3 blocks of 16
+    ids = HOSTILE_PROMPT
     region_len = int(dest["region"]["length"])
     variants: list[tuple[str, dict[str, Any]]] = [
         ("prefill into offsets past the region's end", {**dest, "offset": region_len + 4096}),
@@ -201,15 +204,11 @@ async def pause_conductor(pid: int, after_s: float, stop_s: float) -> None:
     """SIGSTOP the Conductor ``after_s`` into the traffic (streams are mid-way) for ``stop_s``:
     past the reservation lease, so the instances release what it reserved; then SIGCONT."""
     await asyncio.sleep(after_s)
-    signal_pid(pid, signal.SIGSTOP)
+    os.kill(pid, signal.SIGSTOP)
     try:
         await asyncio.sleep(stop_s)
     finally:
-        signal_pid(pid, signal.SIGCONT)
-
-
-def signal_pid(pid: int, sig: signal.Signals) -> None:
-    os.kill(pid, sig)
+        os.kill(pid, signal.SIGCONT)
 
 
 # --------------------------------------------------------------------------- a Messenger peer restarted

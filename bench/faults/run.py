@@ -12,7 +12,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from bench.faults.matrix import (BENCH_FENCE, DECODE, EVERY, FRESH, NONE, PREFIL
                                  restarted_peer)
 from bench.faults.control_fuzz import cases, drive
 from bench.faults.traffic import (DIFFERS, ERROR, HUNG, IDENTICAL, Ask, Outcome, fresh_asks, send_all, session_firsts,
-                                  session_seconds, with_references)
+                                  session_seconds)
 from bench.harness import ServerProcess, launch_server
 from cluster.failpoints import ENV as FAILPOINTS_ENV
 from cluster.protocol import CONTROL, EPOCH_HEADER, MESSENGER, ControlAuth, derive_key
@@ -97,7 +97,7 @@ def references(cfg: FaultsConfig, rows: Sequence[Row]) -> dict[str, list[Ask] | 
             got = llm.generate([asks[i].prompt for i in idx], SamplingParams(temperature=0, max_tokens=m,
                                                                                  ignore_eos=True))
             for i, g in zip(idx, got, strict=True):
-                out[i] = (with_references([asks[i]], [g.text])[0], g.prompt_token_ids + g.token_ids)
+                out[i] = (replace(asks[i], want=g.text), g.prompt_token_ids + g.token_ids)
         return out
 
     questions = [llm.engine.tokenize(q) for q in QUESTIONS]

@@ -19,7 +19,7 @@ import json
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -63,12 +63,6 @@ class Outcome:
     seconds: float = 0.0
 
 
-@dataclass
-class Session:
-    first: Ask
-    seconds: list[Ask] = field(default_factory=list)  # second turns, sent together
-
-
 def words(seed: str, n: int) -> str:
     rng = random.Random(seed)
     return " ".join(rng.choice(_WORDS) for _ in range(n)).capitalize() + "."
@@ -88,10 +82,6 @@ def session_seconds(first: Ask, turn: list[int], questions: Sequence[list[int]],
     question's; sent at once, they share the whole first turn's blocks."""
     return [Ask(f"{first.label[:-2]}/2{'abcd'[i]}", turn + q, max_tokens, stream=i % 2 == 1)
             for i, q in enumerate(questions)]
-
-
-def with_references(asks: Sequence[Ask], texts: Sequence[str]) -> list[Ask]:
-    return [Ask(a.label, a.prompt, a.max_tokens, a.stream, t) for a, t in zip(asks, texts, strict=True)]
 
 
 # --------------------------------------------------------------------------- sending and judging

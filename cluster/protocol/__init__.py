@@ -81,8 +81,8 @@ from __future__ import annotations
 
 from cluster.protocol.errors import (
     BadRequest, ERRORS, InstanceBusy, InstanceFailed, InstanceNotReady, InstanceUnavailable,
-    KVWriteFailed, NoKVRoom, NotOwner, PrefixNotCached, ProtocolError, RequestError, RequestFailed, TimedOut, TooLarge,
-    Unauthorized, UnknownReservation, Unreachable, WrongEpoch, error_from
+    KVWriteFailed, NoKVRoom, NotOwner, PrefixNotCached, ProtocolError, RequestError, RequestFailed, TimedOut,
+    TooLarge, Unauthorized, UnknownReservation, Unreachable, WrongEpoch, error_from
 )
 from cluster.protocol.fields import (
     token_ids
@@ -101,8 +101,8 @@ from cluster.protocol.stage import (
 )
 from cluster.protocol.signing import (
     AUDIENCE_HEADER, CONTROL, ControlAuth, ControlAuthError, ControlVerifier, DIGEST_HEADER,
-    EPOCH_HEADER, Fence, INSTANCE, MAX_CONDUCTOR_ID, MAX_EPOCH, MEMBERSHIP, MESSENGER, NONCE_HEADER, NO_BODY, PROMPT_BODY,
-    SIGNATURE_HEADER, SMALL_BODY, TIMESTAMP_HEADER, audience_of, derive_key, request_target, sign,
+    EPOCH_HEADER, Fence, INSTANCE, MAX_CONDUCTOR_ID, MAX_EPOCH, MEMBERSHIP, MESSENGER, NONCE_HEADER, NO_BODY,
+    PROMPT_BODY, SIGNATURE_HEADER, SMALL_BODY, TIMESTAMP_HEADER, audience_of, derive_key, request_target, sign,
     verify_request
 )
 
@@ -111,8 +111,8 @@ __all__ = [
     "CacheDelta", "ControlAuth", "ControlAuthError", "ControlVerifier", "DIGEST_HEADER", "EPOCH_HEADER",
     "ERRORS", "Fence", "GenerateRequest", "INSTANCE", "InstanceBusy", "InstanceFailed", "InstanceInfo",
     "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID", "MAX_EPOCH",
-    "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "NotOwner", "PROMPT_BODY", "PoolNaming", "PrefillReply",
-    "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",
+    "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "NotOwner", "PROMPT_BODY", "PoolNaming",
+    "PrefillReply", "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",
     "RegisterReply", "RegisterRequest", "RenewReply", "RenewRequest", "RequestError", "RequestFailed", "ReserveReply",
     "ReserveRequest", "SIGNATURE_HEADER", "SMALL_BODY", "SWITCHABLE_ROLES", "SwitchRoleReply", "SwitchRoleRequest",
     "StageExpect", "StageFinish", "StageFinishReply",

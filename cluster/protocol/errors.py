@@ -138,8 +138,8 @@ class TimedOut(InstanceUnavailable):
 
 ERRORS: tuple[type[ProtocolError], ...] = (
     # RequestFailed before InstanceFailed: a 500 without a known code is the instance's failure.
-    BadRequest, UnknownReservation, NotOwner, PrefixNotCached, TooLarge, KVWriteFailed, RequestFailed, InstanceBusy, NoKVRoom,
-    Unauthorized, WrongEpoch, InstanceFailed, Unreachable, InstanceNotReady, TimedOut)
+    BadRequest, UnknownReservation, NotOwner, PrefixNotCached, TooLarge, KVWriteFailed, RequestFailed, InstanceBusy,
+    NoKVRoom, Unauthorized, WrongEpoch, InstanceFailed, Unreachable, InstanceNotReady, TimedOut)
 _BY_CODE = {cls.code: cls for cls in ERRORS}
 _BY_STATUS = {cls.status: cls for cls in ERRORS}
 

@@ -100,8 +100,8 @@ class ControlAuthError(Exception):
 
 
 def derive_key(secret: bytes, purpose: str) -> bytes:
-    """A 32-byte key for ``purpose`` (``CONTROL``, ``MESSENGER``, ``MEMBERSHIP``) derived from the cluster secret
-    with HKDF-SHA256; different purposes give unrelated keys."""
+    """A 32-byte key for ``purpose`` (``CONTROL``, ``INSTANCE``, ``MESSENGER``, ``MEMBERSHIP``)
+    derived from the cluster secret with HKDF-SHA256; different purposes give unrelated keys."""
     if not secret:
         raise ValueError("the cluster secret is empty")
     if not purpose:
