@@ -123,17 +123,19 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _claim_membership(args: argparse.Namespace, conductor_id: str):
+def _claim_membership(args: argparse.Namespace, conductor_id: str, secret: bytes):
     """With etcd: the store instances announce themselves in, this Conductor's claim on its id
     and the epoch the claim gives it (``cluster.pool.metadata.membership``). Raises ``RuntimeError`` when the id
     is held by a live Conductor or etcd does not answer."""
     from cluster.pool.metadata.membership import claim_conductor
     from cluster.pool.metadata import MetadataUnavailable
     from cluster.pool.metadata.etcd import EtcdMetadata
+    from cluster.protocol import MEMBERSHIP, derive_key
 
     store = EtcdMetadata(args.etcd)
     try:
-        claim, epoch = claim_conductor(store, conductor_id, f"http://{_url_host(_advertised_host(args))}:{args.port}")
+        claim, epoch = claim_conductor(store, derive_key(secret, MEMBERSHIP), conductor_id,
+                                       f"http://{_url_host(_advertised_host(args))}:{args.port}")
     except MetadataUnavailable as e:
         raise RuntimeError(f"cannot claim the Conductor id {conductor_id!r} in etcd: {e}") from None
     log.info("Conductor %r, epoch %d (its claim's revision in etcd)", conductor_id, epoch)
@@ -227,7 +229,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
         supervisor = Supervisor(roles, f"http://{local}:{args.port}", secret, threads, instance_args(args) + pool_args,
                                 share_cores=(os.cpu_count() or 1) if args.share_cores else None)
         conductor_id = args.conductor_id or f"{_url_host(_advertised_host(args))}:{args.port}"
-        members, claim, epoch = _claim_membership(args, conductor_id) if args.etcd else (None, None, None)
+        members, claim, epoch = _claim_membership(args, conductor_id, secret.encode()) if args.etcd else (None, None, None)
         # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,

@@ -88,6 +88,10 @@ class _EngineCollector(Collector):
             yield gauge("mooncake:membership_records_refused", "Instance records in etcd ignored because their MAC "
                         "under the cluster's membership key failed (written without the cluster secret).",
                         s["membership_refused"])
+        if "answers_refused" in s:  # a Conductor
+            yield counter("mooncake:instance_answers_refused", "Instance answers ignored because their signature "
+                          "under the cluster's instance key failed (not from an instance, or altered on the way).",
+                          s["answers_refused"])
         if "role_switches" in s:  # a Conductor with --elastic-roles
             yield counter("mooncake:role_switches", "Instances this Conductor moved between prefill and decode.",
                           s["role_switches"])

@@ -44,6 +44,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from paged_kv.block_pool import BlockPool
 from tests.decode_side import tiny_decode_side
+from tests.signed_answers import signed_transport
 
 SECRET = b"cluster units test secret 0123"
 
@@ -380,7 +381,16 @@ def test_a_newer_epoch_releases_that_conductors_older_reservations_only(decode_e
         assert "new-d" in r
         await r.reserve("newer-e", PROMPT, PARAMS, _a(7))
         assert "new-d" not in r and "newer-e" in r
-        assert await r.release("newer-e", settled=True) is True
+        # Ordered, a lower epoch changes nothing; confirmed by the Conductor's claim in etcd (a
+        # rebuilt etcd gave the restarted Conductor a lower revision) it replaces the higher one.
+        await r.observe(_a(2))
+        assert "newer-e" in r and r.epochs["a"] == 7
+        await r.observe(_a(2), confirmed=True)
+        assert "newer-e" not in r and r.epochs["a"] == 2
+        with pytest.raises(WrongEpoch):  # (the route refuses it before: its claim carries 2)
+            r.check_current(_a(7))
+        await r.reserve("from-2", PROMPT, PARAMS, _a(2))
+        assert await r.release("from-2", settled=True) is True
         await _assert_nothing_held(d, r)
 
     asyncio.run(scenario())
@@ -578,7 +588,7 @@ def test_conductor_burst_spreads_over_both_prefill_instances_and_leaves_the_ledg
             return httpx.Response(404, json={"error": f"unexpected {path}"})
 
     instances = Instances()
-    transport = httpx.MockTransport(instances)
+    transport = signed_transport(instances, SECRET)
     monkeypatch.setattr(conductor_module, "InstanceClient",
                         lambda *a, **k: InstanceClient(*a, **k, transport=transport))
 

@@ -21,6 +21,7 @@ from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from tests.signed_answers import signed_transport
 
 SECRET = b"0123456789abcdef0123"
 
@@ -140,7 +141,7 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
 
     async def scenario():
         ledger = Ledger()
-        client = InstanceClient(SECRET, Fence("", 1), transport=httpx.MockTransport(handler))
+        client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
         reg = Registry(client, on_new_incarnation=ledger.forget)
         rec = reg.add("http://inst:1/")
         assert reg.add("http://inst:1") is rec and rec.url == "http://inst:1"
@@ -187,7 +188,7 @@ def test_a_local_out_of_descriptors_marks_no_instance_down(caplog):
         return httpx.Response(200, json=InstanceState("one", CacheDelta(1, []), {}).to_dict())
 
     async def scenario():
-        client = InstanceClient(SECRET, Fence("", 1), transport=httpx.MockTransport(handler))
+        client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
         reg = Registry(client)
         rec = reg.add("http://inst:1")
         await reg.poll(rec)

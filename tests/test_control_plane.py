@@ -33,12 +33,14 @@ import cluster.pool.config as pool_config
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.registry import Registry
 from cluster.kv_stream import KVDestination
+from cluster.instance.epochs import Epochs
 from cluster.instance.routes import InstanceRoutes
 from cluster.instance.roles import RoleState
 from cluster.messenger import RegionHandle
 from cluster.protocol import (
     CONTROL,
     INSTANCE,
+    MEMBERSHIP,
     EPOCH_HEADER,
     Fence,
     CacheDelta,
@@ -226,19 +228,19 @@ def test_a_signed_body_over_the_routes_cap_is_413_and_a_fitting_one_passes():
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "block_size": 16, "head_dim": 8, "dtype": "float32"}
 
 
-def _instance(url: str) -> tuple[Starlette, list[int]]:
+def _instance(url: str, check: Epochs | None = None) -> tuple[Starlette, list[int]]:
     """An instance's real control routes over a stand-in service that is ready; the epochs it
-    observed."""
+    observed. ``check``: what checks them (by default, one without a membership store)."""
     epochs: list[int] = []
 
-    async def observe(fence: Fence) -> None:
+    async def observe(fence: Fence, confirmed: bool) -> None:
         epochs.append(fence.epoch)
 
-    info = InstanceInfo("i-" + url, "prefill", 1, 64, LAYOUT, {}, None, "w" * 32, "float32", "none")
+    info = InstanceInfo("i-" + url, "prefill", 1, 64, LAYOUT, _info("").profile, None, "w" * 32, "float32", "none")
     service = SimpleNamespace(
         config=SimpleNamespace(secret=SECRET, url=url, role="prefill"), role="prefill", roles=RoleState("prefill"),
         ready=True, error=None,
-        receiver=SimpleNamespace(observe=observe), info=lambda: info,
+        receiver=SimpleNamespace(observe=observe), info=lambda: info, epochs=check or Epochs(None, b"k" * 32),
         state=lambda since: InstanceState(info.instance_id, CacheDelta(0, [])))
     return Starlette(routes=InstanceRoutes(service).routes()), epochs
 
@@ -302,6 +304,149 @@ def test_a_poll_for_one_instance_is_refused_by_another_and_with_another_epoch():
             assert over.status_code == 413 and over.json()["code"] == "too_large"
 
     asyncio.run(run())
+
+
+def test_a_call_with_an_epoch_its_conductors_claim_does_not_carry_is_refused():
+    """Issue 40 item 3: one signed call naming a Conductor's id with a huge epoch used to lock that
+    Conductor out of the instance; now the instance takes only the epoch the id's claim carries."""
+    from cluster.pool.metadata.local import LocalMetadata
+    from cluster.pool.metadata.membership import claim_conductor
+
+    store, members_key = LocalMetadata(), derive_key(SECRET, MEMBERSHIP)
+    claim, epoch = claim_conductor(store, members_key, "c1", "http://h:1", ttl_s=5.0)
+    url = "http://10.0.0.1:8101"
+    app, observed = _instance(url, Epochs(store, members_key))
+
+    async def call(fence: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), auth=ControlAuth(KEY),
+                                     headers={EPOCH_HEADER: fence}) as http:
+            return await http.get(url + "/instance/state")
+
+    try:
+        for made_up in (2**62, epoch + 1):
+            r = asyncio.run(call(f"c1/{made_up}"))
+            assert r.status_code == 409 and r.json()["code"] == "wrong_epoch", r.text
+        assert observed == []
+        assert asyncio.run(call(f"c1/{epoch}")).status_code == 200 and observed == [epoch]
+    finally:
+        claim.close()
+
+
+# -- answers are signed for their call --------------------------------------------------------------
+def test_the_conductor_takes_only_answers_signed_for_its_call():
+    """Issue 40 item 3: an instance's answers carry a MAC under the instances' key, bound to the
+    call's nonce and audience. The real client against the real routes: a true answer passes; one
+    altered on the way, replayed from an earlier call, sent by another instance for a call to this
+    one, or made up by a process without the secret is ignored (``ForgedAnswer``) and counted,
+    and a Registry never marks such an instance up."""
+    from cluster.conductor.client import InstanceClient
+    from cluster.protocol import ForgedAnswer
+
+    a_url, b_url = "http://10.0.0.1:8101", "http://10.0.0.2:8101"
+    a, _ = _instance(a_url)
+    b, _ = _instance(b_url)
+    apps = {a_url: httpx.ASGITransport(a), b_url: httpx.ASGITransport(b)}
+    earlier: list[httpx.Response] = []
+
+    class Path(httpx.AsyncBaseTransport):
+        """The network between the Conductor and the instances, with a mode of tampering."""
+
+        def __init__(self) -> None:
+            self.mode = "honest"
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            to = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+            if self.mode == "redirect":  # the call goes to the other instance
+                to = b_url if to == a_url else a_url
+                request.headers["host"] = httpx.URL(to).netloc.decode()
+            if self.mode == "replay":  # an earlier true answer instead of this call's
+                return httpx.Response(earlier[0].status_code, headers=earlier[0].headers, content=earlier[0].content)
+            if self.mode == "fake":  # a process without the secret, copying a true answer's body
+                return httpx.Response(200, json=json.loads(earlier[0].content))
+            r = await apps[to].handle_async_request(request)
+            body = await r.aread()
+            if self.mode == "alter":
+                body = body.replace(b'"prefill"', b'"decode"')
+            answer = httpx.Response(r.status_code, headers=r.headers, content=body)
+            earlier.append(answer)
+            return answer
+
+    path = Path()
+
+    async def run() -> None:
+        client = InstanceClient(SECRET, Fence("", 7), control_timeout_s=5.0, transport=path)
+        try:
+            info = await client.info(a_url, 5.0)
+            assert info.role == "prefill" and client.answers_refused == 0
+            for k, mode in enumerate(("alter", "replay", "redirect", "fake"), start=1):
+                path.mode = mode
+                with pytest.raises(ForgedAnswer, match="answer ignored"):
+                    await client.info(a_url, 5.0)
+                assert client.answers_refused == k, mode
+            registry = Registry(client)
+            rec = registry.add(a_url)
+            await registry.poll(rec)
+            assert not rec.up and "answer ignored" in rec.last_error
+            path.mode = "honest"
+            await registry.poll(rec)
+            assert rec.up, rec.last_error
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_signed_answer_and_its_lines_pass_only_for_their_own_call():
+    from cluster.protocol import (
+        ANSWER_SIGNATURE_HEADER, AnswerAuthError, AnswerSigner, MESSENGER, NONCE_HEADER, check_answer, check_line)
+
+    signer = AnswerSigner(INSTANCE_KEY, "http://a:1")
+
+    def answer(request: httpx.Request, status: int, body: bytes, signer: AnswerSigner = signer) -> httpx.Response:
+        return httpx.Response(status, content=body, request=request, headers={
+            ANSWER_SIGNATURE_HEADER: signer.answer(request.headers, status, body)})
+
+    one, two = _captured_request("http://a:1/instance/info"), _captured_request("http://a:1/instance/info")
+    check_answer(INSTANCE_KEY, answer(one, 200, b'{"x": 1}'))
+    check_answer(INSTANCE_KEY, answer(one, 409, b'{"error": "older"}'))  # errors are signed alike
+    refused = [
+        httpx.Response(200, content=b'{"x": 2}', request=one, headers={
+            ANSWER_SIGNATURE_HEADER: signer.answer(one.headers, 200, b'{"x": 1}')}),  # body altered
+        httpx.Response(500, content=b'{"x": 1}', request=one, headers={
+            ANSWER_SIGNATURE_HEADER: signer.answer(one.headers, 200, b'{"x": 1}')}),  # status altered
+        httpx.Response(200, content=b"{}", request=one, headers={
+            ANSWER_SIGNATURE_HEADER: signer.answer(two.headers, 200, b"{}")}),  # another call's
+        answer(one, 200, b"{}", AnswerSigner(INSTANCE_KEY, "http://b:1")),  # another instance's
+        answer(one, 200, b"{}", AnswerSigner(KEY, "http://a:1")),  # the Conductors' key
+        answer(one, 200, b"{}", AnswerSigner(derive_key(SECRET, MESSENGER), "http://a:1")),
+        httpx.Response(200, content=b"{}", request=one),  # none
+    ]
+    for r in refused:
+        with pytest.raises(AnswerAuthError):
+            check_answer(INSTANCE_KEY, r)
+    lines = [signer.line(one.headers, i, text) for i, text in enumerate((b'{"t": 1}', b'{"t": 2}'))]
+    assert [check_line(INSTANCE_KEY, one, i, ln.decode().rstrip("\n")) for i, ln in enumerate(lines)] == [
+        '{"t": 1}', '{"t": 2}']
+    for index, line, request in [(1, lines[0], one), (0, lines[1], one), (0, lines[0], two),
+                                 (0, lines[0].replace(b'"t": 1', b'"t": 9'), one), (0, b'{"t": 1}\n', one)]:
+        with pytest.raises(AnswerAuthError):
+            check_line(INSTANCE_KEY, request, index, line.decode().rstrip("\n"))
+    unsigned = httpx.Request("GET", "http://a:1/instance/info")
+    assert NONCE_HEADER not in unsigned.headers
+    with pytest.raises(AnswerAuthError, match="not signed"):
+        check_answer(INSTANCE_KEY, httpx.Response(200, content=b"{}", request=unsigned))
+
+
+def _captured_request(url: str) -> httpx.Request:
+    caught: list[httpx.Request] = []
+
+    def capture(request: httpx.Request) -> httpx.Response:
+        caught.append(request)
+        return httpx.Response(200)
+
+    with httpx.Client(transport=httpx.MockTransport(capture), auth=ControlAuth(KEY)) as http:
+        http.get(url)
+    return caught[0]
 
 
 # -- instances that do not fit are kept out ---------------------------------------------------------
@@ -429,7 +574,8 @@ def test_a_prefill_whose_caller_hangs_up_is_cancelled_at_once():
     sock.bind(("127.0.0.1", 0))  # the instance's URL (its calls' audience) names the port
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     service = SimpleNamespace(ready=True, error=None, prefiller=SimpleNamespace(prefill=prefill),
-                              receiver=SimpleNamespace(observe=lambda fence: asyncio.sleep(0)),
+                              receiver=SimpleNamespace(observe=lambda fence, confirmed: asyncio.sleep(0)),
+                              epochs=Epochs(None, b"k" * 32),
                               config=SimpleNamespace(secret=SECRET, url=url, role="prefill"),
                               role="prefill", roles=RoleState("prefill"))
     with serve_in_thread(Starlette(routes=InstanceRoutes(service).routes()), sock=sock):

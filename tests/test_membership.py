@@ -5,6 +5,7 @@ tests/test_pool_metadata.py; the whole, over a real etcd, by tests/test_across_h
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -80,23 +81,23 @@ def test_an_announcement_whose_lease_ran_out_is_written_again():
 
 def test_a_conductor_id_is_claimed_once_and_a_restart_gets_a_larger_epoch():
     store = LocalMetadata()
-    first, epoch1 = claim_conductor(store, "c1", "http://h:8000", ttl_s=TTL_S)
-    other, epoch_other = claim_conductor(store, "c2", "http://h:8001", ttl_s=TTL_S)
+    first, epoch1 = claim_conductor(store, KEY, "c1", "http://h:8000", ttl_s=TTL_S)
+    other, epoch_other = claim_conductor(store, KEY, "c2", "http://h:8001", ttl_s=TTL_S)
     try:
         # A second Conductor with a live one's id is refused once the wait is over.
         start = time.monotonic()
         with pytest.raises(ConductorIdTaken, match="c1"):
-            claim_conductor(store, "c1", "http://h2:8000", ttl_s=TTL_S, wait_s=0.5)
+            claim_conductor(store, KEY, "c1", "http://h2:8000", ttl_s=TTL_S, wait_s=0.5)
         assert time.monotonic() - start >= 0.5
         # The first dies (no revoke): its successor waits out the lease and claims anew, newer.
         first._stop.set()
         first._thread.join()
-        second, epoch2 = claim_conductor(store, "c1", "http://h:8000", ttl_s=TTL_S)
+        second, epoch2 = claim_conductor(store, KEY, "c1", "http://h:8000", ttl_s=TTL_S)
         assert epoch2 > max(epoch1, epoch_other)
         # A clean stop frees the id at once.
         second.close()
         assert store.get(CONDUCTORS + "c1") is None
-        third, epoch3 = claim_conductor(store, "c1", "http://h:8000", ttl_s=TTL_S, wait_s=0)
+        third, epoch3 = claim_conductor(store, KEY, "c1", "http://h:8000", ttl_s=TTL_S, wait_s=0)
         assert epoch3 > epoch2
         third.close()
     finally:
@@ -106,12 +107,16 @@ def test_a_conductor_id_is_claimed_once_and_a_restart_gets_a_larger_epoch():
 
 def test_a_claim_taken_while_its_holder_was_cut_off_is_given_up():
     store = LocalMetadata()
-    claim, _ = claim_conductor(store, "c1", "http://h:8000", ttl_s=TTL_S)
+    claim, _ = claim_conductor(store, KEY, "c1", "http://h:8000", ttl_s=TTL_S)
     try:
         store.revoke(claim._lease)  # its lease ran out while it was paused ...
-        intruder, _ = claim_conductor(store, "c1", "http://other:8000", ttl_s=TTL_S, wait_s=0)  # ... and it was taken
-        _until(claim.lost.is_set, 3 * TTL_S)
-        assert store.get(CONDUCTORS + "c1") == '{"url": "http://other:8000"}'
+        intruder, _ = claim_conductor(store, KEY, "c1", "http://other:8000", ttl_s=TTL_S, wait_s=0)  # ... and it was taken
+        # Given up once held by the other for longer than a claim waits (a restored record would
+        # have lapsed by then).
+        start = time.monotonic()
+        _until(claim.lost.is_set, 2 * TTL_S + 1 + 3 * TTL_S)
+        assert time.monotonic() - start >= 2 * TTL_S + 1 - TTL_S
+        assert json.loads(store.get(CONDUCTORS + "c1"))["url"] == "http://other:8000"
         intruder.close()
     finally:
         claim.close()

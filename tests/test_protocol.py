@@ -23,7 +23,7 @@ from cluster.protocol import (
     GenerateRequest, InstanceBusy, InstanceFailed, InstanceInfo, InstanceNotReady, InstanceState, InstanceUnavailable,
     KVWriteFailed, NoKVRoom, PoolNaming, Prefilled, PrefillReply, PrefillRequest, PrefixNotCached, PushReply,
     PushRequest, RegisterReply, RegisterRequest, RenewReply, RenewRequest, RequestError, RequestFailed, ReserveReply,
-    ReserveRequest,
+    ReserveRequest, ForgedAnswer,
     SwitchRoleReply, SwitchRoleRequest, StageExpect, StageFinish, StageFinishReply, StageJoin, StageLinks, StageLogits, StagePing, StagePoolLoad,
     StagePoolLoadReply, StagePoolStore, StagePoolStoreEnd, StagePoolStoreEndReply, StagePoolStoreReply,
     StagePoolUnload, StageSpec, StageSpecReply, StageStepCall, TensorSlot, TimedOut, Unauthorized,
@@ -34,6 +34,7 @@ from engine.engine_client import EngineError, EngineOverloaded
 from engine.engine_client import RequestFailed as EngineRequestFailed
 from engine.outputs import Logprobs, RequestOutput
 from engine.sampling_params import SamplingParams
+from tests.signed_answers import signed_transport
 
 PARAMS = SamplingParams(temperature=0.7, top_k=5, stop=["\n"], seed=3, logprobs=2, max_tokens=9)
 DEST = {"address": "127.0.0.1:1", "region": {"engine_id": "e"}, "offset": 0, "skip_blocks": 1, "num_blocks": 2}
@@ -134,9 +135,10 @@ def test_a_malformed_body_is_a_bad_request_naming_what_is_wrong(cls, body, field
 
 
 def test_each_error_has_one_status_and_code_and_maps_back_to_itself():
-    # One exception: a request that failed inside the engine is a 500 like a failed instance,
-    # told apart by its code; by the status alone it reads as the instance's failure.
-    assert len({e.status for e in ERRORS}) == len(ERRORS) - 1 and len({e.code for e in ERRORS}) == len(ERRORS)
+    # Two exceptions, told apart by their codes: a request that failed inside the engine is a 500
+    # like a failed instance (by the status alone it reads as the instance's failure), and a
+    # forged answer a 502 like no answer (the client's own, never sent).
+    assert len({e.status for e in ERRORS}) == len(ERRORS) - 2 and len({e.code for e in ERRORS}) == len(ERRORS)
     for cls in ERRORS:
         assert issubclass(cls, RequestError) != issubclass(cls, InstanceUnavailable)
         if issubclass(cls, RequestError):
@@ -145,7 +147,7 @@ def test_each_error_has_one_status_and_code_and_maps_back_to_itself():
         e = cls("why")
         back = error_from(e.status, json.loads(json.dumps(e.to_dict())))
         assert type(back) is cls and str(back) == "why"
-        assert type(error_from(e.status, None)) is (InstanceFailed if cls is RequestFailed else cls)
+        assert type(error_from(e.status, None)) is {RequestFailed: InstanceFailed, ForgedAnswer: Unreachable}.get(cls, cls)
     assert {c.status for c in ERRORS if issubclass(c, RequestError)} == {400, 403, 404, 410, 413, 424, 429, 500, 507}
     assert {c.status for c in ERRORS if issubclass(c, InstanceUnavailable)} == {401, 409, 500, 502, 503, 504}
     assert type(error_from(418, {"error": "teapot"})) is InstanceFailed
@@ -181,7 +183,7 @@ def test_stream_lines_carry_outputs_and_the_error_that_ended_the_stream():
 
 
 def _client(handler) -> InstanceClient:
-    return InstanceClient(b"s" * 16, Fence("", 1), control_timeout_s=1.0, transport=httpx.MockTransport(handler))
+    return InstanceClient(b"s" * 16, Fence("", 1), control_timeout_s=1.0, transport=signed_transport(handler, b"s" * 16))
 
 
 @pytest.mark.parametrize("answer, expected", [

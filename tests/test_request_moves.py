@@ -31,6 +31,7 @@ from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model
+from tests.signed_answers import signed_transport
 
 SECRET = b"request moves test secret 0123"
 LAYOUT = KVLayout(2, 2, 16, 8, "float32")
@@ -126,7 +127,7 @@ class Instances:
 
 
 async def _conductor(instances: Instances, monkeypatch, **config) -> Conductor:
-    transport = httpx.MockTransport(instances)
+    transport = signed_transport(instances, SECRET)
     monkeypatch.setattr(conductor_module, "InstanceClient", lambda *a, **k: InstanceClient(*a, **k, transport=transport))
     c = Conductor(ConductorConfig(secret=SECRET, instances=tuple(PREFILLS + DECODES), epoch=5, **config))
     c._tokenizer, c._vocab_size = object(), 1000  # token-id prompts only: no tokenizer needed

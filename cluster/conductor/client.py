@@ -2,7 +2,9 @@
 
 Typed calls (the messages of ``cluster/protocol/``), each with a bound, and one error mapping:
 an answer that is not a 200 becomes the ``ProtocolError`` it carries (``protocol.error_from``);
-no answer becomes ``Unreachable``, none in time ``TimedOut``. The caller tells the two kinds
+no answer becomes ``Unreachable``, none in time ``TimedOut``, one that is not signed for the call
+with the instances' key ``ForgedAnswer`` (ignored and counted: ``answers_refused``; streamed
+answers are checked line by line, ``cluster.protocol.check_line``). The caller tells the two kinds
 apart: a ``RequestError`` ends the request (or tries the next instance), an
 ``InstanceUnavailable`` marks the instance down.
 
@@ -21,9 +23,11 @@ from typing import Any, TypeVar
 
 import httpx
 
-from cluster.protocol import CONTROL, EPOCH_HEADER, ControlAuth, Fence, derive_key
 from cluster.protocol import (
-    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceFailed, InstanceInfo,
+    CONTROL, EPOCH_HEADER, INSTANCE, AnswerAuthError, ControlAuth, Fence, check_answer, check_line, derive_key)
+from cluster.protocol import (
+    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, ForgedAnswer, GenerateRequest, InstanceFailed,
+    InstanceInfo,
     InstanceState, InstanceUnavailable, KVWriteFailed, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
     RenewReply, RenewRequest, ReserveReply, ReserveRequest, SwitchRoleReply, SwitchRoleRequest, TimedOut, Unreachable,
     error_from, read_stream_line)
@@ -42,6 +46,13 @@ def _error(r: httpx.Response, what: str) -> ProtocolError:
     except ValueError:
         body = {"error": r.text[:300]}
     return error_from(r.status_code, body, r.headers.get("retry-after"), f"{what}: HTTP {r.status_code}: ")
+
+
+def _json(r: httpx.Response, what: str) -> Any:
+    try:
+        return r.json()
+    except ValueError as e:  # signed, so the instance's own: a bug there
+        raise InstanceFailed(f"{what}: the answer is not JSON: {e}") from None
 
 
 def _reply(cls: type[R], data: Any, what: str) -> R:
@@ -96,6 +107,22 @@ class InstanceClient:
                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
         self._http = httpx.AsyncClient(**kwargs)
         self._polls = httpx.AsyncClient(**kwargs)
+        self._answer_key = derive_key(secret, INSTANCE)
+        self.answers_refused = 0  # answers that failed their signature (the Conductor's /metrics)
+
+    def _forged(self, what: str, e: AnswerAuthError) -> ForgedAnswer:
+        self.answers_refused += 1
+        return ForgedAnswer(f"{what}: answer ignored: {e}")
+
+    def _checked(self, r: httpx.Response, what: str) -> httpx.Response:
+        """``r`` (read whole) once its signature verified; then a non-200 is the error it carries."""
+        try:
+            check_answer(self._answer_key, r)
+        except AnswerAuthError as e:
+            raise self._forged(what, e) from None
+        if r.status_code != 200:
+            raise _error(r, what)
+        return r
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -106,18 +133,14 @@ class InstanceClient:
             r = await self._http.post(url + path, json=body, timeout=timeout or self.control_timeout_s)
         except httpx.HTTPError as e:
             raise _no_answer(path, e) from None
-        if r.status_code != 200:
-            raise _error(r, path)
-        return r.json()
+        return _json(self._checked(r, path), path)
 
     async def _get(self, url: str, path: str, timeout: float) -> Any:
         try:
             r = await self._polls.get(url + path, timeout=timeout)
         except httpx.HTTPError as e:
             raise _no_answer(path, e) from None
-        if r.status_code != 200:
-            raise _error(r, path)
-        return r.json()
+        return _json(self._checked(r, path), path)
 
     # -- polls ---------------------------------------------------------------------------------------
     async def info(self, url: str, timeout: float) -> InstanceInfo:
@@ -175,8 +198,9 @@ class InstanceClient:
                 try:
                     if r.status_code != 200:
                         await r.aread()
-                        raise _error(r, "/instance/generate")
+                        self._checked(r, "/instance/generate")
                     lines = r.aiter_lines()
+                    index = 0
                     while True:
                         try:
                             line = await _unless(lost, anext(lines))
@@ -184,6 +208,11 @@ class InstanceClient:
                             raise Unreachable("the stream ended before the request finished") from None
                         if not line:
                             continue
+                        try:
+                            line = check_line(self._answer_key, r.request, index, line)
+                        except AnswerAuthError as e:
+                            raise self._forged("/instance/generate", e) from None
+                        index += 1
                         out = read_stream_line(line)
                         yield out
                         if out.finished:

@@ -545,6 +545,7 @@ class Conductor(EngineClient):
             "conductor_id": self.fence.conductor, "epoch": self.epoch,
             **({"membership_error": self._members_error} if self._members_error else {}),
             **({"membership_refused": len(self._members_refused)} if self._members is not None else {}),
+            "answers_refused": self.client.answers_refused,
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import httpx
 
 from cluster.protocol import INSTANCE, MESSENGER, ControlAuth, StageJoin, StageLinks, StagePing, StageSpec
-from cluster.protocol import StageSpecReply, derive_key
+from cluster.protocol import AnswerAuthError, StageSpecReply, check_answer, derive_key
 from cluster.kv_stream import KVSender
 from cluster.pool.config import model_identity
 from cluster.pool.objects import PoolGeometry
@@ -269,15 +269,16 @@ def serve_joined(first_url: str, group: str, stage: int, stages: int, host: str,
                  startup_s: float = 600.0) -> int:
     """A later stage started by hand: join group ``group`` at its first stage (the prefill
     instance at ``first_url``), then serve until the first stage is gone. Returns the exit code."""
-    auth = ControlAuth(derive_key(secret, INSTANCE))  # a stage is an instance: not the Conductors' key
+    key = derive_key(secret, INSTANCE)  # a stage is an instance: not the Conductors' key
     url = first_url.rstrip("/") + "/instance/stage/join"
     join = StageJoin(group, stage, stages)
-    with httpx.Client(auth=auth, timeout=startup_s) as http:
-        spec = StageSpecReply.from_dict(_ask(http, url, join.to_dict(), startup_s)).spec
+    with httpx.Client(auth=ControlAuth(key), timeout=startup_s) as http:
+        spec = StageSpecReply.from_dict(_ask(http, key, url, join.to_dict(), startup_s)).spec
         log.info("stage %d/%d of group %r: loading its layers", stage, stages, group)
         worker, transfer = start_worker(spec, host, secret)
         try:
-            links = StageLinks.from_dict(_ask(http, url, StageJoin(group, stage, stages, peer_dict(worker.peer)).to_dict(),
+            links = StageLinks.from_dict(_ask(http, key, url,
+                                              StageJoin(group, stage, stages, peer_dict(worker.peer)).to_dict(),
                                               startup_s))
             worker.next, worker.first = peer_from(links.next), peer_from(links.first)
             log.info("stage %d/%d of group %r joined; serving", stage, stages, group)
@@ -292,9 +293,9 @@ def serve_joined(first_url: str, group: str, stage: int, stages: int, host: str,
             transfer.close()
 
 
-def _ask(http: httpx.Client, url: str, body: dict, within_s: float) -> dict:
+def _ask(http: httpx.Client, key: bytes, url: str, body: dict, within_s: float) -> dict:
     """POST ``body``, retrying while the first stage is not up yet; raises ``RuntimeError``
-    with its answer when it refuses."""
+    with its answer when it refuses, or when the answer is not signed with the instances' ``key``."""
     deadline = time.monotonic() + within_s
     while True:
         try:
@@ -302,6 +303,10 @@ def _ask(http: httpx.Client, url: str, body: dict, within_s: float) -> dict:
         except httpx.TransportError as exc:
             reason = f"{type(exc).__name__}: {exc}"
         else:
+            try:
+                check_answer(key, r)
+            except AnswerAuthError as exc:
+                raise RuntimeError(f"the first stage's answer is not to be trusted: {exc}") from None
             if r.status_code == 200:
                 return r.json()
             reason = f"HTTP {r.status_code}: {r.text[:300]}"

@@ -6,8 +6,9 @@ renews it while the request is in flight (``renew``); one that is neither taken 
 within ``lease_s`` is released, so a Conductor that died or lost track cannot leak blocks. Each
 reservation carries the fence of the Conductor that made it (``cluster.protocol.Fence``: its id
 and epoch); several Conductors reserve here side by side, and when one of them shows up with a
-newer epoch (it restarted, ``observe``), that id's older reservations are released at once, the
-others' untouched.
+newer epoch (it restarted, ``observe``; or one its claim in etcd carries,
+``cluster.instance.epochs``), that id's older reservations are released at once, the others'
+untouched.
 
 The record of a reservation is kept until its take-over has run on the engine thread
 (``take_over``): a failure before that (the stream never started, the engine refused) leaves it
@@ -78,7 +79,7 @@ class Receiver:
         self._layout: KVLayout = handoff.layout
         self.lease_s = lease_s
         self._transfer_timeout_s = transfer_timeout_s
-        self.epochs: dict[str, int] = {}  # the newest epoch each Conductor id has shown
+        self.epochs: dict[str, int] = {}  # the epoch of each Conductor id taken here (``observe``)
         # Touched from the event loop and (take-over) the engine thread.
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
@@ -156,7 +157,7 @@ class Receiver:
             # While the engine thread was reserving, the request may have been aborted or a newer
             # Conductor may have released this one's reservations: then nobody would take it over.
             aborted = self._aborted_by(request_id, fence)
-            stale = fence.epoch < self.epochs[fence.conductor]
+            stale = fence.epoch != self.epochs[fence.conductor]
             if not (aborted or stale):
                 self._leases[request_id] = _Lease(staging, n, fence, time.monotonic() + self.lease_s, token_ids)
         if aborted or stale:
@@ -186,16 +187,19 @@ class Receiver:
                     lease.expires = until
         return gone
 
-    async def observe(self, fence: Fence) -> None:
-        """Note a call's fence: a Conductor seen with a newer epoch restarted, and what its
-        earlier incarnation reserved will never be taken over."""
+    async def observe(self, fence: Fence, confirmed: bool = False) -> None:
+        """Note a call's fence: a Conductor seen with another epoch restarted, and what its
+        earlier incarnation reserved will never be taken over. Epochs are ordered (an older one
+        changes nothing, and ``check_current`` refuses it) unless ``confirmed``: the Conductor's
+        claim in the membership store carries this one (``cluster.instance.epochs``), which then
+        replaces the one seen before even when it is lower (the store was rebuilt)."""
         old = self.epochs.get(fence.conductor)
-        if old is not None and fence.epoch <= old:
+        if old is not None and (fence.epoch == old or (fence.epoch < old and not confirmed)):
             return
         self.epochs[fence.conductor] = fence.epoch
         with self._lock:
             stale = [rid for rid, lease in self._leases.items()
-                     if lease.fence.conductor == fence.conductor and lease.fence.epoch < fence.epoch]
+                     if lease.fence.conductor == fence.conductor and lease.fence.epoch != fence.epoch]
         if stale:
             log.warning("Conductor %r's epoch %d %s %d: releasing its %d reservation(s)", fence.conductor,
                         fence.epoch, REPLACED, old, len(stale))
@@ -203,11 +207,11 @@ class Receiver:
             await self.release(rid, settled=False)
 
     def check_current(self, fence: Fence) -> None:
-        """``WrongEpoch`` unless ``fence`` is its Conductor's newest incarnation seen here (after
+        """``WrongEpoch`` unless ``fence`` is its Conductor's incarnation taken here (after
         ``observe``)."""
-        newest = self.epochs[fence.conductor]
-        if fence.epoch < newest:
-            raise WrongEpoch(f"Conductor {fence.conductor!r}'s epoch {fence.epoch} is older than {newest}: "
+        current = self.epochs[fence.conductor]
+        if fence.epoch != current:
+            raise WrongEpoch(f"Conductor {fence.conductor!r}'s epoch {fence.epoch} was replaced by {current}: "
                              "it was restarted since")
 
     # -- ending -------------------------------------------------------------------------------------

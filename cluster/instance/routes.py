@@ -55,7 +55,9 @@ from cluster.instance.service import InstanceService
 from cluster.kv_stream import KVDestination
 from cluster.cpp.group import peer_from
 from cluster.messenger import TransferError
-from cluster.protocol import CONTROL, EPOCH_HEADER, INSTANCE, ControlVerifier, Fence, derive_key, verify_request
+from cluster.protocol import (
+    ANSWER_SIGNATURE_HEADER, CONTROL, EPOCH_HEADER, INSTANCE, AnswerSigner, ControlVerifier, Fence, derive_key,
+    verify_request)
 from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
@@ -115,6 +117,8 @@ class InstanceRoutes:
         # A later pipeline stage joining is an instance, and signs with the instances' key.
         self._stage_verifier = ControlVerifier(derive_key(service.config.secret, INSTANCE),
                                                audiences=[service.config.url])
+        # Every answer to a control call is signed with the instances' key, bound to the call.
+        self._signer = AnswerSigner(derive_key(service.config.secret, INSTANCE), service.config.url)
         # The Conductor id each prefill or decode running here was started by (``_claim``).
         self._owners: dict[str, str] = {}
 
@@ -122,11 +126,14 @@ class InstanceRoutes:
                  max_body: int = SMALL_BODY, verifier: ControlVerifier | None = None) -> Callable[[Handler], Handler]:
         """Wrap a control route: authenticate (before reading the body, which is read only up to
         ``max_body`` bytes; ``verifier``: the key its callers sign with, by default the
-        Conductors'), note the Conductor's fence, check readiness and role, and map the
-        exceptions it raises to status codes."""
+        Conductors'), note the Conductor's fence, check readiness and role, map the exceptions
+        it raises to status codes, and sign the answer, whatever it is (``_signed``)."""
 
         def wrap(handler: Handler) -> Handler:
             async def route(request: Request) -> Response:
+                return self._signed(request, await checked(request))
+
+            async def checked(request: Request) -> Response:
                 s = self.s
                 if (denied := await verify_request(verifier or self._verifier, request, max_body)) is not None:
                     return _answer(denied)
@@ -138,8 +145,10 @@ class InstanceRoutes:
                         return _answer(InstanceBusy(f"this instance serves {s.role} now", 1.0))
                     return _answer(BadRequest(f"a {s.role} instance does not do this"))
                 try:
+                    fence = _fence(request)
+                    confirmed = await s.epochs.check(fence)  # ``WrongEpoch`` for one its claim does not carry
                     if s.receiver is not None:
-                        await s.receiver.observe(_fence(request))
+                        await s.receiver.observe(fence, confirmed)
                     return await handler(request)
                 except Exception as e:  # noqa: BLE001 -- mapped to a status, or re-raised
                     return _answer(_as_protocol_error(e))
@@ -147,6 +156,16 @@ class InstanceRoutes:
             return route
 
         return wrap
+
+    def _signed(self, request: Request, response: Response) -> Response:
+        """``response`` signed for the call ``request`` (``cluster.protocol.AnswerSigner``): a
+        whole answer in a header, a streamed one line by line."""
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _signed_lines(self._signer, request, response.body_iterator)
+        else:
+            response.headers[ANSWER_SIGNATURE_HEADER] = self._signer.answer(request.headers, response.status_code,
+                                                                             response.body)
+        return response
 
     # -- polled ------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -350,6 +369,17 @@ async def _ndjson(first: RequestOutput, stream: AsyncIterator[RequestOutput],
     finally:
         await stream.aclose()
         ended()
+
+
+async def _signed_lines(signer: AnswerSigner, request: Request, lines: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    # Each chunk a streaming route yields is one whole line (``stream_line``).
+    index = 0
+    try:
+        async for line in lines:
+            yield signer.line(request.headers, index, line.rstrip(b"\n"))
+            index += 1
+    finally:
+        await lines.aclose()  # a caller that left: the route's own stream ends (and aborts) now
 
 
 def build_instance_app(service: InstanceService) -> Starlette:

@@ -37,6 +37,7 @@ from cluster.cpp.group import StageGroup, StageRendezvous
 from cluster.cpp.pool_stages import LaterStages
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity, weights_digest
+from cluster.instance.epochs import Epochs
 from cluster.pool.metadata.membership import LeasedKey, announce
 from cluster.pool.metadata import MetadataUnavailable, connect_metadata
 from cluster.messenger.staging import StagingArea
@@ -102,6 +103,10 @@ class InstanceService:
         self.ready = False
         self.error: str | None = None
         self._announcement: LeasedKey | None = None
+        # The membership store (nothing is contacted yet), where Conductors' claims say their epochs.
+        self._members = (connect_metadata(config.members, config.secret, etcd=True)
+                         if config.members is not None else None)
+        self.epochs = Epochs(self._members, derive_key(config.secret, MEMBERSHIP))
         self.transfer: Messenger | None = None
         self.profile: InstanceProfile | None = None
         self.send: StagingArea | None = None
@@ -380,7 +385,7 @@ class InstanceService:
     async def _announce_forever(self) -> None:
         """Put this instance in the membership (``cluster.pool.metadata.membership``), retrying until the store
         answers; the announcement lives until shutdown."""
-        store = connect_metadata(self.config.members, self.config.secret, etcd=True)
+        store = self._members
         loop = asyncio.get_running_loop()
         delay = 1.0
         while self._announcement is None:
@@ -411,6 +416,7 @@ class InstanceService:
         s["num_reservations"] = len(self.receiver) if self.receiver is not None else 0
         s["reservations_by_conductor"] = self.receiver.by_conductor() if self.receiver is not None else {}
         s["cache_version"] = self.mirror.version  # of the cached prefix keys the Conductor polls
+        s["epochs_refused"] = self.epochs.refused
         for name, area in (("send", self.send), ("recv", self.recv)):
             if area is not None:
                 s[f"staging_{name}_free_bytes"] = area.num_free_bytes

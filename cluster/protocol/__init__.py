@@ -40,12 +40,13 @@ Conductor's client turns it back into the same class (``error_from``):
 ``WrongEpoch``                 409     the instance serves a newer Conductor than the caller
 ``InstanceFailed``             500     the engine failed while serving the request
 ``Unreachable``                502     no answer: connection refused or broken (client side)
+``ForgedAnswer``               502     an answer not signed for the call (client side, counted)
 ``InstanceNotReady``           503     starting (``fatal``: its engine will never load)
 ``TimedOut``                   504     no answer in time (client side)
 =============================  ======  ==========================================================
 
-``Unreachable`` and ``TimedOut`` are raised by the client when no answer came; no instance sends
-them. A status without a known ``code`` maps by the status; an unknown status is an
+``Unreachable``, ``ForgedAnswer`` and ``TimedOut`` are raised by the client when no answer (that
+it can trust) came; no instance sends them. A status without a known ``code`` maps by the status; an unknown status is an
 ``InstanceFailed``.
 
 Signed control requests: the cluster secret proves who sent a request without travelling.
@@ -72,15 +73,22 @@ and a signed one is read, streaming, only up to its route's cap (413 ``TooLarge`
 Content-Length above it at once, or as soon as more arrives), then checked against its digest.
 
 ``ControlAuth`` signs every request an ``httpx`` client sends; ``verify_request`` checks a
-starlette request inside a route. Only requests are authenticated; responses are not, and nothing
-is encrypted (prompts and outputs are readable on the wire), so hosts should still talk over a
-trusted network or TLS.
+starlette request inside a route.
+
+Answers are signed too: an instance signs every answer to a control call with a key of its own
+purpose (``"instance"``, ``AnswerSigner``), bound to the call's nonce and audience, a whole answer
+in ``X-Mooncake-Answer-Signature`` (over its status and body), a streamed one line by line (each
+line with its index). The Conductor's client checks each (``check_answer``, ``check_line``) and
+takes one that fails for no answer (``ForgedAnswer``, counted): a process on the path, or one
+listed by mistake, cannot put words in an instance's mouth (a fake once sent " Berlin." to 14
+clients, issue 40). Nothing is encrypted (prompts and outputs are readable on the wire), so
+hosts should still talk over a trusted network or TLS.
 """
 
 from __future__ import annotations
 
 from cluster.protocol.errors import (
-    BadRequest, ERRORS, InstanceBusy, InstanceFailed, InstanceNotReady, InstanceUnavailable,
+    BadRequest, ERRORS, ForgedAnswer, InstanceBusy, InstanceFailed, InstanceNotReady, InstanceUnavailable,
     KVWriteFailed, NoKVRoom, NotOwner, PrefixNotCached, ProtocolError, RequestError, RequestFailed, TimedOut,
     TooLarge, Unauthorized, UnknownReservation, Unreachable, WrongEpoch, error_from
 )
@@ -100,16 +108,16 @@ from cluster.protocol.stage import (
     StagePoolStoreReply, StagePoolUnload, StageSpec, StageSpecReply, StageStepCall, TensorSlot
 )
 from cluster.protocol.signing import (
-    AUDIENCE_HEADER, CONTROL, ControlAuth, ControlAuthError, ControlVerifier, DIGEST_HEADER,
+    ANSWER_SIGNATURE_HEADER, AUDIENCE_HEADER, AnswerAuthError, AnswerSigner, CONTROL, ControlAuth, ControlAuthError, ControlVerifier, DIGEST_HEADER,
     EPOCH_HEADER, Fence, INSTANCE, MAX_CONDUCTOR_ID, MAX_EPOCH, MEMBERSHIP, MESSENGER, NONCE_HEADER, NO_BODY,
-    PROMPT_BODY, SIGNATURE_HEADER, SMALL_BODY, TIMESTAMP_HEADER, audience_of, derive_key, request_target, sign,
-    verify_request
+    PROMPT_BODY, SIGNATURE_HEADER, SMALL_BODY, TIMESTAMP_HEADER, audience_of, check_answer, check_line, derive_key,
+    request_target, sign, verify_request
 )
 
 __all__ = [
-    "AUDIENCE_HEADER", "AbortReply", "AbortRequest", "AdoptReply", "AdoptRequest", "BadRequest", "CONTROL",
+    "ANSWER_SIGNATURE_HEADER", "AUDIENCE_HEADER", "AnswerAuthError", "AnswerSigner", "AbortReply", "AbortRequest", "AdoptReply", "AdoptRequest", "BadRequest", "CONTROL",
     "CacheDelta", "ControlAuth", "ControlAuthError", "ControlVerifier", "DIGEST_HEADER", "EPOCH_HEADER",
-    "ERRORS", "Fence", "GenerateRequest", "INSTANCE", "InstanceBusy", "InstanceFailed", "InstanceInfo",
+    "ERRORS", "Fence", "ForgedAnswer", "GenerateRequest", "INSTANCE", "InstanceBusy", "InstanceFailed", "InstanceInfo",
     "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID", "MAX_EPOCH",
     "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "NotOwner", "PROMPT_BODY", "PoolNaming",
     "PrefillReply", "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",
@@ -120,6 +128,6 @@ __all__ = [
     "StagePoolStore", "StagePoolStoreEnd", "StagePoolStoreEndReply", "StagePoolStoreReply",
     "StagePoolUnload", "StageSpec", "StageSpecReply", "StageStepCall", "TIMESTAMP_HEADER", "TensorSlot",
     "TimedOut", "TooLarge", "Unauthorized", "UnknownReservation", "Unreachable", "WrongEpoch", "audience_of",
-    "derive_key", "error_from", "output_from_dict", "output_to_dict", "read_stream_line", "request_target",
+    "check_answer", "check_line", "derive_key", "error_from", "output_from_dict", "output_to_dict", "read_stream_line", "request_target",
     "sign", "stream_line", "token_ids", "verify_request",
 ]

@@ -117,6 +117,13 @@ class Unreachable(InstanceUnavailable):
     status, code = 502, "unreachable"
 
 
+class ForgedAnswer(InstanceUnavailable):
+    """An answer that is not signed for the call with the instances' key: ignored (raised by the
+    client; a process without the cluster secret, or an answer altered on the way)."""
+
+    status, code = 502, "forged_answer"
+
+
 class InstanceNotReady(InstanceUnavailable):
     """The instance answers but is starting; ``fatal``: its engine could not load, and it never will."""
 
@@ -137,9 +144,10 @@ class TimedOut(InstanceUnavailable):
 
 
 ERRORS: tuple[type[ProtocolError], ...] = (
-    # RequestFailed before InstanceFailed: a 500 without a known code is the instance's failure.
+    # RequestFailed before InstanceFailed: a 500 without a known code is the instance's failure;
+    # ForgedAnswer before Unreachable: a 502 without one is no answer.
     BadRequest, UnknownReservation, NotOwner, PrefixNotCached, TooLarge, KVWriteFailed, RequestFailed, InstanceBusy,
-    NoKVRoom, Unauthorized, WrongEpoch, InstanceFailed, Unreachable, InstanceNotReady, TimedOut)
+    NoKVRoom, Unauthorized, WrongEpoch, InstanceFailed, ForgedAnswer, Unreachable, InstanceNotReady, TimedOut)
 _BY_CODE = {cls.code: cls for cls in ERRORS}
 _BY_STATUS = {cls.status: cls for cls in ERRORS}
 

@@ -78,12 +78,16 @@ NONCE_HEADER = "X-Mooncake-Nonce"
 DIGEST_HEADER = "X-Mooncake-Content-SHA256"
 AUDIENCE_HEADER = "X-Mooncake-Audience"
 SIGNATURE_HEADER = "X-Mooncake-Signature"
+ANSWER_SIGNATURE_HEADER = "X-Mooncake-Answer-Signature"
 
 # Fixed, public salt: HKDF's extract step only needs it to be independent of the secret.
 _SALT = b"mooncake-py/cluster-secret/v1"
 # Versioned so a change of the signed fields cannot be confused with an earlier one (v2: the
 # audience and the epoch are signed too).
 _SIGNATURE_LABEL = b"mooncake-py/control-request/v2"
+# An instance's answer to one signed call, and each line of a streamed one (``sign_answer``).
+_ANSWER_LABEL = b"mooncake-py/instance-answer/v1"
+_LINE_LABEL = b"mooncake-py/instance-answer-line/v1"
 _NONCE_BYTES = 16
 _MAX_AUDIENCE = 300
 
@@ -332,3 +336,88 @@ async def verify_request(verifier: ControlVerifier, request: Request, max_body: 
         return Unauthorized(str(e))
     request._body = b"".join(chunks)  # what ``request.body()`` / ``request.json()`` read from now on
     return None
+
+
+# -- answers ----------------------------------------------------------------------------------------
+#
+# An instance signs what it answers a signed call with the instances' key (``INSTANCE``), bound to
+# that call: its nonce (random, fresh per call: an answer captured for one call is worth nothing
+# for another) and the audience the call was signed for (the instance's own address: another
+# instance's answer, from a call redirected there, does not pass for this one's). A whole answer
+# carries ``ANSWER_SIGNATURE_HEADER`` over its status and body; a streamed answer signs each line
+# instead, with its index, so that lines cannot be altered, dropped, reordered or spliced from
+# another stream (a stream cut short is seen by its reader: the last line says it is the last).
+
+
+class AnswerAuthError(Exception):
+    """An answer is not signed with the cluster's instance key for the call it answers (altered
+    on the way, from a process without the secret, or meant for another call)."""
+
+
+def _answer_mac(key: bytes, nonce: str, audience: str, status: int, body: bytes) -> str:
+    digest = hashlib.sha256(body).hexdigest()
+    return _mac(key, b"\n".join([_ANSWER_LABEL, nonce.encode(), audience.encode(), str(status).encode(),
+                                 digest.encode()]))
+
+
+def _line_mac(key: bytes, nonce: str, audience: str, index: int, line: bytes) -> str:
+    return _mac(key, b"\n".join([_LINE_LABEL, nonce.encode(), audience.encode(), str(index).encode()]) + b"\n" + line)
+
+
+def _call_of(request: httpx.Request) -> tuple[str, str]:
+    """The nonce and audience a call was signed with (``ControlAuth`` put them there)."""
+    nonce = request.headers.get(NONCE_HEADER)
+    if not nonce:
+        raise AnswerAuthError("the call was not signed, so its answer cannot be checked")
+    return nonce, request.headers.get(AUDIENCE_HEADER, "")
+
+
+class AnswerSigner:
+    """What an instance signs its answers with: ``derive_key(secret, INSTANCE)`` and the audience
+    its callers sign for (its advertised URL)."""
+
+    def __init__(self, key: bytes, url: str) -> None:
+        if not key:
+            raise ValueError("the instance key is empty")
+        self._key = key
+        self.audience = audience_of(url)
+
+    def _nonce(self, headers: Mapping[str, str]) -> str:
+        # The nonce as the call carried it; a malformed one still gets a signature, which no
+        # caller's check will take (a caller checks against the nonce it sent itself).
+        nonce = headers.get(NONCE_HEADER) or ""
+        return nonce if _is_hex(nonce, 2 * _NONCE_BYTES) else ""
+
+    def answer(self, call_headers: Mapping[str, str], status: int, body: bytes) -> str:
+        """``ANSWER_SIGNATURE_HEADER``'s value for the answer ``status`` / ``body`` to the call
+        that had ``call_headers``."""
+        return _answer_mac(self._key, self._nonce(call_headers), self.audience, status, body)
+
+    def line(self, call_headers: Mapping[str, str], index: int, line: bytes) -> bytes:
+        """Line ``index`` (from 0) of a streamed answer, signed: ``MAC SPACE LINE NEWLINE``
+        (``line`` without its newline)."""
+        mac = _line_mac(self._key, self._nonce(call_headers), self.audience, index, line)
+        return mac.encode() + b" " + line + b"\n"
+
+
+def check_answer(key: bytes, response: httpx.Response) -> None:
+    """Raise ``AnswerAuthError`` unless ``response`` (read whole) is signed with the instance
+    ``key`` for the call it answers."""
+    nonce, audience = _call_of(response.request)
+    got = response.headers.get(ANSWER_SIGNATURE_HEADER, "")
+    if not _is_hex(got, 64):
+        raise AnswerAuthError(f"the answer (HTTP {response.status_code}) carries no signature")
+    if not hmac.compare_digest(got, _answer_mac(key, nonce, audience, response.status_code, response.content)):
+        raise AnswerAuthError(f"the answer (HTTP {response.status_code}) does not match its signature")
+
+
+def check_line(key: bytes, request: httpx.Request, index: int, line: str) -> str:
+    """Line ``index`` of a streamed answer to ``request`` without its signature; raises
+    ``AnswerAuthError`` unless it was signed for that call at that place."""
+    nonce, audience = _call_of(request)
+    mac, _, payload = line.partition(" ")
+    if not _is_hex(mac, 64):
+        raise AnswerAuthError(f"line {index} of the stream carries no signature")
+    if not hmac.compare_digest(mac, _line_mac(key, nonce, audience, index, payload.encode())):
+        raise AnswerAuthError(f"line {index} of the stream does not match its signature")
+    return payload

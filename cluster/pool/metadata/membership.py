@@ -18,10 +18,18 @@ metadata store's second user, beside the pool's index: the same contract, other 
   dead predecessor's lease has run out, at a larger revision: instances then release what the
   predecessor reserved, whatever the clocks say. While a live Conductor holds the id, a second
   one with the same id is refused (two Conductors with one id would fence each other off).
+  The claim's record carries the epoch, under a MAC like an instance's record; an instance with
+  the store takes a Conductor's epoch only if its claim says so (``conductor_epoch``,
+  ``cluster.instance.epochs``). The epoch lives in the record, not in the store's revision: a
+  store rebuilt empty or restored from a snapshot gets the record written again, epoch and all,
+  by the claim's keeper (below), and a Conductor restarted on it claims anew at whatever revision
+  the store is at now, lower perhaps, which the instances take because the claim says so.
 
 A key is kept by a ``LeasedKey``: a thread that renews the lease every third of its TTL and, if
-the lease was lost all the same (the process was paused or cut off for longer), writes the key
-again under a new one. Every store call is bounded by the store's own timeout.
+the lease was lost all the same (the process was paused or cut off for longer, or the store was
+rebuilt or restored), writes the key again under a new one; an exclusive key found held by
+another is waited for as a claim waits (a predecessor's record restored from a snapshot lapses
+within its TTL), and given up past that. Every store call is bounded by the store's own timeout.
 """
 
 from __future__ import annotations
@@ -47,14 +55,17 @@ class LeasedKey:
     """``key`` = ``value`` under a lease of its own, kept alive by a daemon thread until ``close``
     (which revokes the lease: the key is gone at once). Made by ``hold``, which writes it first.
     When the lease ran out all the same, the key is written again under a new one; an
-    ``exclusive`` key that another process has created meanwhile is given up (``lost`` is set)."""
+    ``exclusive`` key that another process holds meanwhile is given up (``lost`` is set) once it
+    has been held for longer than a claim waits (twice the TTL, and a second)."""
 
     def __init__(self, store: MetadataStore, key: str, value: str, lease: int, ttl_s: float, *,
                  exclusive: bool) -> None:
         self.store, self.key, self.value, self.ttl_s = store, key, value, ttl_s
-        self._lease, self._exclusive = lease, exclusive
+        self._lease: int | None = lease  # None while none is held (being written again)
+        self._exclusive = exclusive
         self._stop = threading.Event()
         self.lost = threading.Event()  # set when the key could not be written again (held by another)
+        self._held_by_other_since: float | None = None
         self._thread = threading.Thread(target=self._keep, name=f"lease {key}", daemon=True)
         self._thread.start()
 
@@ -82,25 +93,47 @@ class LeasedKey:
     def _keep(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                try:
-                    self.store.keepalive(self._lease)
-                except LeaseGone:
-                    log.warning("the lease of %s ran out (this process was paused or cut off from the store); "
-                                "writing it again", self.key)
-                    self._lease = self.store.grant_lease(self.ttl_s)
-                    if not self._exclusive:
-                        self.store.put(self.key, self.value, self._lease)
-                    elif self.store.create(self.key, self.value, self._lease) is None:
-                        log.error("%s is held by another process now: giving it up", self.key)
-                        self.store.revoke(self._lease)
-                        self.lost.set()
-                        return
+                if self._lease is not None:
+                    try:
+                        self.store.keepalive(self._lease)
+                        continue
+                    except LeaseGone:
+                        log.warning("the lease of %s ran out (this process was paused or cut off from the store, "
+                                    "or the store was rebuilt); writing it again", self.key)
+                        self._lease = None
+                if not self._write_again():
+                    log.error("%s is held by another process now: giving it up", self.key)
+                    self.lost.set()
+                    return
             except MetadataUnavailable as e:  # retried at the next round; the lease has two more
                 log.warning("keeping %s: %s", self.key, e)
+
+    def _write_again(self) -> bool:
+        """Write the key under a new lease (``_lease`` None: none held now); False once an
+        exclusive key has been held by another for longer than a claim waits."""
+        lease = self.store.grant_lease(self.ttl_s)
+        if not self._exclusive:
+            self.store.put(self.key, self.value, lease)
+        elif self.store.create(self.key, self.value, lease) is None:
+            self.store.revoke(lease)
+            now = time.monotonic()
+            self._held_by_other_since = self._held_by_other_since or now
+            return now - self._held_by_other_since <= 2 * self.ttl_s + 1
+        self._lease, self._held_by_other_since = lease, None
+        return True
+
+    def rewrite(self, value: str) -> None:
+        """Write ``value`` under the key's lease (right after ``hold``), and from now on whenever
+        the key is written again."""
+        self.value = value
+        if self._lease is not None:
+            self.store.put(self.key, value, self._lease)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self.ttl_s)  # a store call in flight is bounded by the store's timeout
+        if self._lease is None:
+            return
         try:
             self.store.revoke(self._lease)
         except MetadataUnavailable as e:  # it runs out by itself within the TTL
@@ -177,11 +210,20 @@ class ConductorIdTaken(RuntimeError):
     """Another live Conductor holds this id."""
 
 
-def claim_conductor(store: MetadataStore, conductor_id: str, url: str, ttl_s: float = DEFAULT_TTL_S,
+_CLAIM_LABEL = "mooncake-py/conductor-claim/v1"
+
+
+def _claim_mac(key: bytes, conductor_id: str, url: str, epoch: int) -> str:
+    fields = json.dumps([_CLAIM_LABEL, conductor_id, url, epoch]).encode()
+    return hmac.new(key, fields, hashlib.sha256).hexdigest()
+
+
+def claim_conductor(store: MetadataStore, key: bytes, conductor_id: str, url: str, ttl_s: float = DEFAULT_TTL_S,
                     wait_s: float | None = None) -> tuple[LeasedKey, int]:
     """Claim ``conductor_id``; answers the claim and the epoch (the store's revision at the
-    claim). An earlier claim is waited for up to ``wait_s`` (default: twice the TTL, by when the
-    lease of a Conductor that died has run out); past that, ``ConductorIdTaken``."""
+    claim), which the claim's record carries from then on, signed with the membership ``key``.
+    An earlier claim is waited for up to ``wait_s`` (default: twice the TTL, by when the lease of
+    a Conductor that died has run out); past that, ``ConductorIdTaken``."""
     wait_s = 2 * ttl_s + 1 if wait_s is None else wait_s
     deadline = time.monotonic() + wait_s
     value = json.dumps({"url": url})
@@ -189,7 +231,14 @@ def claim_conductor(store: MetadataStore, conductor_id: str, url: str, ttl_s: fl
     while True:
         held = LeasedKey.hold(store, CONDUCTORS + conductor_id, value, ttl_s, exclusive=True)
         if held is not None:
-            return held
+            claim, epoch = held
+            try:  # no call carries the epoch before the record does
+                claim.rewrite(json.dumps({"url": url, "epoch": epoch,
+                                          "mac": _claim_mac(key, conductor_id, url, epoch)}))
+            except BaseException:
+                claim.close()
+                raise
+            return claim, epoch
         if time.monotonic() >= deadline:
             holder = store.get(CONDUCTORS + conductor_id)
             raise ConductorIdTaken(f"Conductor id {conductor_id!r} is held by a live Conductor ({holder}); give "
@@ -199,3 +248,20 @@ def claim_conductor(store: MetadataStore, conductor_id: str, url: str, ttl_s: fl
                      "waiting up to %g s", conductor_id, ttl_s, wait_s)
             logged = True
         time.sleep(min(0.25, ttl_s / 4))
+
+
+def conductor_epoch(store: MetadataStore, key: bytes, conductor_id: str) -> int | None:
+    """The epoch ``conductor_id``'s claim carries now; None when it is not claimed, or its record
+    has no epoch yet or fails its MAC under the membership ``key`` (written without the secret)."""
+    value = store.get(CONDUCTORS + conductor_id)
+    if value is None:
+        return None
+    try:
+        entry = json.loads(value)
+        url, epoch, mac = entry["url"], entry["epoch"], entry["mac"]
+        if not (isinstance(url, str) and type(epoch) is int and isinstance(mac, str)):
+            raise TypeError("url and mac must be strings, epoch an integer")
+    except (ValueError, KeyError, TypeError) as e:
+        log.debug("ignoring the claim record of Conductor %r: %s", conductor_id, e)
+        return None
+    return epoch if hmac.compare_digest(mac, _claim_mac(key, conductor_id, url, epoch)) else None
