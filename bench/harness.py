@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -280,7 +281,8 @@ class EtcdProcess(ServerProcess):
 
 def start_etcd(data_dir: Path, *, host: str = HOST, name: str = "etcd", fast_leases: bool = False,
                client_port: int | None = None, peer_port: int | None = None, prefix: Sequence[str] = (),
-               log_path: Path | None = None, within_s: float = 15.0) -> EtcdProcess:
+               log_path: Path | None = None, within_s: float = 15.0,
+               tls: tuple[Path, Path, Path] | None = None) -> EtcdProcess:
     """Start a single-member etcd with its data in ``data_dir`` and wait until ``/health`` says it
     is healthy; its output goes to ``log_path`` (default: ``data_dir`` with ``.log`` appended).
 
@@ -289,6 +291,9 @@ def start_etcd(data_dir: Path, *, host: str = HOST, name: str = "etcd", fast_lea
     ``prefix`` runs it inside something, e.g. ``ip netns exec NS`` for a host of its own: there
     this namespace's free ports say nothing, so pass the ports, and ``host`` must be an address
     this process reaches (the health check is made from here).
+
+    ``tls``: (CA certificate, etcd's certificate, its key), PEM files: clients then reach it at
+    ``https://`` (the health check trusts that CA).
 
     ``fast_leases``: etcd's shortest lease is 1.5 election timeouts rounded up to whole seconds
     (2 s at the default 1 s timeout); a 50 ms election timeout (10 ms heartbeats) brings it to
@@ -302,19 +307,22 @@ def start_etcd(data_dir: Path, *, host: str = HOST, name: str = "etcd", fast_lea
     binary = shutil.which("etcd")
     if binary is None:
         raise FileNotFoundError("no etcd binary (apt-get install etcd-server)")
-    client = f"http://{host}:{client_port if client_port is not None else free_port(host)}"
+    scheme = "https" if tls is not None else "http"
+    client = f"{scheme}://{host}:{client_port if client_port is not None else free_port(host)}"
     peer = f"http://{host}:{peer_port if peer_port is not None else free_port(host)}"
     timing = ["--heartbeat-interval", "10", "--election-timeout", "50"] if fast_leases else []
+    certs = ["--cert-file", str(tls[1]), "--key-file", str(tls[2])] if tls is not None else []
     cmd = [*prefix, binary, "--name", name, "--data-dir", str(data_dir),
            "--listen-client-urls", client, "--advertise-client-urls", client,
            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-           "--initial-cluster", f"{name}={peer}", *timing, "--logger", "zap", "--log-level", "error"]
+           "--initial-cluster", f"{name}={peer}", *timing, *certs, "--logger", "zap", "--log-level", "error"]
     started = start_server("etcd" if name == "etcd" else f"etcd {name}", cmd, client,
                            log_path or data_dir.with_name(data_dir.name + ".log"))
     etcd = EtcdProcess(started.name, started.cmd, started.proc, started.log_path, client, data_dir)
 
     def healthy() -> bool:
-        return httpx.get(f"{client}/health", timeout=1.0, trust_env=False).json().get("health") == "true"
+        verify = ssl.create_default_context(cafile=str(tls[0])) if tls is not None else True
+        return httpx.get(f"{client}/health", timeout=1.0, trust_env=False, verify=verify).json().get("health") == "true"
 
     try:
         etcd._wait(healthy, within_s, "/health to say healthy", every_s=0.05)

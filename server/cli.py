@@ -273,7 +273,9 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                                 help="(every process) etcd at URL (http://HOST:2379) holds the cluster's membership "
                                      "(instances announce themselves there; several Conductors can front them) and the pool's "
                                      "metadata; default: instances register with --conductor, and the pool's metadata is in "
-                                     "the Conductor's embedded server"))
+                                     "the Conductor's embedded server. TLS and an etcd user come from MOONCAKE_ETCD_CA, "
+                                     "MOONCAKE_ETCD_CERT, MOONCAKE_ETCD_KEY, MOONCAKE_ETCD_USER, MOONCAKE_ETCD_PASSWORD "
+                                     "(docs/serving.md)"))
     pool.add_argument("--pool-metadata", metavar="URL", default=None,
                       help="(instance) the Conductor's embedded metadata server (the Conductor passes it "
                            "to the instances it starts)")

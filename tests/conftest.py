@@ -32,14 +32,24 @@ os.environ["MOONCAKE_CALIBRATION_CACHE"] = _CALIBRATION_CACHE
 atexit.register(shutil.rmtree, _CALIBRATION_CACHE, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A single-member etcd on free loopback ports, for the session's tests (each uses keys of its own),
-    with 1 s leases (``fast_leases``) so that the expiry tests stay short."""
+def _require_etcd() -> None:
     if shutil.which("etcd") is None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail("CI=true but there is no etcd binary: CI must run the etcd tests (apt-get install etcd-server)")
         pytest.skip("no etcd binary (apt-get install etcd-server); CI=true makes this a failure")
+
+
+@pytest.fixture
+def etcd_binary() -> None:
+    """For a test that starts an etcd of its own: skipped without the binary (failed with CI=true)."""
+    _require_etcd()
+
+
+@pytest.fixture(scope="session")
+def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A single-member etcd on free loopback ports, for the session's tests (each uses keys of its own),
+    with 1 s leases (``fast_leases``) so that the expiry tests stay short."""
+    _require_etcd()
     try:
         etcd = start_etcd(tmp_path_factory.mktemp("etcd") / "etcd", name="test", fast_leases=True)
     except (RuntimeError, TimeoutError) as e:

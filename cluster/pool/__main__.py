@@ -43,7 +43,8 @@ def _secret(args: argparse.Namespace) -> bytes:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m cluster.pool", description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--etcd", metavar="URL", help="etcd endpoint holding the pool's metadata")
+    where.add_argument("--etcd", metavar="URL", help="etcd endpoint holding the pool's metadata "
+                       "(TLS and an etcd user: MOONCAKE_ETCD_* as in docs/serving.md)")
     where.add_argument("--metadata", metavar="URL", help="the Conductor's embedded metadata server")
     p.add_argument("--dram-gib", type=float, default=4.0, help="DRAM this node contributes (4)")
     p.add_argument("--ssd-dir", default=None, help="directory of this node's SSD tier")

@@ -1,5 +1,5 @@
-"""The signed envelope of every control request, and the Conductor's fence (the package docstring
-says how it works)."""
+"""The signed envelope of every control request, the signature of every answer to one, and the
+Conductor's fence (the package docstring says how it works)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
 """``EtcdMetadata``: the metadata contract (``cluster.pool.metadata``) in a real etcd (>= 3.4),
-through its v3 HTTP gateway, for clusters that have one (Mooncake's default)."""
+through its v3 HTTP gateway, for clusters that have one (Mooncake's default); over TLS and with
+etcd's user/password authentication where the operator turned them on (``EtcdAccess``)."""
 
 from __future__ import annotations
 
 import base64
 import math
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,6 +32,50 @@ def _range_end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1]) if prefix else b"\0"
 
 
+@dataclass(frozen=True)
+class EtcdAccess:
+    """What it takes to reach a secured etcd, the same for every process of a cluster, so it comes
+    from the environment (``from_env``) that the Conductor passes on to the instances it starts:
+
+    * ``MOONCAKE_ETCD_CA``: the CA certificate (PEM file) that signed etcd's (``--cert-file``);
+      with it the URL must be ``https://``. Without it an ``https://`` etcd is checked against
+      the system's CAs.
+    * ``MOONCAKE_ETCD_CERT`` and ``MOONCAKE_ETCD_KEY``: this client's certificate and key, for an
+      etcd started with ``--client-cert-auth``.
+    * ``MOONCAKE_ETCD_USER`` and ``MOONCAKE_ETCD_PASSWORD``: an etcd user, for an etcd with auth
+      enabled (``etcdctl auth enable``); the password is never logged or put on a command line.
+    """
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its key and a key its certificate "
+                             "(MOONCAKE_ETCD_CERT and MOONCAKE_ETCD_KEY)")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("an etcd user needs a password and a password a user "
+                             "(MOONCAKE_ETCD_USER and MOONCAKE_ETCD_PASSWORD)")
+        for name in ("ca", "cert", "key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"etcd {name} file {path!r} does not exist")
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> EtcdAccess:
+        def get(name: str) -> str | None:
+            return env.get(f"MOONCAKE_ETCD_{name}") or None
+
+        return cls(get("CA"), get("CERT"), get("KEY"), get("USER"), get("PASSWORD"))
+
+
 class EtcdMetadata(MetadataStore):
     """A ``MetadataStore`` in etcd (>= 3.4, its v3 HTTP gateway, through ``etcd3gw``).
 
@@ -37,13 +84,22 @@ class EtcdMetadata(MetadataStore):
     etcd may raise it to its own floor. ``get_many`` is one etcd transaction of range reads per
     ``max_txn_ops`` keys (etcd's ``--max-txn-ops``, 128 by default), so each batch is read at a
     single revision. Each call's HTTP requests are bounded by ``timeout_s``.
+
+    ``access``: TLS files and an etcd user (default: ``EtcdAccess.from_env()``). With a user, each
+    client authenticates once and sends etcd's token with every call; a token etcd no longer takes
+    (expired, or etcd restarted) is replaced once and the call made again.
     """
 
     def __init__(self, url: str = f"http://127.0.0.1:{ETCD_DEFAULT_PORT}", *, root: str = "mooncake-py/",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, max_txn_ops: int = 128) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_txn_ops: int = 128,
+                 access: EtcdAccess | None = None) -> None:
         if max_txn_ops < 1:
             raise ValueError(f"max_txn_ops must be at least 1, got {max_txn_ops}")
         self.url = base_url(url, ("http", "https", "etcd"), ETCD_DEFAULT_PORT)
+        self.access = EtcdAccess.from_env() if access is None else access
+        if self.access.tls and not self.url.startswith("https://"):
+            raise ValueError(f"etcd TLS files are set (MOONCAKE_ETCD_CA/CERT) but the URL {url!r} is not https://: "
+                             "it would go unencrypted")
         parts = urlsplit(self.url)
         self._endpoint = (parts.hostname, parts.port, parts.scheme)
         self.root = root
@@ -55,18 +111,45 @@ class EtcdMetadata(MetadataStore):
         self._all: list[etcd3gw.Etcd3Client] = []
         self._pool_lock = threading.Lock()
 
+    def _client(self) -> etcd3gw.Etcd3Client:
+        host, port, scheme = self._endpoint
+        a = self.access
+        # api_path given: etcd >= 3.4 serves /v3/, and discovering it would cost a round trip.
+        client = etcd3gw.Etcd3Client(host=host, port=port, protocol=scheme, timeout=self._timeout_s,
+                                     api_path="/v3/", ca_cert=a.ca, cert_cert=a.cert, cert_key=a.key)
+        if a.ca is not None:
+            # requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE (set on many hosts) override a
+            # session's CA: the operator's CA must win, so the environment is not consulted.
+            client.session.trust_env = False
+        return client
+
+    def _authenticate(self, client: etcd3gw.Etcd3Client) -> None:
+        """Give ``client`` a fresh token of the configured user (nothing without a user)."""
+        if self.access.user is None:
+            return
+        client.session.headers.pop("Authorization", None)
+        token = client.post(client.get_url("/auth/authenticate"),
+                            json={"name": self.access.user, "password": self.access.password})["token"]
+        client.session.headers["Authorization"] = token
+
     def _call(self, what: str, request: Callable[[etcd3gw.Etcd3Client], Any]) -> Any:
         with self._pool_lock:
             client = self._idle.pop() if self._idle else None
-        if client is None:
-            host, port, scheme = self._endpoint
-            # api_path given: etcd >= 3.4 serves /v3/, and discovering it would cost a round trip.
-            client = etcd3gw.Etcd3Client(host=host, port=port, protocol=scheme, timeout=self._timeout_s,
-                                         api_path="/v3/")
-            with self._pool_lock:
-                self._all.append(client)
+        kept = client is not None  # back to the pool afterwards: only a client that authenticated
         try:
-            return request(client)
+            if client is None:
+                client = self._client()
+                self._authenticate(client)
+                kept = True
+                with self._pool_lock:
+                    self._all.append(client)
+            try:
+                return request(client)
+            except Etcd3Exception as exc:
+                if self.access.user is None or "invalid auth token" not in (exc.detail_text or ""):
+                    raise
+                self._authenticate(client)  # expired, or etcd restarted: once more with a new one
+                return request(client)
         except Etcd3Exception as exc:
             detail = exc.detail_text or ""
             if "lease not found" in detail:
@@ -77,8 +160,11 @@ class EtcdMetadata(MetadataStore):
         except (OSError, ValueError, KeyError) as exc:
             raise MetadataUnavailable(f"etcd at {self.url}: {what}: {exc!r}") from exc
         finally:
-            with self._pool_lock:
-                self._idle.append(client)
+            if kept:
+                with self._pool_lock:
+                    self._idle.append(client)
+            elif client is not None:
+                client.session.close()
 
     def _key(self, key: str) -> bytes:
         return (self.root + key).encode()
