@@ -17,7 +17,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
-from engine.cpu_runtime import configure_cpu_runtime
+from engine.cpu_runtime import HeapBound, configure_cpu_runtime
 from engine.default_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hooks import KVSink, StepHooks
@@ -65,8 +65,11 @@ class LLMEngine:
         # What a prompt's first token ends: here the engine's ``role``, not the config's, because
         # an elastic instance changes it between steps once it holds nothing (``KVHandoff.switch_role``).
         self.role = config.role
+        # On CPU, the heap's free memory is bounded while busy (``HeapBound``); None elsewhere.
+        self.heap: HeapBound | None = None
         if config.device == "cpu":
             configure_cpu_runtime(config.threads)
+            self.heap = HeapBound()
         else:
             torch.set_num_threads(config.threads)
         path = resolve_model(config.model)
@@ -158,7 +161,11 @@ class LLMEngine:
             # Blocks were grown and KV written past what each sequence has computed, nothing more:
             # the next step computes (and writes) the same tokens again.
             raise StepFailed([s.seq.request_id for s in batch], not hooks.reaches_out) from e
-        return self._postprocess_step(batch, hooks, logits, sampling, scores)
+        outputs = self._postprocess_step(batch, hooks, logits, sampling, scores)
+        if self.heap is not None:
+            del logits, sampling, scores  # the step's temporaries are free before the heap is measured
+            self.heap.after_step()
+        return outputs
 
     def _postprocess_step(self, batch: list[ScheduledSeq], hooks: StepHooks, logits: torch.Tensor,
                           sampling: list[ScheduledSeq], scores: list[tuple[Sequence, range, torch.Tensor]]

@@ -765,6 +765,21 @@ struct Projection {
   }
 };
 
+// What a decoder layer's step keeps between its phases, for M rows. One per calling thread, shared
+// by every layer: the layers of a step run one after another, so a step needs one layer's scratch,
+// not one per layer. (Each layer held its own once: 30 layers times the largest batch ever seen,
+// ~1 MiB a row, kept for good: a decode instance stayed 244 MiB above its rest after 256 rows,
+// issue 40.) Its capacity is the largest step since the thread started: ~23 KB a row.
+struct LayerScratch {
+  std::vector<float> xn, gu, qkv_out, attn, q, parts;
+  Q8Batch xq, oq, aq;
+
+  static LayerScratch& of_this_thread() {
+    thread_local LayerScratch scratch;
+    return scratch;
+  }
+};
+
 // A decoder layer (engine.model.DecoderLayer, its twin) for a step whose tokens are all decodes,
 // any number of them: up to int_rows with the integer kernels inside one parallel region, past
 // them with oneDNN's matmuls on the dense weights between four regions that do the rest (norms,
@@ -822,24 +837,26 @@ class DecodeLayer {
     auto out = torch::empty_like(x);
     const int64_t nqkv = qkv_.n;
     const bool integer = m <= int_rows_;
-    xn_.resize(m * hidden_);
-    gu_.resize(m * 2 * inter_);
-    qkv_out_.resize(m * nqkv);
-    attn_.resize(m * hq_ * d_);
-    q_.resize(m * hq_ * d_);
+    // Taken here, on the calling thread: the parallel regions below share this one.
+    LayerScratch& w = LayerScratch::of_this_thread();
+    w.xn.resize(m * hidden_);
+    w.gu.resize(m * 2 * inter_);
+    w.qkv_out.resize(m * nqkv);
+    w.attn.resize(m * hq_ * d_);
+    w.q.resize(m * hq_ * d_);
     const int64_t nspans = kv.spans(omp_get_max_threads(), span_tokens_);
-    parts_.resize(kv.parts_size(hq_, nspans));
+    w.parts.resize(kv.parts_size(hq_, nspans));
     if (integer) {
-      xq_.resize(m, hidden_);
-      oq_.resize(m, hq_ * d_);
-      aq_.resize(m, inter_);
+      w.xq.resize(m, hidden_);
+      w.oq.resize(m, hq_ * d_);
+      w.aq.resize(m, inter_);
     }
     const float* xin = x.data_ptr<float>();
     const float* rin = res.data_ptr<float>();
     float* rout = new_res.data_ptr<float>();
     float* o = out.data_ptr<float>();
-    float* xn = xn_.data();
-    float* gu = gu_.data();
+    float* xn = w.xn.data();
+    float* gu = w.gu.data();
     const bool first = !residual.has_value();
     const float* bias = qkv_bias_.has_value() ? qkv_bias_->data_ptr<float>() : nullptr;
     const float* cs = cos_sin.data_ptr<float>();
@@ -852,17 +869,17 @@ class DecodeLayer {
         float* rr = rout + r * hidden_;
         for (int64_t i = 0; i < hidden_; ++i) rr[i] = first ? xin[r * hidden_ + i] : xin[r * hidden_ + i] + rin[r * hidden_ + i];
         rms_norm_row(rr, input_norm_.data_ptr<float>(), hidden_, eps_, xn + r * hidden_);
-        if (integer) xq_.quantize(r, xn + r * hidden_);
+        if (integer) w.xq.quantize(r, xn + r * hidden_);
       }
     };
     auto attention = [&] {
 #pragma omp for
-      for (int64_t r = 0; r < m; ++r) store_and_rotate(r, cs + r * d_, kv, slots);
-      kv.attention(q_.data(), hq_, static_cast<float>(scale), attn_.data(), parts_.data(), nspans, span_tokens_);
+      for (int64_t r = 0; r < m; ++r) store_and_rotate(w, r, cs + r * d_, kv, slots);
+      kv.attention(w.q.data(), hq_, static_cast<float>(scale), w.attn.data(), w.parts.data(), nspans, span_tokens_);
 #pragma omp barrier
       if (integer) {
 #pragma omp for
-        for (int64_t r = 0; r < m; ++r) oq_.quantize(r, attn_.data() + r * hq_ * d_);
+        for (int64_t r = 0; r < m; ++r) w.oq.quantize(r, w.attn.data() + r * hq_ * d_);
       }
     };
     auto post_norm = [&] {
@@ -872,7 +889,7 @@ class DecodeLayer {
         const float* orow = o + r * hidden_;
         for (int64_t i = 0; i < hidden_; ++i) rr[i] += orow[i];
         rms_norm_row(rr, post_norm_.data_ptr<float>(), hidden_, eps_, xn + r * hidden_);
-        if (integer) xq_.quantize(r, xn + r * hidden_);
+        if (integer) w.xq.quantize(r, xn + r * hidden_);
       }
     };
     auto silu_mul = [&] {
@@ -880,7 +897,7 @@ class DecodeLayer {
       for (int64_t r = 0; r < m; ++r) {
         float* g = gu + r * 2 * inter_;
         for (int64_t i = 0; i < inter_; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter_ + i];
-        if (integer) aq_.quantize(r, g);
+        if (integer) w.aq.quantize(r, g);
       }
     };
 
@@ -891,27 +908,27 @@ class DecodeLayer {
         int64_t lo, hi;
         input_norm();
         my_share(nqkv, &lo, &hi);
-        wqkv.rows(xq_, m, lo, hi, qkv_out_.data(), nqkv, bias);
+        wqkv.rows(w.xq, m, lo, hi, w.qkv_out.data(), nqkv, bias);
 #pragma omp barrier
         attention();
         my_share(hidden_, &lo, &hi);
-        wo.rows(oq_, m, lo, hi, o, hidden_, nullptr);
+        wo.rows(w.oq, m, lo, hi, o, hidden_, nullptr);
 #pragma omp barrier
         post_norm();
         my_share(2 * inter_, &lo, &hi);
-        wgu.rows(xq_, m, lo, hi, gu, 2 * inter_, nullptr);
+        wgu.rows(w.xq, m, lo, hi, gu, 2 * inter_, nullptr);
 #pragma omp barrier
         silu_mul();
         my_share(hidden_, &lo, &hi);
-        wd.rows(aq_, m, lo, hi, o, hidden_, nullptr);
+        wd.rows(w.aq, m, lo, hi, o, hidden_, nullptr);
       }
     } else {
 #pragma omp parallel
       input_norm();
-      qkv_.dense_rows(xn, m, hidden_, qkv_out_.data(), nqkv, bias);
+      qkv_.dense_rows(xn, m, hidden_, w.qkv_out.data(), nqkv, bias);
 #pragma omp parallel
       attention();
-      o_.dense_rows(attn_.data(), m, hq_ * d_, o, hidden_, nullptr);
+      o_.dense_rows(w.attn.data(), m, hq_ * d_, o, hidden_, nullptr);
 #pragma omp parallel
       post_norm();
       gate_up_.dense_rows(xn, m, hidden_, gu, 2 * inter_, nullptr);
@@ -924,8 +941,8 @@ class DecodeLayer {
 
  private:
   // qk-norm (Qwen3) and rotary on q and k, K and V into the cache, q to where attention reads it.
-  void store_and_rotate(int64_t r, const float* cs, const PagedKV& kv, const torch::Tensor& slots) {
-    float* row = qkv_out_.data() + r * qkv_.n;
+  void store_and_rotate(LayerScratch& w, int64_t r, const float* cs, const PagedKV& kv, const torch::Tensor& slots) {
+    float* row = w.qkv_out.data() + r * qkv_.n;
     for (int64_t hh = 0; hh < hq_ + hkv_; ++hh) {
       float* v = row + hh * d_;
       if (q_norm_.has_value()) rms_norm_row(v, (hh < hq_ ? *q_norm_ : *k_norm_).data_ptr<float>(), d_, eps_, v);
@@ -949,7 +966,7 @@ class DecodeLayer {
       }
     }
     // Attention reads q as [M, Hq, D]: copy this row's q heads there.
-    std::copy(row, row + hq_ * d_, q_.data() + r * hq_ * d_);
+    std::copy(row, row + hq_ * d_, w.q.data() + r * hq_ * d_);
   }
 
   torch::Tensor input_norm_, post_norm_;
@@ -959,8 +976,6 @@ class DecodeLayer {
   int64_t int_rows_, span_tokens_;
   Projection qkv_, o_, gate_up_, down_;
   bool all_dense_ = true;
-  std::vector<float> xn_, gu_, qkv_out_, attn_, q_, parts_;
-  Q8Batch xq_, oq_, aq_;
 };
 
 }  // namespace
