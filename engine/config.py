@@ -44,6 +44,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     threads: int | None = None  # torch intra-op threads; None: all cores
+    # While busy, the most free memory (MiB) a CPU engine's heap keeps past a check once a second
+    # before it is given back (``engine.cpu_runtime.HeapBound``); None: only once idle.
+    busy_heap_free_mib: float | None = 64.0
     # A budget of cores shared with the other engines of this host (``engine.core_share``): the
     # file ``create`` wrote and this engine's slot in it. Each step then takes cores / busy
     # engines threads; ``threads`` is what it starts with (and calibrates at). None: ``threads``
@@ -111,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.busy_heap_free_mib is not None and not self.busy_heap_free_mib >= 0:
+            raise ValueError(f"busy_heap_free_mib must be >= 0 (or None), got {self.busy_heap_free_mib}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if self.threads is None:

@@ -83,9 +83,7 @@ def heap_free_bytes() -> int | None:
     return int(libc.mallinfo2().fordblks)
 
 
-# While the engine is busy: the most free memory the heap may hold past a check (``HeapBound``).
-BUSY_FREE_BUDGET = 64 << 20
-HEAP_CHECK_S = 1.0
+HEAP_CHECK_S = 1.0  # how often a busy engine checks its heap (``HeapBound``)
 
 
 class HeapBound:
@@ -98,9 +96,10 @@ class HeapBound:
     of decodes: 94 MiB more live at the peak than at rest, the heap 420 MiB more, issue 40). So
     after a step, at most every ``every_s``, this reads how much the heap holds free and trims it
     when that is over ``budget`` bytes: what the next steps need is faulted in again, once a
-    check at most. Nothing where the free memory cannot be read (``heap_free_bytes``)."""
+    check at most. Nothing where the free memory cannot be read (``heap_free_bytes``).
+    ``EngineConfig.busy_heap_free_mib`` is the budget (64 MiB)."""
 
-    def __init__(self, budget: int = BUSY_FREE_BUDGET, every_s: float = HEAP_CHECK_S,
+    def __init__(self, budget: int, every_s: float = HEAP_CHECK_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.budget, self.every_s, self._clock = budget, every_s, clock
         self._next = clock() + every_s

@@ -69,7 +69,8 @@ class LLMEngine:
         self.heap: HeapBound | None = None
         if config.device == "cpu":
             configure_cpu_runtime(config.threads)
-            self.heap = HeapBound()
+            if config.busy_heap_free_mib is not None:
+                self.heap = HeapBound(int(config.busy_heap_free_mib * (1 << 20)))
         else:
             torch.set_num_threads(config.threads)
         path = resolve_model(config.model)

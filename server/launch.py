@@ -29,6 +29,7 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
         model=args.model, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, role=role, deterministic=args.deterministic,
+        busy_heap_free_mib=args.busy_heap_free_mib,
         stage=(0, args.cpp_stages) if role == "prefill" and args.cpp_stages > 1 else None,
     )
     if args.stage is not None:

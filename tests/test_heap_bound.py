@@ -59,6 +59,10 @@ def test_the_engine_checks_the_heap_after_each_step(tmp_path, monkeypatch):
     monkeypatch.setattr(HeapBound, "after_step", lambda self: checks.append(1))
     llm = LLM(str(make_tiny_model(tmp_path / "m", "LlamaForCausalLM", tie=True, seed=1)), threads=1,
               kv_cache_gib=0.01, dtype="float32")
-    assert isinstance(llm.engine.heap, HeapBound)
+    assert isinstance(llm.engine.heap, HeapBound) and llm.engine.heap.budget == 64 << 20
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(checks) >= 4  # a step for the prompt, then one per token
+    off = LLM(str(tmp_path / "m"), threads=1, kv_cache_gib=0.01, dtype="float32", busy_heap_free_mib=None)
+    assert off.engine.heap is None  # kept until idle, as before
+    with pytest.raises(ValueError, match="busy_heap_free_mib"):
+        LLM(str(tmp_path / "m"), threads=1, kv_cache_gib=0.01, dtype="float32", busy_heap_free_mib=-1)
