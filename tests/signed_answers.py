@@ -23,7 +23,7 @@ def signed_transport(handler: Handler, secret: bytes) -> httpx.MockTransport:
         answer = handler(request)
         if inspect.isawaitable(answer):
             answer = await answer
-        signer = AnswerSigner(key, str(request.url))
+        signer = AnswerSigner(key)
         if isinstance(answer.stream, httpx.AsyncByteStream) and not hasattr(answer, "_content"):
             lines = answer.stream
 

@@ -336,11 +336,11 @@ def test_a_call_with_an_epoch_its_conductors_claim_does_not_carry_is_refused():
 def test_the_conductor_takes_only_answers_signed_for_its_call():
     """Issue 40 item 3: an instance's answers carry a MAC under the instances' key, bound to the
     call's nonce and audience. The real client against the real routes: a true answer passes; one
-    altered on the way, replayed from an earlier call, sent by another instance for a call to this
-    one, or made up by a process without the secret is ignored (``ForgedAnswer``) and counted,
-    and a Registry never marks such an instance up."""
+    altered on the way, replayed from an earlier call, or made up by a process without the secret
+    is ignored (``ForgedAnswer``) and counted, and a Registry never marks such an instance up. A
+    call redirected to another instance gets that one's signed refusal (401), never an answer."""
     from cluster.conductor.client import InstanceClient
-    from cluster.protocol import ForgedAnswer
+    from cluster.protocol import ForgedAnswer, Unauthorized
 
     a_url, b_url = "http://10.0.0.1:8101", "http://10.0.0.2:8101"
     a, _ = _instance(a_url)
@@ -378,11 +378,16 @@ def test_the_conductor_takes_only_answers_signed_for_its_call():
         try:
             info = await client.info(a_url, 5.0)
             assert info.role == "prefill" and client.answers_refused == 0
-            for k, mode in enumerate(("alter", "replay", "redirect", "fake"), start=1):
+            for k, mode in enumerate(("alter", "replay", "fake"), start=1):
                 path.mode = mode
                 with pytest.raises(ForgedAnswer, match="answer ignored"):
                     await client.info(a_url, 5.0)
                 assert client.answers_refused == k, mode
+            path.mode = "redirect"
+            with pytest.raises(Unauthorized, match="another audience"):
+                await client.info(a_url, 5.0)
+            assert client.answers_refused == 3
+            path.mode = "fake"
             registry = Registry(client)
             rec = registry.add(a_url)
             await registry.poll(rec)
@@ -398,9 +403,10 @@ def test_the_conductor_takes_only_answers_signed_for_its_call():
 
 def test_a_signed_answer_and_its_lines_pass_only_for_their_own_call():
     from cluster.protocol import (
-        ANSWER_SIGNATURE_HEADER, AnswerAuthError, AnswerSigner, MESSENGER, NONCE_HEADER, check_answer, check_line)
+        ANSWER_SIGNATURE_HEADER, AUDIENCE_HEADER, AnswerAuthError, AnswerSigner, MESSENGER, NONCE_HEADER, check_answer,
+        check_line)
 
-    signer = AnswerSigner(INSTANCE_KEY, "http://a:1")
+    signer = AnswerSigner(INSTANCE_KEY)
 
     def answer(request: httpx.Request, status: int, body: bytes, signer: AnswerSigner = signer) -> httpx.Response:
         return httpx.Response(status, content=body, request=request, headers={
@@ -416,9 +422,10 @@ def test_a_signed_answer_and_its_lines_pass_only_for_their_own_call():
             ANSWER_SIGNATURE_HEADER: signer.answer(one.headers, 200, b'{"x": 1}')}),  # status altered
         httpx.Response(200, content=b"{}", request=one, headers={
             ANSWER_SIGNATURE_HEADER: signer.answer(two.headers, 200, b"{}")}),  # another call's
-        answer(one, 200, b"{}", AnswerSigner(INSTANCE_KEY, "http://b:1")),  # another instance's
-        answer(one, 200, b"{}", AnswerSigner(KEY, "http://a:1")),  # the Conductors' key
-        answer(one, 200, b"{}", AnswerSigner(derive_key(SECRET, MESSENGER), "http://a:1")),
+        httpx.Response(200, content=b"{}", request=one, headers={  # for a call to another audience
+            ANSWER_SIGNATURE_HEADER: signer.answer({**one.headers, AUDIENCE_HEADER: "b:1"}, 200, b"{}")}),
+        answer(one, 200, b"{}", AnswerSigner(KEY)),  # the Conductors' key
+        answer(one, 200, b"{}", AnswerSigner(derive_key(SECRET, MESSENGER))),
         httpx.Response(200, content=b"{}", request=one),  # none
     ]
     for r in refused:

@@ -118,7 +118,7 @@ class InstanceRoutes:
         self._stage_verifier = ControlVerifier(derive_key(service.config.secret, INSTANCE),
                                                audiences=[service.config.url])
         # Every answer to a control call is signed with the instances' key, bound to the call.
-        self._signer = AnswerSigner(derive_key(service.config.secret, INSTANCE), service.config.url)
+        self._signer = AnswerSigner(derive_key(service.config.secret, INSTANCE))
         # The Conductor id each prefill or decode running here was started by (``_claim``).
         self._owners: dict[str, str] = {}
 

@@ -342,9 +342,9 @@ async def verify_request(verifier: ControlVerifier, request: Request, max_body: 
 #
 # An instance signs what it answers a signed call with the instances' key (``INSTANCE``), bound to
 # that call: its nonce (random, fresh per call: an answer captured for one call is worth nothing
-# for another) and the audience the call was signed for (the instance's own address: another
-# instance's answer, from a call redirected there, does not pass for this one's). A whole answer
-# carries ``ANSWER_SIGNATURE_HEADER`` over its status and body; a streamed answer signs each line
+# for another) and the audience the call was signed for (an instance takes only calls signed for
+# its own address, so only it answers one with a 200). A whole answer carries
+# ``ANSWER_SIGNATURE_HEADER`` over its status and body; a streamed answer signs each line
 # instead, with its index, so that lines cannot be altered, dropped, reordered or spliced from
 # another stream (a stream cut short is seen by its reader: the last line says it is the last).
 
@@ -373,30 +373,31 @@ def _call_of(request: httpx.Request) -> tuple[str, str]:
 
 
 class AnswerSigner:
-    """What an instance signs its answers with: ``derive_key(secret, INSTANCE)`` and the audience
-    its callers sign for (its advertised URL)."""
+    """What an instance signs its answers with: ``derive_key(secret, INSTANCE)``."""
 
-    def __init__(self, key: bytes, url: str) -> None:
+    def __init__(self, key: bytes) -> None:
         if not key:
             raise ValueError("the instance key is empty")
         self._key = key
-        self.audience = audience_of(url)
 
-    def _nonce(self, headers: Mapping[str, str]) -> str:
-        # The nonce as the call carried it; a malformed one still gets a signature, which no
-        # caller's check will take (a caller checks against the nonce it sent itself).
+    @staticmethod
+    def _call(headers: Mapping[str, str]) -> tuple[str, str]:
+        # The nonce and audience as the call carried them; malformed ones still get a signature,
+        # which no caller's check takes (a caller checks against what it sent itself).
         nonce = headers.get(NONCE_HEADER) or ""
-        return nonce if _is_hex(nonce, 2 * _NONCE_BYTES) else ""
+        audience = headers.get(AUDIENCE_HEADER) or ""
+        return (nonce if _is_hex(nonce, 2 * _NONCE_BYTES) else "",
+                audience if len(audience) <= _MAX_AUDIENCE and _no_newline(audience) else "")
 
     def answer(self, call_headers: Mapping[str, str], status: int, body: bytes) -> str:
         """``ANSWER_SIGNATURE_HEADER``'s value for the answer ``status`` / ``body`` to the call
         that had ``call_headers``."""
-        return _answer_mac(self._key, self._nonce(call_headers), self.audience, status, body)
+        return _answer_mac(self._key, *self._call(call_headers), status, body)
 
     def line(self, call_headers: Mapping[str, str], index: int, line: bytes) -> bytes:
         """Line ``index`` (from 0) of a streamed answer, signed: ``MAC SPACE LINE NEWLINE``
         (``line`` without its newline)."""
-        mac = _line_mac(self._key, self._nonce(call_headers), self.audience, index, line)
+        mac = _line_mac(self._key, *self._call(call_headers), index, line)
         return mac.encode() + b" " + line + b"\n"
 
 
