@@ -59,6 +59,7 @@ class Instances:
         self.calls: list[tuple[str, str, dict]] = []
         self.generates = 0
         self.renew_gate: dict[str, asyncio.Event] = {}
+        self.gone: set[str] = set()  # reservation ids the next renewal answers as no longer held
         self.prefill_gate: asyncio.Event | None = None  # set by a test: the first prefill hangs
         self.prefill_started = asyncio.Event()
 
@@ -80,7 +81,9 @@ class Instances:
         if path == "/instance/renew":
             if url in self.renew_gate:
                 await self.renew_gate[url].wait()
-            return httpx.Response(200, json={"gone": []})
+            gone = [r for r in body["request_ids"] if r in self.gone]
+            self.gone.difference_update(gone)
+            return httpx.Response(200, json={"gone": gone})
         if path == "/instance/abort":
             return httpx.Response(200, json={"aborted": body["request_id"]})
         if path == "/instance/prefill":
@@ -298,6 +301,54 @@ def test_a_decode_instance_lost_during_the_prefill_moves_the_request_at_once(mon
         assert ("http://p0:1", "req") in aborted, "the abandoned prefill was not aborted"
         instances.prefill_gate.set()
         await c.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_reservation_its_renewal_says_is_gone_stops_the_prefill_and_moves_the_request(monkeypatch):
+    """Issue 41 item 6: the ``gone`` list a renewal answers acts at once. The decode instance
+    stalled past the lease and dropped the reservation: the prefill (which would compute KV
+    nobody takes, then fail its writes after the transfer timeout) is abandoned and aborted, and
+    the request is placed again, with nobody marked down."""
+    instances = Instances()
+
+    async def scenario():
+        instances.prefill_gate, instances.prefill_started = asyncio.Event(), asyncio.Event()
+        c = await _conductor(instances, monkeypatch, renew_interval_s=0.05, renew_timeout_s=0.5)
+        await c.start()
+        task = asyncio.create_task(_collect(c, max_tokens=3))
+        await asyncio.wait_for(instances.prefill_started.wait(), 5)
+        instances.gone.add("req")
+        outs = await asyncio.wait_for(task, 5)
+        assert [t for o in outs for t in o.new_token_ids] == list(range(PROMPT[-1] + 1, PROMPT[-1] + 4))
+        reserves = [url for url, path, _ in instances.calls if path == "/instance/reserve"]
+        assert len(reserves) == 2 and c.stats()["requests_moved"] == 1
+        assert all(_up(c).values()), "a lapsed reservation is not a dead instance"
+        for _ in range(100):  # the aborts run as tasks of their own
+            if ("http://p0:1", "req") in [(u, b.get("request_id")) for u, p, b in instances.calls if p == "/instance/abort"]:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the abandoned prefill was not aborted")
+        instances.prefill_gate.set()
+        await c.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_renewal_sent_before_a_reservation_was_granted_does_not_move_it(monkeypatch):
+    """A renewal that left before the grant may answer the id as gone (the instance had not
+    reserved it yet): that says nothing about the reservation granted since."""
+    from cluster.conductor.flow import RequestFlow
+
+    flow = RequestFlow(client=None, registry=None, counters=None, spawn=lambda coro: None)  # type: ignore[arg-type]
+
+    async def scenario():
+        lapsed = asyncio.Event()
+        flow._granted["r"] = (100.0, lapsed)
+        assert flow.reservations_gone(["r", "unknown"], asked_at=99.0) == 0 and not lapsed.is_set()
+        assert flow.reservations_gone(["r"], asked_at=101.0) == 1 and lapsed.is_set()
+        assert flow.reservations_gone(["r"], asked_at=102.0) == 0  # once
 
     asyncio.run(scenario())
 

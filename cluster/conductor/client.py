@@ -180,13 +180,13 @@ class InstanceClient:
 
     # -- the long calls ------------------------------------------------------------------------------
     async def prefill(self, url: str, request_id: str, token_ids: list[int], params: SamplingParams,
-                      dest: ReserveReply, lost: asyncio.Event, dest_lost: asyncio.Event | None = None
-                      ) -> RequestOutput:
-        """``dest_lost``: set when the instance the KV streams to is lost; the prefill then ends
-        at once with ``KVWriteFailed`` (its writes would only fail after the transfer timeout)."""
+                      dest: ReserveReply, lost: asyncio.Event, *dest_lost: asyncio.Event) -> RequestOutput:
+        """``dest_lost``: set when the instance the KV streams to is lost, or the reservation
+        there is gone; the prefill then ends at once with ``KVWriteFailed`` (its writes would only
+        fail after the transfer timeout, and its compute is of no use)."""
         body = PrefillRequest(request_id, token_ids, params, dest.dest).to_dict()
         data = await _unless(lost, self._post(url, "/instance/prefill", body, timeout=self.request_timeout_s),
-                             dest_lost)
+                             *dest_lost)
         return _reply(PrefillReply, data, "/instance/prefill").output
 
     async def generate(self, url: str, request: GenerateRequest, lost: asyncio.Event) -> AsyncIterator[RequestOutput]:
@@ -227,25 +227,24 @@ class InstanceClient:
             raise _no_answer("/instance/generate", e) from None
 
 
-async def _unless(lost: asyncio.Event, call: Awaitable[T], dest_lost: asyncio.Event | None = None) -> T:
+async def _unless(lost: asyncio.Event, call: Awaitable[T], *dest_lost: asyncio.Event) -> T:
     """Await ``call`` unless the instance is lost first (then ``Unreachable``), or the one its
-    KV goes to (then ``KVWriteFailed``: the request cannot go on, the instance called is fine)."""
+    KV goes to, or the reservation there (then ``KVWriteFailed``: the request cannot go on, the
+    instance called is fine)."""
     task = asyncio.ensure_future(call)
     waiter = asyncio.ensure_future(lost.wait())
-    dest_waiter = asyncio.ensure_future(dest_lost.wait()) if dest_lost is not None else None
+    dest_waiters = {asyncio.ensure_future(event.wait()) for event in dest_lost}
     try:
-        done, _ = await asyncio.wait({task, waiter} | ({dest_waiter} if dest_waiter else set()),
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, waiter} | dest_waiters, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         task.cancel()
         raise
     finally:
-        waiter.cancel()
-        if dest_waiter is not None:
-            dest_waiter.cancel()
+        for w in (waiter, *dest_waiters):
+            w.cancel()
     if task not in done:
         task.cancel()
         if waiter in done:
             raise Unreachable("the instance stopped answering polls")
-        raise KVWriteFailed("the instance receiving the KV stopped answering polls")
+        raise KVWriteFailed("the instance receiving the KV, or its reservation there, was lost")
     return task.result()

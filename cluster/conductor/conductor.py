@@ -290,7 +290,12 @@ class Conductor(EngineClient):
         try:
             # wait_for as well as the HTTP timeout: the bound holds however the call hangs.
             timeout = self.config.renew_timeout_s
-            await asyncio.wait_for(self.client.renew(rec.url, rids, timeout), timeout)
+            asked_at = time.monotonic()
+            gone = await asyncio.wait_for(self.client.renew(rec.url, rids, timeout), timeout)
+            if gone and (stopped := self.flow.reservations_gone(gone, asked_at)):
+                # Lapsed there (the instance stalled past the lease): their prefills stop now
+                # rather than compute KV nobody will take, and the requests move.
+                log.warning("%d reservation(s) on %s lapsed: moving their requests", stopped, rec.url)
         except (TimedOut, TimeoutError) as e:
             # Slow, not necessarily down: the polls judge its health; the lease has two more rounds.
             log.warning("renewing %d lease(s) on %s timed out: %s", len(rids), rec.url, e)

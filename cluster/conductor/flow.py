@@ -22,6 +22,8 @@ own fault (``BadRequest``) ends it with a 400 wherever it runs.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -84,6 +86,22 @@ class RequestFlow:
         self._registry = registry
         self._counters = counters
         self._spawn = spawn
+        # The reservations granted for requests on their way to decode, each with when it was
+        # granted and the event set when its renewal says it is gone (``reservations_gone``).
+        self._granted: dict[str, tuple[float, asyncio.Event]] = {}
+
+    def reservations_gone(self, rids: list[str], asked_at: float) -> int:
+        """A renewal sent at ``asked_at`` (monotonic) answered that the instance no longer holds
+        these reservations: each request whose reservation was granted before that (one granted
+        since may not have reached the renewal) stops its prefill at once and moves. Returns how
+        many it stopped."""
+        stopped = 0
+        for rid in rids:
+            granted = self._granted.get(rid)
+            if granted is not None and granted[0] < asked_at and not granted[1].is_set():
+                granted[1].set()
+                stopped += 1
+        return stopped
 
     # -- the disaggregated path ----------------------------------------------------------------------
     async def disaggregated(self, rid: str, ids: list[int], params: SamplingParams, booking: Booking,
@@ -96,14 +114,21 @@ class RequestFlow:
             if source is not None and source is not prefill:
                 await self._migrate(rid, ids, prefix_tokens, source, prefill, booking)
             booking.add(decode, "reserved", rid, False)  # from now on KV may be in flight
+            # Noted after the grant: a renewal sent before now may not have seen it.
+            lapsed = asyncio.Event()
+            self._granted[rid] = (time.monotonic(), lapsed)
             try:
-                first = await self._client.prefill(prefill.url, rid, ids, params, dest, prefill.lost, decode.lost)
+                first = await self._client.prefill(prefill.url, rid, ids, params, dest, prefill.lost,
+                                                   decode.lost, lapsed)
             except (UnknownReservation, KVWriteFailed) as e:
-                # The decode side lost the reservation (it lapsed while that instance stalled)
-                # or could not be written: the prefill instance is fine, the request moves.
+                # The decode side lost the reservation (it lapsed while that instance stalled, and
+                # its renewal said so) or could not be written: the prefill instance is fine, the
+                # request moves.
                 raise RequestMoved("decode", f"prefill on {prefill.url}: {e}") from None
             except ProtocolError as e:
                 raise self._failed(prefill, "prefill", e) from None
+            finally:
+                self._granted.pop(rid, None)
             booking.remove(prefill, "prefilling", rid)
             booking.remove(decode, "incoming", rid)
             booking.add(decode, "reserved", rid, True)  # the prefill answered: no write in flight
