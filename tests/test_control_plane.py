@@ -228,9 +228,10 @@ def test_a_signed_body_over_the_routes_cap_is_413_and_a_fitting_one_passes():
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "block_size": 16, "head_dim": 8, "dtype": "float32"}
 
 
-def _instance(url: str, check: Epochs | None = None) -> tuple[Starlette, list[int]]:
+def _instance(url: str, check: Epochs | None = None, state_delay_s: float = 0.0) -> tuple[Starlette, list[int]]:
     """An instance's real control routes over a stand-in service that is ready; the epochs it
-    observed. ``check``: what checks them (by default, one without a membership store)."""
+    observed. ``check``: what checks them (by default, one without a membership store);
+    ``state_delay_s``: how long its state takes (its server's thread sleeps)."""
     epochs: list[int] = []
 
     async def observe(fence: Fence, confirmed: bool) -> None:
@@ -241,7 +242,7 @@ def _instance(url: str, check: Epochs | None = None) -> tuple[Starlette, list[in
         config=SimpleNamespace(secret=SECRET, url=url, role="prefill"), role="prefill", roles=RoleState("prefill"),
         ready=True, error=None,
         receiver=SimpleNamespace(observe=observe), info=lambda: info, epochs=check or Epochs(None, b"k" * 32),
-        state=lambda since: InstanceState(info.instance_id, CacheDelta(0, [])))
+        state=lambda since: time.sleep(state_delay_s) or InstanceState(info.instance_id, CacheDelta(0, [])))
     return Starlette(routes=InstanceRoutes(service).routes()), epochs
 
 
@@ -399,6 +400,39 @@ def test_the_conductor_takes_only_answers_signed_for_its_call():
             await client.close()
 
     asyncio.run(run())
+
+
+def test_a_pause_of_the_conductor_does_not_mark_a_healthy_instance_down():
+    """Issue 41 item 6 says that after a pause (SIGSTOP, a long GC) the overdue timeouts of polls
+    in flight could fire before the answers that arrived meanwhile. A real instance (its routes,
+    served by uvicorn in a thread); the Conductor's event loop stops for 2.5 s while polls with a
+    1 s timeout are in flight, answered 0.3 s after they were sent (during the pause): the
+    answers are read first (asyncio runs I/O callbacks before due timers, and httpx's anyio
+    timeout does not cancel a read whose data has arrived), and the instance stays up."""
+    from cluster.conductor.client import InstanceClient
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    app, _ = _instance(url, state_delay_s=0.3)
+
+    async def run() -> None:
+        client = InstanceClient(SECRET, Fence("", 7), control_timeout_s=1.0)
+        registry = Registry(client, poll_timeout_s=1.0)
+        rec = registry.add(url)
+        try:
+            await registry.poll(rec)
+            assert rec.up, rec.last_error
+            polls = asyncio.ensure_future(asyncio.gather(*(registry.poll(rec) for _ in range(3))))
+            await asyncio.sleep(0.02)  # the polls are sent
+            time.sleep(2.5)  # the whole process stops, as under SIGSTOP: no callback runs
+            await polls
+            assert rec.up, f"marked down by a pause: {rec.last_error}"
+        finally:
+            await client.close()
+
+    with serve_in_thread(app, sock=sock):
+        asyncio.run(run())
 
 
 def test_a_signed_answer_and_its_lines_pass_only_for_their_own_call():
