@@ -1,8 +1,8 @@
 """What a busy CPU engine's memory costs and what bounding it costs: ``python -m bench.memory``.
 
 The engine keeps freed step memory in its heap for the next steps (``configure_cpu_runtime``)
-and, while busy, gives back what is free past ``EngineConfig.busy_heap_free_mib`` at most once a
-second (``engine.cpu_runtime.HeapBound``, issue 40). This bench runs one large batch (``--prompts``
+and, while busy, trims the heap at most once a second when its private memory grew more than
+``EngineConfig.busy_heap_free_mib`` since the last trim (``engine.cpu_runtime.HeapBound``, issue 40). This bench runs one large batch (``--prompts``
 short prompts at once, ``--max-tokens`` sampled tokens each, so the decode steps reach that many
 rows) with the bound at ``--budget-mib`` and with it off, each in a process of its own, in turns
 (``--rounds`` pairs). Per run: the wall time of the batch, the private memory (``RssAnon``) at its

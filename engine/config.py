@@ -44,8 +44,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     threads: int | None = None  # torch intra-op threads; None: all cores
-    # While busy, the most free memory (MiB) a CPU engine's heap keeps past a check once a second
-    # before it is given back (``engine.cpu_runtime.HeapBound``); None: only once idle.
+    # While busy, how far (MiB) a CPU engine's private memory may grow since the heap was last
+    # trimmed before it is trimmed again, checked once a second (``engine.cpu_runtime.HeapBound``);
+    # None: trimmed only once idle.
     busy_heap_free_mib: float | None = 64.0
     # A budget of cores shared with the other engines of this host (``engine.core_share``): the
     # file ``create`` wrote and this engine's slot in it. Each step then takes cores / busy

@@ -66,43 +66,42 @@ def return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-class _Mallinfo2(ctypes.Structure):
-    # glibc >= 2.33 (malloc.h): ``fordblks`` is the free bytes the heap holds, every arena summed.
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+def rss_anon_bytes() -> int | None:
+    """This process's private resident memory (``RssAnon``), or None where it cannot be read."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
-def heap_free_bytes() -> int | None:
-    """The free memory glibc's heap holds (every arena), or None where it cannot say (not glibc, or
-    glibc older than 2.33, which has no ``mallinfo2``)."""
-    libc = _glibc()
-    if libc is None or not hasattr(libc, "mallinfo2"):
-        return None
-    libc.mallinfo2.restype = _Mallinfo2
-    return int(libc.mallinfo2().fordblks)
-
-
-HEAP_CHECK_S = 1.0  # how often a busy engine checks its heap (``HeapBound``)
+HEAP_CHECK_S = 1.0  # how often a busy engine checks its memory (``HeapBound``)
 
 
 class HeapBound:
-    """Bounds the free memory the heap keeps while the engine is busy.
+    """Bounds how far the heap's kept memory grows while the engine is busy.
 
     ``configure_cpu_runtime`` has the heap keep freed memory for reuse, and the idle trim gives it
     back only once traffic pauses. Under steady heavy traffic it never pauses, and the heap grows
     far past what any step holds at once: the steps' temporaries are sized by their rows, which
     change every step, so freed blocks rarely fit the next ones and the heap fragments (256 rows
     of decodes: 94 MiB more live at the peak than at rest, the heap 420 MiB more, issue 40). So
-    after a step, at most every ``every_s``, this reads how much the heap holds free and trims it
-    when that is over ``budget`` bytes: what the next steps need is faulted in again, once a
-    check at most. Nothing where the free memory cannot be read (``heap_free_bytes``).
+    after a step, at most every ``every_s``, this reads the process's private resident memory and
+    trims the heap when it grew more than ``budget`` bytes since the last trim (what the next
+    steps need is faulted in again, once a check at most); steady traffic that reuses what it
+    keeps costs nothing. (Not glibc's free-byte count: a trim gives the pages back but leaves the
+    chunks counted as free.) Nothing where the memory cannot be read (``rss_anon_bytes``).
     ``EngineConfig.busy_heap_free_mib`` is the budget (64 MiB)."""
 
-    def __init__(self, budget: int, every_s: float = HEAP_CHECK_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.budget, self.every_s, self._clock = budget, every_s, clock
+    def __init__(self, budget: int, every_s: float = HEAP_CHECK_S, clock: Callable[[], float] = time.monotonic,
+                 resident: Callable[[], int | None] = rss_anon_bytes) -> None:
+        self.budget, self.every_s = budget, every_s
+        self._clock, self._resident = clock, resident
         self._next = clock() + every_s
+        self._floor: int | None = None  # resident memory after the last trim (or the first check)
         self.trims = 0
 
     def after_step(self) -> None:
@@ -110,10 +109,15 @@ class HeapBound:
         if now < self._next:
             return
         self._next = now + self.every_s
-        free = heap_free_bytes()
-        if free is not None and free > self.budget:
+        rss = self._resident()
+        if rss is None:
+            return
+        if self._floor is None or rss < self._floor:  # the first check, or memory went back (idle)
+            self._floor = rss
+        elif rss - self._floor > self.budget:
             return_freed_memory()
             self.trims += 1
+            self._floor = self._resident() or rss
 
 
 def fast_bfloat16() -> bool:

@@ -100,9 +100,10 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                              help="KV cache size in GiB; default: 1 on CPU, 90%% of free memory on CUDA "
                              "(env MOONCAKE_KV_CACHE_GIB)"))
     passed_on(p.add_argument("--busy-heap-free-mib", type=_non_negative_float, default=64.0,
-                             help="(CPU) while the engine is busy, the most free memory its heap keeps past a check "
-                                  "once a second before giving it back (64): bounds memory under overload for ~3%% "
-                                  "of throughput at large batches; a large value keeps it all until idle"))
+                             help="(CPU) while the engine is busy, how far its private memory may grow since the "
+                                  "heap was last trimmed before it is trimmed again, checked once a second (64): "
+                                  "bounds memory under overload for ~3%% of throughput at large batches; a large "
+                                  "value keeps it all until idle"))
     p.add_argument("--api-key", default=_env("MOONCAKE_API_KEY"),
                    help="if set, /v1, /metrics and /stats requests need 'Authorization: Bearer KEY' "
                    "(env MOONCAKE_API_KEY); /health stays open")

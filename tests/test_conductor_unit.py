@@ -206,3 +206,16 @@ def test_a_local_out_of_descriptors_marks_no_instance_down(caplog):
 
     asyncio.run(scenario())
     assert any("could not poll instance http://inst:1" in r.getMessage() for r in caplog.records)
+
+
+def test_the_conductor_drops_idle_connections_before_an_instance_would():
+    """A call sent on a connection the instance is closing at that moment breaks (ReadError), and
+    the Conductor marks a healthy instance down: it keeps an idle connection for less time than
+    an instance's server does (uvicorn's keep-alive, and the front door's head deadline)."""
+    import uvicorn
+
+    from cluster.conductor.client import KEEPALIVE_EXPIRY_S
+    from server.front_door import FrontDoor
+
+    server_idle_close = min(uvicorn.Config(app=None).timeout_keep_alive, FrontDoor().header_timeout_s)
+    assert KEEPALIVE_EXPIRY_S <= server_idle_close / 2, (KEEPALIVE_EXPIRY_S, server_idle_close)

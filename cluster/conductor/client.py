@@ -63,6 +63,12 @@ def _reply(cls: type[R], data: Any, what: str) -> R:
         raise InstanceFailed(f"{what}: malformed answer: {e}") from None
 
 
+# How long an idle connection to an instance is kept for the next call: well under the time an
+# instance's server keeps one (uvicorn's ``timeout_keep_alive``, 5 s). At equal times (httpx's
+# default was 5 s too) a call sent on a connection the instance was closing at that moment broke
+# with a ReadError, and a healthy decode instance was marked down mid-stream (bench.chaos, issue 40).
+KEEPALIVE_EXPIRY_S = 2.0
+
 # Failures of this process, not of the instance it called: out of descriptors or memory.
 _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
@@ -104,7 +110,8 @@ class InstanceClient:
         # so the health of an instance is never judged by how busy the request path is.
         kwargs = dict(auth=ControlAuth(derive_key(secret, CONTROL)), headers={EPOCH_HEADER: fence.header()},
                       timeout=httpx.Timeout(control_timeout_s), transport=transport,
-                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=32,
+                                          keepalive_expiry=KEEPALIVE_EXPIRY_S))
         self._http = httpx.AsyncClient(**kwargs)
         self._polls = httpx.AsyncClient(**kwargs)
         self._answer_key = derive_key(secret, INSTANCE)
