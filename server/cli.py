@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 
 from cluster.conductor.supervisor import CORE_SHARE_ENV
 from cluster.policies.elastic_roles import ElasticConfig
@@ -72,29 +73,13 @@ def _core_share(text: str) -> tuple[str, int]:
     return path, int(slot)
 
 
-def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
-    """The parser, and the flags the instances a Conductor starts inherit (in declaration order).
-    Built per call: defaults read the environment as it is then."""
-    inherited: list[argparse.Action] = []
+PassedOn = Callable[[argparse.Action], argparse.Action]  # marks a flag the started instances inherit
 
-    def passed_on(action: argparse.Action) -> argparse.Action:
-        inherited.append(action)
-        return action
 
-    p = argparse.ArgumentParser(
-        prog="python -m server",
-        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics, /stats) over the mooncake-py engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--host", default=_env("MOONCAKE_HOST", "127.0.0.1"),
-                   help="address to listen on (env MOONCAKE_HOST)")
-    p.add_argument("--port", type=int, default=int(_env("MOONCAKE_PORT", 8000)),
-                   help="port to listen on (env MOONCAKE_PORT)")
+def _engine_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
+    """The model and its engine (every process that runs one)."""
     passed_on(p.add_argument("--model", default=_env("MOONCAKE_MODEL"),
                              help="HF model folder or .gguf file; default: SmolLM2-135M-Instruct (env MOONCAKE_MODEL)"))
-    p.add_argument("--served-model-name", default=None,
-                   help="name clients pass as 'model'; default: the model's folder/file name")
     passed_on(p.add_argument("--kv-cache-gib", type=_positive_float,
                              default=float(v) if (v := _env("MOONCAKE_KV_CACHE_GIB")) else None,
                              help="KV cache size in GiB; default: 1 on CPU, 90%% of free memory on CUDA "
@@ -104,11 +89,6 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                                   "heap was last trimmed before it is trimmed again, checked once a second (64): "
                                   "bounds memory under overload for ~3%% of throughput at large batches; a large "
                                   "value keeps it all until idle"))
-    p.add_argument("--api-key", default=_env("MOONCAKE_API_KEY"),
-                   help="if set, /v1, /metrics and /stats requests need 'Authorization: Bearer KEY' "
-                   "(env MOONCAKE_API_KEY); /health stays open")
-    p.add_argument("--public-metrics", action="store_true",
-                   help="with --api-key, serve /metrics and /stats without it (e.g. to a scraper)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch intra-op threads; default: all cores")
     passed_on(p.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if available"))
@@ -133,6 +113,21 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     passed_on(p.add_argument("--max-waiting", type=_non_negative_int, default=256,
                              help="requests allowed to wait for their first token (in the colocated engine, or in each "
                              "instance); beyond it: HTTP 429"))
+
+
+def _http_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
+    """Every HTTP port: where it listens, who may call, the front door's limits."""
+    p.add_argument("--host", default=_env("MOONCAKE_HOST", "127.0.0.1"),
+                   help="address to listen on (env MOONCAKE_HOST)")
+    p.add_argument("--port", type=int, default=int(_env("MOONCAKE_PORT", 8000)),
+                   help="port to listen on (env MOONCAKE_PORT)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients pass as 'model'; default: the model's folder/file name")
+    p.add_argument("--api-key", default=_env("MOONCAKE_API_KEY"),
+                   help="if set, /v1, /metrics and /stats requests need 'Authorization: Bearer KEY' "
+                   "(env MOONCAKE_API_KEY); /health stays open")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with --api-key, serve /metrics and /stats without it (e.g. to a scraper)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted; beyond it: HTTP 413")
     passed_on(p.add_argument("--log-level", default="info",
@@ -151,7 +146,10 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     p.add_argument("--max-requests-per-client-s", type=_non_negative_float, default=0.0,
                    help="(the OpenAI port) requests a second from one client address, in bursts of two "
                    "seconds' worth; past it: HTTP 429 with Retry-After (default 0: no cap; loopback is exempt)")
-    c = p.add_argument_group("cluster")
+
+
+def _cluster_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
+    """Which process this is, and how the Conductor and its instances find each other."""
     c.add_argument("--mode", choices=["disaggregated", "colocated"], default=_env("MOONCAKE_MODE", "disaggregated"),
                    help="disaggregated: Conductor + prefill and decode instances; colocated: one engine (env MOONCAKE_MODE)")
     c.add_argument("--role", choices=["prefill", "decode", "both"], default=None,
@@ -187,6 +185,10 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                    help="(Conductor) prefill instances to start on this machine")
     c.add_argument("--decode-instances", type=_non_negative_int, default=1,
                    help="(Conductor) decode instances to start on this machine")
+
+
+def _pipeline_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
+    """Chunked pipeline parallel prefill (CPP): a prefill instance as a group of stages."""
     passed_on(c.add_argument("--cpp-stages", type=_positive_int, default=1,
                              help="chunked pipeline parallel prefill: each prefill instance runs as a group of this many "
                                   "stage processes, each holding a contiguous range of the layers (1: none)"))
@@ -203,6 +205,10 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                    help="(with --stage) the pipeline group's name: a stage joins only the group it names")
     c.add_argument("--first", default=None, metavar="URL",
                    help="(with --stage I/X, I > 0) the URL of the group's stage 0 (its --url)")
+
+
+def _instance_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
+    """An instance's threads, KV transfer, calibration and reservations."""
     c.add_argument("--instance-threads", type=_positive_int, default=None,
                    help="(Conductor) torch threads of each started instance; default: cores / instances")
     c.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=False,
@@ -225,6 +231,13 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                    help="(instance) measure again unless the cached profile is newer than this; the Conductor "
                         "passes its start time with --recalibrate, so a restarted instance loads what its first "
                         "run measured")
+    passed_on(c.add_argument("--reservation-lease-s", type=_positive_float, default=10.0,
+                             help="(instance) a KV reservation the Conductor stops renewing is released after this long; "
+                             "at least 3 x (--renew-interval-s + --renew-timeout-s)"))
+
+
+def _placement_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
+    """The Conductor's scheduling, admission and leases."""
     c.add_argument("--scheduler", choices=["random", "load", "local", "global"], default="global",
                    help="(Conductor) prefill scheduling: global = Algorithm 1 with hot-prefix replication")
     c.add_argument("--kvcache-balancing-threshold", type=float, default=2.0,
@@ -242,6 +255,17 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                    help="(Conductor) decode duration assumed by --admission predictive")
     c.add_argument("--max-queued-prefills", type=_positive_int, default=32,
                    help="(Conductor) requests allowed to wait on one prefill instance; beyond it: HTTP 429")
+    c.add_argument("--renew-interval-s", type=_positive_float, default=1.0,
+                   help="(Conductor) how often the leases of reservations are renewed, each instance on its own")
+    c.add_argument("--renew-timeout-s", type=_positive_float, default=2.0,
+                   help="(Conductor) a renewal not answered this fast is retried at the next interval")
+    c.add_argument("--max-request-moves", type=int, default=2,
+                   help="(Conductor) a request whose instance is lost (or drops its reservation) is placed "
+                   "again at most this often, with the tokens it streamed as part of its prompt; then HTTP 503")
+
+
+def _elastic_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
+    """Elastic roles (issue 32): instances moved between prefill and decode."""
     e = ElasticConfig()
     c.add_argument("--elastic-roles", action="store_true",
                    help="(Conductor) move instances between prefill and decode as the load shifts (issue 32), "
@@ -261,17 +285,10 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                    help="(Conductor) the fewest instances either role keeps")
     c.add_argument("--elastic-drain-s", type=_positive_float, default=60.0,
                    help="(Conductor) a switch not done within this long is given up on (the instance keeps its role)")
-    passed_on(c.add_argument("--reservation-lease-s", type=_positive_float, default=10.0,
-                             help="(instance) a KV reservation the Conductor stops renewing is released after this long; "
-                             "at least 3 x (--renew-interval-s + --renew-timeout-s)"))
-    c.add_argument("--renew-interval-s", type=_positive_float, default=1.0,
-                   help="(Conductor) how often the leases of reservations are renewed, each instance on its own")
-    c.add_argument("--renew-timeout-s", type=_positive_float, default=2.0,
-                   help="(Conductor) a renewal not answered this fast is retried at the next interval")
-    c.add_argument("--max-request-moves", type=int, default=2,
-                   help="(Conductor) a request whose instance is lost (or drops its reservation) is placed "
-                   "again at most this often, with the tokens it streamed as part of its prompt; then HTTP 503")
-    pool = p.add_argument_group("KVCache pool (every node's DRAM and SSD as one store of prefix blocks)")
+
+
+def _pool_flags(pool: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
+    """The KVCache pool."""
     passed_on(pool.add_argument("--no-pool", action="store_true",
                                 help="(Conductor) run without the pool: each instance has only its own prefix cache"))
     passed_on(pool.add_argument("--etcd", metavar="URL", default=_env("MOONCAKE_ETCD"),
@@ -291,6 +308,29 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     passed_on(pool.add_argument("--pool-ssd-gib", type=_non_negative_float, default=0.0, help="(instance) SSD tier size"))
     passed_on(pool.add_argument("--pool-block-tokens", type=_positive_int, default=256,
                                 help="(instance) tokens per pool object, a multiple of the KV block size (256)"))
+
+
+def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
+    """The parser, and the flags the instances a Conductor starts inherit (in declaration order).
+    Built per call: defaults read the environment as it is then."""
+    inherited: list[argparse.Action] = []
+
+    def passed_on(action: argparse.Action) -> argparse.Action:
+        inherited.append(action)
+        return action
+
+    p = argparse.ArgumentParser(
+        prog="python -m server",
+        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics, /stats) over the mooncake-py engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _engine_flags(p, passed_on)
+    _http_flags(p, passed_on)
+    cluster = p.add_argument_group("cluster")
+    for flags in (_cluster_flags, _pipeline_flags, _instance_flags, _placement_flags, _elastic_flags):
+        flags(cluster, passed_on)
+    _pool_flags(p.add_argument_group("KVCache pool (every node's DRAM and SSD as one store of prefix blocks)"), passed_on)
     return p, inherited
 
 
