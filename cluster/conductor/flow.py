@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,8 +220,7 @@ class RequestFlow:
 
     # -- shared ---------------------------------------------------------------------------------------
     async def _relay(self, rec: InstanceRecord, body: GenerateRequest, entry: RunningDecode) -> AsyncIterator[RequestOutput]:
-        stream = self._client.generate(rec.url, body, rec.lost)
-        try:
+        async with aclosing(self._client.generate(rec.url, body, rec.lost)) as stream:
             while True:
                 try:
                     out = await anext(stream)
@@ -231,8 +230,6 @@ class RequestFlow:
                     raise self._failed(rec, "decode", e) from None
                 entry.generated += len(out.new_token_ids)
                 yield out
-        finally:
-            await stream.aclose()
 
     def _failed(self, rec: InstanceRecord, what: str, e: ProtocolError) -> Exception:
         """What becomes of the request for ``e``: a bad request ends (400), one that failed

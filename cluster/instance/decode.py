@@ -58,7 +58,7 @@ class Decoder:
                             ) -> AsyncIterator[RequestOutput]:
         """``stream``, then the finished request's prompt and output blocks go to the pool."""
         outputs: list[int] = []
-        try:
+        async with aclosing(stream):  # a client that left aborts the request now, not at collection
             async for out in stream:
                 outputs.extend(out.new_token_ids)
                 if out.finished and out.finish_reason not in ("abort", "kv_load_failed") and self._pool is not None:
@@ -66,5 +66,3 @@ class Decoder:
                     tokens = token_ids + outputs
                     self._pool.store_later(tokens, len(tokens) - 1)
                 yield out
-        finally:
-            await stream.aclose()  # a client that left aborts the request now, not at collection

@@ -373,13 +373,12 @@ async def _ndjson(first: RequestOutput, stream: AsyncIterator[RequestOutput],
 
 async def _signed_lines(signer: AnswerSigner, request: Request, lines: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     # Each chunk a streaming route yields is one whole line (``stream_line``).
-    index = 0
-    try:
+    # Closed however this ends: a caller that left ends the route's own stream (and aborts) now.
+    async with contextlib.aclosing(lines):
+        index = 0
         async for line in lines:
             yield signer.line(request.headers, index, line.rstrip(b"\n"))
             index += 1
-    finally:
-        await lines.aclose()  # a caller that left: the route's own stream ends (and aborts) now
 
 
 def build_instance_app(service: InstanceService) -> Starlette:
