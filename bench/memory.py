@@ -22,8 +22,12 @@ import time
 
 
 def _anon_mib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("RssAnon"))
+    from engine.cpu_runtime import rss_anon_bytes
+
+    anon = rss_anon_bytes()
+    if anon is None:
+        raise RuntimeError("bench.memory reads RssAnon from /proc/self/status (Linux)")
+    return anon >> 20
 
 
 def child(budget: float | None, prompts: int, max_tokens: int, dtype: str, threads: int,

@@ -65,7 +65,8 @@ class LLMEngine:
         # What a prompt's first token ends: here the engine's ``role``, not the config's, because
         # an elastic instance changes it between steps once it holds nothing (``KVHandoff.switch_role``).
         self.role = config.role
-        # On CPU, the heap's free memory is bounded while busy (``HeapBound``); None elsewhere.
+        # On CPU, how far the heap's kept memory grows while busy is bounded (``HeapBound``);
+        # None elsewhere, or with the bound off.
         self.heap: HeapBound | None = None
         if config.device == "cpu":
             configure_cpu_runtime(config.threads)

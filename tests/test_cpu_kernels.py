@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cpu_runtime import return_freed_memory, rss_anon_bytes
 from engine.quantization import Int4Weight
 from mooncake_kernels import cpu_ext
 from mooncake_kernels.decode_attention import decode_attention_native, decode_attention_torch
@@ -181,18 +182,12 @@ def test_native_decode_layers_equal_the_eager_layers(tmp_path, monkeypatch, arch
     assert max(errors) < 2e-3 and max(kv_errors) < 2e-3, (errors, kv_errors)
 
 
-def _rss_anon_mib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("RssAnon"))
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
+@pytest.mark.skipif(rss_anon_bytes() is None, reason="reads RssAnon from /proc")
 def test_the_layers_of_a_step_share_one_scratch_not_one_each():
     """Issue 40: each native layer kept scratch for the largest step it had seen, so a model kept
     its layer count times that (the default model: 30 x ~23 KB a row, 244 MiB after 256 rows, for
     good). One scratch per calling thread now: 24 layers after a 2,048-row step keep one layer's
     (38 MiB measured here), not 24 (843 MiB before)."""
-    from engine.cpu_runtime import return_freed_memory
     from mooncake_kernels import native_decode_layer
 
     torch.manual_seed(0)
@@ -219,10 +214,10 @@ def test_the_layers_of_a_step_share_one_scratch_not_one_each():
 
     step(1)
     return_freed_memory()
-    before = _rss_anon_mib()
+    before = rss_anon_bytes() >> 20
     step(m)
     return_freed_memory()  # what the step freed goes back; what the layers keep stays
-    kept = _rss_anon_mib() - before
+    kept = (rss_anon_bytes() >> 20) - before
     print(f"kept after a {m}-row step through {layers} layers: {kept} MiB")
     assert kept < 300, f"{kept} MiB kept: scratch per layer again?"
 
