@@ -243,10 +243,15 @@ def _placement_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
     c.add_argument("--kvcache-balancing-threshold", type=float, default=2.0,
                    help="(Conductor) pull a prefix from another prefill instance when it is this many times "
                    "longer than the local one")
-    c.add_argument("--admission", choices=["none", "early", "predictive"], default="none",
-                   help="(Conductor) early rejection (HTTP 429) on predicted load; needs --slo-ttft-s and --slo-tbt-s")
-    c.add_argument("--slo-ttft-s", type=_positive_float, default=None, help="(Conductor) TTFT SLO in seconds")
-    c.add_argument("--slo-tbt-s", type=_positive_float, default=None, help="(Conductor) TBT SLO in seconds")
+    c.add_argument("--admission", choices=["none", "early", "predictive"], default="predictive",
+                   help="(Conductor) early rejection (HTTP 429 with Retry-After) of what the cost models predict "
+                   "would miss the SLOs: --slo-ttft-s and --slo-tbt-s, or without them each request's default "
+                   "(10x its TTFT and 5x its TBT alone on an idle cluster, at least 1 s and 100 ms); none: only "
+                   "the queue bound refuses")
+    c.add_argument("--slo-ttft-s", type=_positive_float, default=None,
+                   help="(Conductor) TTFT SLO in seconds (with --slo-tbt-s)")
+    c.add_argument("--slo-tbt-s", type=_positive_float, default=None,
+                   help="(Conductor) TBT SLO in seconds (with --slo-ttft-s)")
     c.add_argument("--local-prefill", action="store_true",
                    help="(Conductor) a request may prefill on its decode instance instead of a prefill instance, "
                    "where the cost models predict that meets both SLOs sooner (no queue, no KV transfer, its "

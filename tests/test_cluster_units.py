@@ -550,6 +550,33 @@ def test_placer_and_ledger_spread_a_back_to_back_burst():
     assert sorted(decode_first.count(k) for k in (0, 1)) == [4, 4], decode_first
 
 
+def test_by_default_a_burst_is_refused_once_its_ttft_would_pass_10x_the_unloaded_one():
+    """Issue 41 item 2: with no SLOs configured, admission still predicts and refuses early; only
+    ``admission="none"`` leaves the queue bound alone to refuse."""
+    prefills, decodes = [_up_record("http://p0", "prefill")], [_up_record("http://d0", "decode")]
+    ids = _distinct_prompts(1)[0]
+    alone = PROFILE.prefill.seconds(len(ids))  # 0.254 s: default TTFT SLO 2.54 s
+    admitted = {}
+    for admission in ("predictive", "none"):
+        ledger = Ledger()
+        placer = Placer(PlacementConfig(admission=admission), PROFILE.prefill, PROFILE.decode, 16,
+                        LAYOUT.nbytes(1) // 16)
+        for i in range(40):
+            now = time.monotonic()
+            result = placer.place(now, RequestInfo(i, len(ids), []), [ledger.prefill_state(prefills[0], 0, now)],
+                                  [ledger.queued(prefills[0])], [ledger.decode_state(decodes[0], 0, now)])
+            if not isinstance(result, Placement):
+                break
+            ledger.book().add(prefills[0], "prefilling", f"r{i}", (now, result.plan.prefill_s))
+        admitted[admission] = i
+        if admission == "predictive":
+            assert "predicted prefill load" in result.reason and result.retry_after_s > 2.0
+    # Request i waits for i prefills: the first refused is the one whose TTFT, i + 1 prefills,
+    # would pass 10x its own (the oldest has run a moment already, hence the ~10).
+    assert admitted["predictive"] == 10, (admitted, alone)
+    assert admitted["none"] == PlacementConfig().max_queued_prefills
+
+
 def test_conductor_burst_spreads_over_both_prefill_instances_and_leaves_the_ledger_empty(monkeypatch):
     """The real Conductor and RequestFlow; the instances are an ``httpx.MockTransport`` whose
     prefills wait until all 8 requests have been placed (every one is still in flight when the

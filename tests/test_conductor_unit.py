@@ -8,14 +8,16 @@ import torch
 
 from cluster.policies.cost_model import InstanceProfile
 from cluster.conductor.conductor import ConductorConfig
-from cluster.conductor.placement import PlacementConfig
+from cluster.conductor.placement import PlacementConfig, Placer, TTFTCorrection
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import InstanceLoad, Ledger, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
+from cluster.policies.snapshot import PrefillInstanceState, RequestInfo
 from cluster.kv_stream import KVDestination
 from cluster.messenger import RegionHandle
-from cluster.protocol import (CacheDelta, Fence, InstanceInfo, InstanceState, ReserveRequest, output_from_dict,
+from cluster.instance.work import WorkBook
+from cluster.protocol import (CacheDelta, ConductorWork, Fence, NotOwner, InstanceInfo, InstanceState, ReserveRequest, output_from_dict,
                               output_to_dict)
 from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
@@ -39,8 +41,8 @@ def test_conductor_config_rejects_bad_values(bad):
 @pytest.mark.parametrize("bad", [
     {"scheduler": "fastest"},
     {"admission": "sometimes"},
-    {"admission": "early"},  # no SLOs
-    {"admission": "predictive", "slo_ttft_s": 1.0},
+    {"admission": "predictive", "slo_ttft_s": 1.0},  # both SLOs or neither
+    {"slo_tbt_s": 0.1},
     {"kvcache_balancing_threshold": 0.5},
     {"max_queued_prefills": 0},
     {"local_prefill": True, "slo_tbt_s": 0.1},  # local prefill needs both SLOs
@@ -78,6 +80,55 @@ def test_decode_snapshot_counts_contexts_and_incoming_kv():
     # A prompt it prefills itself (placed at 3.0, predicted 2 s): 1 s of it is left at 4.0.
     load.prefilling = {"d": (3.0, 2.0)}
     assert load.decode_state(1, 4.0).local_prefill_s == pytest.approx(1.0)
+
+
+def test_the_ledger_adds_what_the_instance_reports_of_the_other_conductors_work():
+    """Issue 41: each Conductor books its own requests exactly and adds the others' work from the
+    instance's report, never its own twice."""
+    profile = InstanceProfile(PrefillCostModel(0.0, 0.0, 1e-3), DecodeStepModel(0.01, 0.0, 0.0, 10_000))
+    rec = InstanceRecord("http://x", profile=profile)
+    ledger = Ledger("c1")
+    ledger.load(rec).prefilling = {"mine": (9.0, 3.0)}
+    ledger.load(rec).running = {"m2": RunningDecode(8.0, 100, generated=5)}
+    rec.state_at = 10.0
+    rec.state = InstanceState("i", CacheDelta(0), {}, {
+        # Its own work as reported is left out: the ledger has it exactly.
+        "c1": ConductorWork([(1.0, 400, 0)], [(2.0, 100, 105)], [50]),
+        # Another Conductor's: a 400-token prompt (0.4 s), 100 of them cached (0.3 s left to
+        # compute), queued 0.5 s ago; a decode 4 s old with 80 of context; a reservation's KV coming.
+        "c2": ConductorWork([(0.5, 400, 100)], [(4.0, 60, 80)], [70])})
+    assert ledger.queued(rec) == 2
+    # The oldest (this Conductor's, started at 9.0, 3 s predicted) has run 1 s of it.
+    assert ledger.prefill_state(rec, 3, 10.0).queue_s == pytest.approx(2.0 + 0.3)
+    d = ledger.decode_state(rec, 0, 10.0)
+    assert d.batch_size == 2 and d.context_tokens == 105 + 80
+    assert sorted(d.running_start_s) == [6.0, 8.0] and list(d.incoming_prompt) == [70]
+    assert list(d.incoming_ready_s) == [10.0]  # the others' KV is taken as landing now
+    # Without a report (or for the only Conductor), exactly the ledger's own bookings.
+    rec.state = None
+    assert ledger.queued(rec) == 1 and ledger.prefill_state(rec, 0, 10.0).queue_s == pytest.approx(2.0)
+
+
+def test_an_instance_reports_each_conductors_work_and_refuses_another_owner():
+    book = WorkBook()
+    book.claim("p", "c1", prompt_tokens=400, cached_tokens=500)
+    book.claim("d", "c2", prompt_tokens=30, cached_tokens=30, prefilling=False)
+    with pytest.raises(NotOwner):
+        book.claim("p", "c2")
+    with pytest.raises(NotOwner):
+        book.check("d", "c1")
+    book.check("d", "c2")
+    book.check("unknown", "c1")
+    book.decoding("d", 2)
+    book.decoding("d", 1)
+    work = book.report({"c2": [12], "c3": [7, 8]})
+    assert set(work) == {"c1", "c2", "c3"}
+    (age, n, cached), = work["c1"].prefills
+    assert 0 <= age < 5 and n == 400 and cached == 400  # never more cached than the prompt
+    assert [(n, ctx) for _, n, ctx in work["c2"].decodes] == [(30, 33)] and work["c2"].incoming == [12]
+    assert work["c3"].incoming == [7, 8] and not work["c3"].prefills
+    book.let_go("p")
+    assert "c1" not in book.report({}) and len(book) == 1
 
 
 def test_record_matches_the_leading_run_of_cached_keys():
@@ -219,3 +270,21 @@ def test_the_conductor_drops_idle_connections_before_an_instance_would():
 
     server_idle_close = min(uvicorn.Config(app=None).timeout_keep_alive, FrontDoor().header_timeout_s)
     assert KEEPALIVE_EXPIRY_S <= server_idle_close / 2, (KEEPALIVE_EXPIRY_S, server_idle_close)
+
+
+def test_the_ttft_correction_learns_how_much_slower_prefills_run_live():
+    corr = TTFTCorrection(weight=0.5)
+    for _ in range(30):  # every first token 1.5x later than predicted with the factor then
+        f = corr.factor
+        corr.observe(0.4 * f, 0.6, f)
+    assert corr.factor == pytest.approx(1.5, rel=1e-3)
+    corr.observe(0.01, 5.0, corr.factor)  # a tiny prompt's TTFT is fixed costs: it says nothing
+    assert corr.factor == pytest.approx(1.5, rel=1e-3)
+    for _ in range(30):
+        corr.observe(0.1, 100.0, corr.factor)  # a stalled cluster: bounded
+    assert corr.factor == TTFTCorrection.BOUNDS[1]
+    # Placement predicts with it: the same queue, 4x the prefill seconds.
+    placed = [Placer(PlacementConfig(admission="none"), PrefillCostModel(0.0, 0.0, 1e-3), None, 16, 64,
+                     prefill_factor=f).place(0.0, RequestInfo(0, 400, []), [PrefillInstanceState(0, 0.0, InstanceRecord("http://p"))], [0])
+              for f in (1.0, corr.factor)]
+    assert placed[1].plan.prefill_s == pytest.approx(4 * placed[0].plan.prefill_s)

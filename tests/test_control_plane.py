@@ -30,12 +30,14 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 import cluster.pool.config as pool_config
+from bench.harness import until
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.registry import Registry
 from cluster.kv_stream import KVDestination
 from cluster.instance.epochs import Epochs
 from cluster.instance.routes import InstanceRoutes
 from cluster.instance.roles import RoleState
+from cluster.instance.work import WorkBook
 from cluster.messenger import RegionHandle
 from cluster.protocol import (
     CONTROL,
@@ -618,7 +620,8 @@ def test_a_prefill_whose_caller_hangs_up_is_cancelled_at_once():
                               receiver=SimpleNamespace(observe=lambda fence, confirmed: asyncio.sleep(0)),
                               epochs=Epochs(None, b"k" * 32),
                               config=SimpleNamespace(secret=SECRET, url=url, role="prefill"),
-                              role="prefill", roles=RoleState("prefill"))
+                              role="prefill", roles=RoleState("prefill"), work=WorkBook(),
+                              cached_tokens=lambda token_ids: 0)
     with serve_in_thread(Starlette(routes=InstanceRoutes(service).routes()), sock=sock):
         dest = KVDestination("127.0.0.1:1", RegionHandle("e", "127.0.0.1:1", 0, 1 << 20), 0, 0, 1).to_dict()
         body = PrefillRequest("p1", [1, 2, 3], SamplingParams(max_tokens=1), dest).to_dict()
@@ -627,3 +630,4 @@ def test_a_prefill_whose_caller_hangs_up_is_cancelled_at_once():
                 http.post(url + "/instance/prefill", json=body, timeout=httpx.Timeout(10, read=1.0))
         assert started.is_set()
         assert cancelled.wait(5), "the prefill went on after its caller hung up"
+        until(lambda: not len(service.work), 5, "the prefill to leave the instance's work")

@@ -235,3 +235,22 @@ def test_no_flapping_around_a_balanced_split():
         # back waits a dwell at least.
         assert min(reversal_gaps(run_loop(eager, CLOSE, seed=seed))) == 1
         assert all(gap >= dwell for gap in reversal_gaps(run_loop(POLICY, CLOSE, seed=seed)))
+
+
+def test_an_empty_role_is_refilled_first_whatever_the_dwell_and_the_arrivals():
+    """Issue 41: a role left with no instance (its last one died, or two deciders emptied it)
+    takes the other role's least loaded one at the next decision, with nothing arrived and every
+    instance inside its dwell; a role that has only its minimum gives none."""
+    settled = {i: NOW for i in range(8)}  # every instance took its role just now
+    to_decode = POLICY.decide(view(3, 0, ttft_=[], tbt_=[], changed_at=settled))
+    assert to_decode.to_role is Role.DECODE and to_decode.instance == 2  # the shortest queue (1 s)
+    busy = [decode(3, joined=[NOW - 1.0]), decode(4, joined=[NOW - 15.0])]  # drained in 19 s and 5 s
+    v = RoleView(now=NOW, prefill=[], decode=busy, ttft=[], tbt=[], changed_at=settled)
+    to_prefill = POLICY.decide(v)
+    assert to_prefill.to_role is Role.PREFILL and to_prefill.instance == 4
+    assert to_prefill.transit_s == pytest.approx(5.0 + CONFIG.switch_cost_s)
+    assert POLICY.decide(view(1, 0, ttft_=[], tbt_=[])) is None  # one prefill instance: its minimum
+    assert POLICY.decide(view(3, 0, ttft_=[], tbt_=[], switching=True)) is None  # one switch at a time
+    two = ElasticRolePolicy(replace(CONFIG, min_per_role=2), SLO_, STEP)
+    assert two.decide(view(3, 1, ttft_=[], tbt_=[])).to_role is Role.DECODE  # prefill keeps its 2
+    assert two.decide(view(2, 1, ttft_=[], tbt_=[])) is None  # prefill has only its minimum

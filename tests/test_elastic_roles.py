@@ -10,13 +10,15 @@ the first switch to prefill; a drain that outlasts its deadline gives up); the C
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from cluster.conductor.elastic import ElasticRoles, StepSlowdown
+from cluster.conductor.elastic import DeciderLease, ElasticRoles, StepSlowdown
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.registry import Registry
 from cluster.conductor.supervisor import free_port
@@ -24,6 +26,7 @@ from cluster.instance.calibration import CACHE_ENV
 from cluster.instance.roles import RoleState, Work
 from cluster.instance.service import InstanceConfig, InstanceService
 from cluster.policies.cost_model import DecodeStepModel
+from cluster.pool.metadata.local import LocalMetadata
 from cluster.policies.early_rejection import SLO
 from cluster.policies.elastic_roles import ElasticConfig, TBTPrediction, TTFTPrediction
 from cluster.protocol import BadRequest, CacheDelta, Fence, InstanceBusy, InstanceState, NoKVRoom, SwitchRoleReply, WrongEpoch
@@ -227,6 +230,78 @@ def test_the_conductor_moves_the_instance_the_policy_names_and_keeps_it_out_of_p
                                       "decode_step_slowdown": 1.0}
 
     asyncio.run(run())
+
+
+class _Paused:
+    """A process's view of a shared store that stops answering while ``paused`` (SIGSTOP, a long
+    GC): its calls hang until it is resumed."""
+
+    def __init__(self, store: LocalMetadata) -> None:
+        self.store, self.resumed = store, threading.Event()
+        self.resumed.set()
+
+    def __getattr__(self, name: str):
+        call = getattr(self.store, name)
+
+        def paused_call(*args, **kwargs):
+            self.resumed.wait()
+            return call(*args, **kwargs)
+        return paused_call
+
+
+def test_one_of_two_conductors_decides_and_the_other_takes_over_only_after_the_first_stopped() -> None:
+    """Issue 41 item 4: two Conductors with elastic roles on one store; exactly one decides; when
+    it is paused past its lease the other takes over, and at no moment do both decide. The
+    paused one, back, sees its key gone and stays out; a decider that is not deciding switches
+    nothing."""
+    store, ttl = LocalMetadata(), 0.6
+    a_view = _Paused(store)
+    pool = ThreadPoolExecutor(4)
+    a, b = DeciderLease(a_view, "a", pool, ttl), DeciderLease(store, "b", pool, ttl)
+    both: list[float] = []
+
+    async def run() -> None:
+        tasks = [asyncio.create_task(a.run_forever())]
+        await asyncio.sleep(0.1)  # a asks first
+        tasks.append(asyncio.create_task(b.run_forever()))
+
+        async def watch(seconds: float) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                if a.decides() and b.decides():
+                    both.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        await watch(1.0)
+        assert a.decides() and not b.decides() and b.holder() == "a"
+        a_view.resumed.clear()  # a stops: its keepalives hang
+        await watch(3 * ttl)  # its lease runs out in the store within one TTL: b asks every third
+        assert not a.decides() and b.decides()
+        a_view.resumed.set()
+        await watch(3 * ttl)
+        assert not a.decides() and b.decides() and a.holder() == "b"
+        # Not deciding, a's elastic roles start no switch however the view looks.
+        registry = Registry(client=None)
+        for k, role in enumerate(["prefill", "prefill", "prefill"]):
+            rec = registry.add(f"http://p{k}:1")
+            rec.up, rec.role = True, role
+        config = ElasticConfig(interval_s=1.0, horizon_s=100.0, min_dwell_s=0.0, switch_cost_s=1.0, decode_time_s=5.0)
+        step = DecodeStepModel(0.01, 0.002, 1e-5, 4096)
+        spawned = []
+        for lease, expect in ((a, 0), (b, 1)):
+            elastic = ElasticRoles(config, SLO(5.0, 0.08), 5.0, None, registry, Ledger(), lambda: step,
+                                   lambda coro: spawned.append(coro.close()) or None, lease)
+            elastic.decide_once()  # no decode instance at all: the decider refills the role
+            assert len(spawned) == expect and sum(r.moving_to == "decode" for r in registry.records) == expect
+        for t in tasks:
+            t.cancel()
+
+    try:
+        asyncio.run(run())
+    finally:
+        a.close(), b.close()
+        pool.shutdown(wait=False)
+    assert not both, "two Conductors decided at once"
 
 
 def _counted(rec, steps: int, seconds: float, seqs: int, context: int) -> None:

@@ -19,7 +19,8 @@ from cluster.instance.routes import _as_protocol_error
 from cluster.messenger import TransferError
 from cluster.policies.cost_model import InstanceProfile, PrefillCostModel
 from cluster.protocol import (
-    CONTROL, ERRORS, INSTANCE, Fence, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, CacheDelta, ControlAuth,
+    CONTROL, ERRORS, INSTANCE, Fence, AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, CacheDelta,
+    ConductorWork, ControlAuth,
     GenerateRequest, InstanceBusy, InstanceFailed, InstanceInfo, InstanceNotReady, InstanceState, InstanceUnavailable,
     KVWriteFailed, NoKVRoom, PoolNaming, Prefilled, PrefillReply, PrefillRequest, PrefixNotCached, PushReply,
     PushRequest, RegisterReply, RegisterRequest, RenewReply, RenewRequest, RequestError, RequestFailed, ReserveReply,
@@ -45,7 +46,8 @@ SPEC = StageSpec({"model": "m", "stage": [0, 2]}, 1024, 2048, 3.0, [4, 8192])
 INFO = InstanceInfo("i1", "prefill", 7, 4096, {"block_size": 16}, {"prefill": {"c_0": 0.1}}, PoolNaming("ns", 4),
                     "0f" * 16, "float32", "int4")
 STATE = InstanceState("i1", CacheDelta(3, [b"\x01\x02", b"k"]), {"num_running": 1, "role": "prefill",
-                                                                  "pool_client": {"reads": 2}})
+                                                                  "pool_client": {"reads": 2}},
+                      {"c2": ConductorWork([(0.5, 400, 16)], [(2.0, 30, 45)], [12])})
 SLOT = TensorSlot([2, 3], "bfloat16", 64)
 
 MESSAGES = [
@@ -241,7 +243,9 @@ def test_the_client_sends_the_messages_the_instance_reads():
 
 def test_a_state_travels_flat_as_an_instances_stats_and_each_stage_call_names_its_op():
     assert STATE.to_dict() == {"instance_id": "i1", "num_running": 1, "role": "prefill", "pool_client": {"reads": 2},
-                               "cache_version": 3, "cached_keys": ["0102", "6b"]}
+                               "cache_version": 3, "cached_keys": ["0102", "6b"],
+                               "work": {"c2": {"prefills": [[0.5, 400, 16]], "decodes": [[2.0, 30, 45]],
+                                               "incoming": [12]}}}
     assert CacheDelta(4).to_dict() == {"cache_version": 4, "cached_added": [], "cached_removed": []}
     calls = [m for m in MESSAGES if hasattr(m, "OP")]
     assert len({m.OP for m in calls}) == 9 and all(m.to_dict()["op"] == m.OP for m in calls)
@@ -263,11 +267,19 @@ def test_the_polls_answer_typed_and_a_malformed_answer_is_the_instances_fault():
             answers["/instance/state"] = {"instance_id": "i1", "num_running": 1}
             with pytest.raises(InstanceFailed, match="cache_version"):
                 await client.state("http://i", None, 1.0)
+            # The load it reports of each Conductor's work is read typed too: a negative age or
+            # count is the instance's fault, never a load taken as it is.
+            for bad in ({"c2": {"prefills": [[-1.0, 400, 0]], "decodes": [], "incoming": []}},
+                        {"c2": {"prefills": [], "decodes": [[1.0, 30]], "incoming": []}},
+                        {"c2": {"prefills": [], "decodes": [], "incoming": [-3]}}, {"c2": []}):
+                answers["/instance/state"] = {**STATE.to_dict(), "work": bad}
+                with pytest.raises(InstanceFailed, match="prefills|decodes|incoming|JSON object"):
+                    await client.state("http://i", None, 1.0)
         finally:
             await client.close()
 
     asyncio.run(call())
-    assert since == [None, "3", None]
+    assert since == [None, "3", None, None, None, None, None]
 
 
 def test_registration_answers_a_register_reply_and_a_malformed_body_400():

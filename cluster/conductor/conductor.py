@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +40,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cluster.conductor.client import InstanceClient, InstanceUnavailable
-from cluster.conductor.elastic import ElasticRoles
+from cluster.conductor.elastic import DeciderLease, ElasticRoles
 from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
 from cluster.conductor.ledger import Ledger
-from cluster.conductor.placement import Placement, PlacementConfig, Placer
+from cluster.conductor.placement import Placement, PlacementConfig, Placer, TTFTCorrection
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.pool.metadata.membership import LeasedKey, list_instances
 from cluster.policies.cost_model import DecodeStepModel, InstanceProfile
@@ -137,7 +138,8 @@ class Conductor(EngineClient):
         # Instances registering sign with the instances' key, not the Conductors' (a call signed
         # with the one is refused where the other is expected).
         self._verifier = ControlVerifier(derive_key(config.secret, INSTANCE))
-        self.ledger = Ledger()
+        self.ledger = Ledger(self.fence.conductor)
+        self.ttft_correction = TTFTCorrection()
         self.registry = Registry(self.client, config.poll_interval_s, config.poll_timeout_s,
                                  on_new_incarnation=self.ledger.forget)
         for url in config.instances:
@@ -168,8 +170,11 @@ class Conductor(EngineClient):
         self.elastic: ElasticRoles | None = None
         if config.elastic is not None:
             slo = SLO(config.placement.slo_ttft_s, config.placement.slo_tbt_s)
+            # With the membership in etcd other Conductors may front the same instances: one
+            # decides switches for all of them (``DeciderLease``).
+            decider = DeciderLease(members, self.fence.conductor, self._pool_threads) if members is not None else None
             self.elastic = ElasticRoles(config.elastic, slo, config.elastic_drain_s, self.client, self.registry,
-                                        self.ledger, self._decode_model, self._spawn)
+                                        self.ledger, self._decode_model, self._spawn, decider)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -181,6 +186,8 @@ class Conductor(EngineClient):
                 self._tasks.append(asyncio.create_task(self._watch_members()))
             if self.elastic is not None:
                 self._tasks.append(asyncio.create_task(self.elastic.run_forever()))
+                if self.elastic.decider is not None:
+                    self._tasks.append(asyncio.create_task(self.elastic.decider.run_forever()))
             self.registry.start()
 
     async def _load_tokenizer(self) -> None:
@@ -198,6 +205,9 @@ class Conductor(EngineClient):
     async def shutdown(self) -> None:
         for task in self._tasks + list(self._background):
             task.cancel()
+        if self.elastic is not None and self.elastic.decider is not None:
+            # Revoked now (a store call, off the loop): another Conductor decides from its next ask.
+            await asyncio.get_running_loop().run_in_executor(self._pool_threads, self.elastic.decider.close)
         await self.registry.close()
         await self.client.close()
         self._pool_threads.shutdown(wait=False, cancel_futures=True)
@@ -417,8 +427,7 @@ class Conductor(EngineClient):
             attempt = _Attempt(request_id, ids, tuple(streamed), params, moves, number)
             number += 1
             try:
-                outs = self._serve(attempt)
-                async with _closing(outs):
+                async with aclosing(self._serve(attempt)) as outs:
                     async for out in outs:
                         streamed.extend(out.new_token_ids)
                         yield attempt.as_seen_by_client(out)
@@ -482,8 +491,16 @@ class Conductor(EngineClient):
             booking.add(prefill, "prefilling", request_id, (now, placement.plan.prefill_s))
             stream = self.flow.colocated(request_id, ids, params, booking, prefill)
         self._max_running_seen = max(self._max_running_seen, self.ledger.total_running() + 1)
-        async with _closing(stream):
+        # A first token placed afresh says how long prefills take live (a moved request's
+        # prompt is the one before plus what streamed: its TTFT is not the plan's).
+        timed = placement.local is None and attempt.moves == 0
+        factor_then = self.ttft_correction.factor
+        async with aclosing(stream):
             async for out in stream:
+                if timed:
+                    self.ttft_correction.observe(placement.plan.ttft_s, time.monotonic() - now, factor_then)
+                    self.ledger.prefill_factor = self.ttft_correction.factor
+                    timed = False
                 yield out
 
     def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord],
@@ -493,16 +510,16 @@ class Conductor(EngineClient):
         profile = self._decode_profile() if decodes else None
         placer = Placer(self.config.placement, ref.profile.prefill, None if profile is None else profile.decode,
                         layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids),
-                        pool=self._pool is not None, decode_prefill=None if profile is None else profile.prefill)
+                        pool=self._pool is not None, decode_prefill=None if profile is None else profile.prefill,
+                        prefill_factor=self.ttft_correction.factor)
         # As the engines' prefix cache: at most len-1 tokens can hit (the last is always computed).
         keys = chain_keys(ids[: (len(ids) - 1) // layout.block_size * layout.block_size], layout.block_size)
         info = RequestInfo(next(self._ids), len(ids), keys, min(pool_blocks, len(keys)))
         now = time.monotonic()
-        loads = [self.ledger.load(r) for r in prefills]
-        decode_states = [self.ledger.load(r).decode_state(i, now, r) for i, r in enumerate(decodes)]
+        decode_states = [self.ledger.decode_state(r, i, now) for i, r in enumerate(decodes)]
         result = placer.place(
-            now, info, [load.prefill_state(i, now, r) for i, (r, load) in enumerate(zip(prefills, loads))],
-            [len(load.prefilling) for load in loads], decode_states, admit=admit)
+            now, info, [self.ledger.prefill_state(r, i, now) for i, r in enumerate(prefills)],
+            [self.ledger.queued(r) for r in prefills], decode_states, admit=admit)
         placed = isinstance(result, Placement)
         if self.elastic is not None and decodes and admit:  # arrivals only: a move was counted once
             self.elastic.on_placed(now, len(ids), result.plan, ref.profile.prefill, prefills,
@@ -555,6 +572,7 @@ class Conductor(EngineClient):
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,
             "local_prefills": c.local_prefills,
+            "ttft_prediction_factor": round(self.ttft_correction.factor, 3),
             "moved_requests_waiting_for_room": c.moved_waits,
             "migrations": c.migrations, "migrated_blocks": c.migrated_blocks,
             "max_num_running_seen": max(self._max_running_seen, totals.get("max_num_running_seen", 0)),
@@ -611,17 +629,3 @@ class _Attempt:
         return dataclasses.replace(out, request_id=self.client_request_id, num_prompt_tokens=len(self.client_prompt),
                                    num_output_tokens=len(self.streamed) + out.num_output_tokens,
                                    num_cached_tokens=min(out.num_cached_tokens, len(self.client_prompt)))
-
-
-class _closing:
-    """``async with`` that closes an async generator on every exit (so its ``finally`` runs
-    now, not when the garbage collector finds it)."""
-
-    def __init__(self, gen: AsyncIterator[RequestOutput]) -> None:
-        self._gen = gen
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._gen.aclose()

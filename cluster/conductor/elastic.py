@@ -25,6 +25,13 @@ an idle instance; live, instances share cores (three single-thread instances on 
 bench.disagg's elastic deployment), and with the idle model the policy saw no TBT miss coming
 while the real steps broke the SLO.
 
+Several Conductors (issue 41): one decides for the cluster. With etcd, each Conductor with
+elastic roles asks for the decider key (``DeciderLease``, ``membership.hold_decider``) and
+decides only while it surely holds it; the others place as usual and see the switches through
+their polls (a draining instance is out of everyone's placement). The minimum per role then holds
+cluster-wide, and a role left empty is refilled (``ElasticRolePolicy.refill``). Without etcd a
+Conductor is alone, and decides.
+
 Invariants: at most one switch in flight (the policy's, and ``_switching``); an instance is out
 of placement from the decision until it serves the new role or the switch is given up on; the
 policy sees instances by a number stable for the record's life (``_number``), so the dwell
@@ -38,11 +45,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.registry import InstanceRecord, Registry
+from cluster.pool.metadata import MetadataStore
+from cluster.pool.metadata.membership import DEFAULT_TTL_S, LeasedKey, decider, hold_decider
 from cluster.policies.cost_model import DecodeStepModel, PrefillTime
 from cluster.policies.early_rejection import SLO
 from cluster.policies.elastic_roles import (ElasticConfig, ElasticRolePolicy, PredictionLog, Role, RoleView,
@@ -91,17 +101,72 @@ class StepSlowdown:
         return self.factor
 
 
+class DeciderLease:
+    """Whether this Conductor is the cluster's elastic-roles decider (``decides``). Alone (no
+    membership store) it always is; with etcd, while it holds the decider key within its lease
+    (``LeasedKey.held``). ``run_forever`` asks for the key while another holds it, each store
+    call on ``executor`` and bounded by ``ttl_s``."""
+
+    def __init__(self, store: MetadataStore | None, conductor_id: str, executor: Executor,
+                 ttl_s: float = DEFAULT_TTL_S) -> None:
+        self._store, self._id, self._executor, self.ttl_s = store, conductor_id, executor, ttl_s
+        self._key: LeasedKey | None = None
+        self._seen: str | None = None  # the Conductor that decides, as last read (when not this one)
+        self.error: str | None = None  # why the last ask failed (the store did not answer)
+
+    def decides(self) -> bool:
+        return self._store is None or (self._key is not None and self._key.held)
+
+    def holder(self) -> str | None:
+        """Who decides, as this Conductor last saw it (itself when it does)."""
+        return self._id if self.decides() else self._seen
+
+    async def run_forever(self) -> None:
+        if self._store is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        async def ask(call: Callable[..., Any], *args: Any) -> Any:
+            return await asyncio.wait_for(loop.run_in_executor(self._executor, call, self._store, *args), self.ttl_s)
+
+        while True:
+            try:
+                if self._key is not None and self._key.lost.is_set():
+                    log.warning("elastic roles: another Conductor took the decider key")
+                    self._key = None
+                if self._key is None:
+                    self._key = await ask(hold_decider, self._id, self.ttl_s)
+                    if self._key is not None:
+                        log.info("elastic roles: this Conductor decides role switches for the cluster")
+                if not self.decides():
+                    self._seen = await ask(decider)
+                self.error = None
+            except Exception as e:  # noqa: BLE001 -- asked again next round; no key, no decisions
+                self.error = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(self.ttl_s / 3)
+
+    def close(self) -> None:
+        """Give the key up now (another Conductor takes over at its next ask)."""
+        if self._key is not None:
+            self._key.close()
+            self._key = None
+
+
 class ElasticRoles:
     def __init__(self, config: ElasticConfig, slo: SLO, drain_s: float, client: InstanceClient,
                  registry: Registry, ledger: Ledger, decode_model: Callable[[], DecodeStepModel | None],
-                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task],
+                 decider: DeciderLease | None = None) -> None:
         """``decode_model``: the calibrated decode step model the Conductor places with now
-        (None while no instance has one); ``spawn``: runs a switch as a task of the Conductor's."""
+        (None while no instance has one); ``spawn``: runs a switch as a task of the Conductor's;
+        ``decider``: whether this Conductor decides (None: alone, it always does)."""
         if not drain_s > 0:
             raise ValueError(f"drain_s must be positive, got {drain_s}")
         self.config, self.slo, self.drain_s = config, slo, drain_s
         self._client, self._registry, self._ledger = client, registry, ledger
         self._decode_model, self._spawn = decode_model, spawn
+        self.decider = decider
+        self._step: DecodeStepModel | None = None  # the last model seen: a role left empty may have taken it
         self.log = PredictionLog(config.horizon_s)
         self.switches = 0
         self.given_up = 0
@@ -141,18 +206,20 @@ class ElasticRoles:
                 log.exception("elastic roles: the decision failed")
 
     def decide_once(self) -> None:
-        """Ask the policy once; start the switch it answers, if any."""
-        step = self._decode_model()
+        """Ask the policy once, if this Conductor decides; start the switch it answers, if any."""
+        if self.decider is not None and not self.decider.decides():
+            return
+        step = self._step = self._decode_model() or self._step
         prefills, decodes = self._registry.up("prefill"), self._registry.up("decode")
-        if step is None or not prefills or not decodes:
+        if step is None or not prefills + decodes:
             return
         now = time.monotonic()
         ttft, tbt = self.log.window(now)
         by_number = {self._number(r): r for r in prefills + decodes}
         view = RoleView(
             now=now,
-            prefill=[self._ledger.load(r).prefill_state(self._number(r), now, r) for r in prefills],
-            decode=[self._ledger.load(r).decode_state(self._number(r), now, r) for r in decodes],
+            prefill=[self._ledger.prefill_state(r, self._number(r), now) for r in prefills],
+            decode=[self._ledger.decode_state(r, self._number(r), now) for r in decodes],
             ttft=ttft, tbt=tbt, switching=self._switching is not None, changed_at=self._changed_at)
         live = step.scaled(self.slowdown.update(step, decodes))
         switch = ElasticRolePolicy(self.config, self.slo, live).decide(view)
@@ -199,7 +266,10 @@ class ElasticRoles:
     def describe(self) -> dict[str, Any]:
         return {"role_switches": self.switches, "role_switches_given_up": self.given_up,
                 "role_switching": None if self._switching is None else self._switching.url,
-                "decode_step_slowdown": round(self.slowdown.factor, 3)}
+                "decode_step_slowdown": round(self.slowdown.factor, 3),
+                **({} if self.decider is None else {
+                    "role_decider": self.decider.holder(), "role_deciding": self.decider.decides(),
+                    **({"role_decider_error": self.decider.error} if self.decider.error else {})})}
 
 
 def _given_up(rec: InstanceRecord) -> int:

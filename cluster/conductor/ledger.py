@@ -8,12 +8,18 @@ reservations it holds there (which it renews, ``reservations``). A queue length 
 idle: so a placement is booked in the same synchronous step that decided it (``Booking``), and
 every entry a booking made is undone by ``Booking.close`` on whatever path the request leaves.
 From the ledger come the snapshots the policies read (``cluster/policies/snapshot.py``).
+
+Other Conductors may front the same instances (issue 41). Their requests are not in this ledger,
+but every poll answer says what each Conductor's requests make the instance do
+(``InstanceState.work``): the snapshots add the others' part of it (``Others``) to this
+Conductor's own exact bookings, so N Conductors neither admit N times what an instance can take
+nor predict 1/N of its queue. The others' part is as old as the last poll (``poll_interval_s``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from cluster.conductor.registry import InstanceRecord
 from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState
@@ -26,6 +32,20 @@ class RunningDecode:
     generated: int = 1  # the first token came from the prefill
 
 
+@dataclass(frozen=True)
+class Others:
+    """The other Conductors' work on one instance as it last reported it, in this Conductor's
+    clock: prefills as (start, predicted s), decodes as (start, prompt, context now), and the
+    prompts of their reservations whose KV is on its way."""
+
+    prefills: Sequence[tuple[float, float]] = ()
+    decodes: Sequence[tuple[float, int, int]] = ()
+    incoming: Sequence[int] = ()
+
+
+NOBODY = Others()
+
+
 @dataclass
 class InstanceLoad:
     prefilling: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> (start, predicted s)
@@ -33,30 +53,39 @@ class InstanceLoad:
     incoming: dict[str, tuple[float, int]] = field(default_factory=dict)  # id -> (predicted arrival, prompt)
     reserved: dict[str, bool] = field(default_factory=dict)  # reservation id -> no KV write can be in flight
 
-    def prefill_queue_s(self, now: float) -> float:
+    def prefill_queue_s(self, now: float, others: Others = NOBODY) -> float:
         """Predicted prefill seconds left of what is placed here (on a decode instance: the
-        prompts it prefills itself)."""
+        prompts it prefills itself), the other Conductors' prefills included."""
         # Queued work drains in order; the oldest request has been running for a while already.
-        queue = sum(predicted for _, predicted in self.prefilling.values())
-        if self.prefilling:
-            oldest_start, oldest = min(self.prefilling.values())
+        queued = [*self.prefilling.values(), *others.prefills]
+        queue = sum(predicted for _, predicted in queued)
+        if queued:
+            oldest_start, oldest = min(queued)
             queue -= min(oldest, max(now - oldest_start, 0.0))
         return max(queue, 0.0)
 
-    def prefill_state(self, index: int, now: float, rec: InstanceRecord) -> PrefillInstanceState:
-        return PrefillInstanceState(index, self.prefill_queue_s(now), rec)
+    def queued(self, others: Others = NOBODY) -> int:
+        """Requests waiting for or in their prefill here, every Conductor's."""
+        return len(self.prefilling) + len(others.prefills)
 
-    def decode_state(self, index: int, now: float, rec: InstanceRecord | None = None) -> DecodeInstanceState:
-        running = list(self.running.values())
-        incoming = list(self.incoming.values())
+    def prefill_state(self, index: int, now: float, rec: InstanceRecord, others: Others = NOBODY
+                      ) -> PrefillInstanceState:
+        return PrefillInstanceState(index, self.prefill_queue_s(now, others), rec)
+
+    def decode_state(self, index: int, now: float, rec: InstanceRecord | None = None, others: Others = NOBODY
+                     ) -> DecodeInstanceState:
+        running = [(r.start_s, r.prompt_tokens, r.prompt_tokens + r.generated) for r in self.running.values()]
+        running += others.decodes
+        # The others' KV on its way: when it lands is theirs to predict; taken as landing now.
+        incoming = [*self.incoming.values(), *((now, n) for n in others.incoming)]
         return DecodeInstanceState(
             index=index,
-            running_start_s=[r.start_s for r in running],
-            running_prompt=[r.prompt_tokens for r in running],
-            context_tokens=sum(r.prompt_tokens + r.generated for r in running),
+            running_start_s=[start for start, _, _ in running],
+            running_prompt=[prompt for _, prompt, _ in running],
+            context_tokens=sum(context for _, _, context in running),
             incoming_ready_s=[t for t, _ in incoming],
             incoming_prompt=[n for _, n in incoming],
-            local_prefill_s=self.prefill_queue_s(now),
+            local_prefill_s=self.prefill_queue_s(now, others),
             cache=rec,
         )
 
@@ -66,7 +95,12 @@ class InstanceLoad:
 
 
 class Ledger:
-    def __init__(self) -> None:
+    def __init__(self, own: str = "") -> None:
+        """``own``: this Conductor's id, whose work in the instances' reports is the ledger's own."""
+        self.own = own
+        # How much longer prefills take live than calibrated (the Conductor's ``TTFTCorrection``):
+        # the others' reported prompts are predicted as this Conductor's own are.
+        self.prefill_factor = 1.0
         self._loads: dict[InstanceRecord, InstanceLoad] = {}
 
     def load(self, rec: InstanceRecord) -> InstanceLoad:
@@ -74,6 +108,34 @@ class Ledger:
         if load is None:
             load = self._loads[rec] = InstanceLoad()
         return load
+
+    def others(self, rec: InstanceRecord) -> Others:
+        """What ``rec`` last reported of the other Conductors' work on it."""
+        state, profile = rec.state, rec.profile
+        if state is None or not state.work or profile is None:
+            return NOBODY
+        at = rec.state_at
+        prefills, decodes, incoming = [], [], []
+        for conductor, work in state.work.items():
+            if conductor == self.own:
+                continue
+            prefills += [(at - age, profile.prefill.seconds(n, cached) * self.prefill_factor)
+                         for age, n, cached in work.prefills]
+            decodes += [(at - age, prompt, context) for age, prompt, context in work.decodes]
+            incoming += work.incoming
+        return Others(prefills, decodes, incoming)
+
+    def prefill_state(self, rec: InstanceRecord, index: int, now: float) -> PrefillInstanceState:
+        """``rec`` as the prefill scheduler sees it: every Conductor's queue there."""
+        return self.load(rec).prefill_state(index, now, rec, self.others(rec))
+
+    def decode_state(self, rec: InstanceRecord, index: int, now: float) -> DecodeInstanceState:
+        """``rec`` as the decode balancer and admission see it: every Conductor's batch there."""
+        return self.load(rec).decode_state(index, now, rec, self.others(rec))
+
+    def queued(self, rec: InstanceRecord) -> int:
+        """Requests waiting for or in their prefill on ``rec``, every Conductor's."""
+        return self.load(rec).queued(self.others(rec))
 
     def forget(self, rec: InstanceRecord) -> None:
         """A new incarnation of ``rec``: whatever the old one was doing is gone."""

@@ -8,15 +8,29 @@ and with ``local_prefill`` (``cluster/policies/local_prefill.py``) the request m
 decode instance instead: the same functions the simulator calls. On top of them one bound the paper leaves implicit: at most
 ``max_queued_prefills`` requests wait on one prefill instance; beyond it a request is refused
 (it would only hold decode KV idle while it waits).
+
+Admission is on by default (issue 41): prediction-based early rejection against the operator's
+SLOs, or, where none are set, against each request's default ones (``default_slo``: 10x its
+TTFT and 5x its TBT alone on an idle cluster, with floors), so an overloaded cluster refuses early
+what it could not serve in reasonable time instead of letting every TTFT grow. The queue bound
+stays as a backstop.
+
+The prefill cost model was calibrated on an idle instance; live, instances share cores with each
+other and with the Conductors, and first tokens take longer than it predicts (issue 41: admitted
+requests met the TTFT SLO 4% of the time at 4x overload). ``TTFTCorrection`` learns how much
+longer from every request's predicted and actual TTFT, and placement predicts with the model
+scaled by it (``ScaledPrefill``); default SLOs stay those of the calibrated, idle model.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.policies.early_rejection import SLO, AcceptAll, AdmissionPolicy, EarlyRejection, PredictiveEarlyRejection
-from cluster.policies.cost_model import DecodeStepModel, PrefillTime, TransferModel
+from cluster.policies.early_rejection import (SLO, AcceptAll, AdmissionPolicy, EarlyRejection, PredictiveEarlyRejection,
+                                              default_slo)
+from cluster.policies.cost_model import DecodeStepModel, PrefillTime, ScaledPrefill, TransferModel
 from cluster.policies.local_prefill import LocalPlan, LocalPrefill
 from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState, RequestInfo
 from cluster.policies.scheduling import (
@@ -38,7 +52,8 @@ ADMISSIONS = ("none", "early", "predictive")
 class PlacementConfig:
     scheduler: str = "global"
     kvcache_balancing_threshold: float = 2.0
-    admission: str = "none"
+    admission: str = "predictive"
+    # Both or neither: None, each request's ``default_slo`` (what the admission policy holds it to).
     slo_ttft_s: float | None = None
     slo_tbt_s: float | None = None
     predicted_decode_s: float = 5.0  # t_d of prediction-based early rejection
@@ -54,8 +69,8 @@ class PlacementConfig:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        if self.admission != "none" and (self.slo_ttft_s is None or self.slo_tbt_s is None):
-            raise ValueError(f"admission {self.admission!r} needs both SLOs (TTFT and TBT seconds)")
+        if (self.slo_ttft_s is None) != (self.slo_tbt_s is None):
+            raise ValueError("give both SLOs (TTFT and TBT seconds) or neither (each request's default SLOs)")
         if self.kvcache_balancing_threshold < 1:
             raise ValueError("kvcache_balancing_threshold must be >= 1")
         for name in ("predicted_decode_s", "transfer_bytes_per_s"):
@@ -68,6 +83,31 @@ class PlacementConfig:
                              "instance only where both hold")
         if self.local_prefill_chunk_tokens < 1:
             raise ValueError("local_prefill_chunk_tokens must be >= 1")
+
+
+class TTFTCorrection:
+    """How many times longer first tokens take live than the calibrated model predicts
+    (``factor``, starting at 1). ``observe`` takes one request's predicted TTFT (made with the
+    factor then, ``factor_then``) and the TTFT it had; the factor moves a ``weight`` of the way
+    (in log space) toward what that request says, within ``BOUNDS``. Requests predicted under
+    ``MIN_PREDICTED_S`` say nothing: their TTFT is the fixed costs around the prefill (HTTP,
+    the KV transfer), which the ratio would blow up."""
+
+    MIN_PREDICTED_S = 0.05
+    BOUNDS = (0.5, 4.0)
+
+    def __init__(self, weight: float = 0.1) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.factor = 1.0
+
+    def observe(self, predicted_s: float, actual_s: float, factor_then: float) -> None:
+        if predicted_s < self.MIN_PREDICTED_S or actual_s <= 0:
+            return
+        told = factor_then * actual_s / predicted_s
+        moved = math.exp((1 - self.weight) * math.log(self.factor) + self.weight * math.log(told))
+        self.factor = min(max(moved, self.BOUNDS[0]), self.BOUNDS[1])
 
 
 @dataclass(frozen=True)
@@ -89,17 +129,19 @@ class Placer:
 
     def __init__(self, config: PlacementConfig, prefill_cost: PrefillTime, decode_step: DecodeStepModel | None,
                  block_size: int, kv_bytes_per_token: int, seed: int = 0, pool: bool = False,
-                 decode_prefill: PrefillTime | None = None) -> None:
+                 decode_prefill: PrefillTime | None = None, prefill_factor: float = 1.0) -> None:
         """``pool``: a KVCache pool serves remote prefixes (no pulls between instances);
-        ``decode_prefill``: the decode instances' prefill time (local prefill needs it)."""
+        ``decode_prefill``: the decode instances' prefill time (local prefill needs it);
+        ``prefill_factor``: how much longer prefills take live (``TTFTCorrection``)."""
         self.config = config
-        estimator = PrefillEstimator(prefill_cost, TransferModel(config.transfer_bytes_per_s, kv_bytes_per_token),
+        live = prefill_cost if prefill_factor == 1.0 else ScaledPrefill(prefill_cost, prefill_factor)
+        estimator = PrefillEstimator(live, TransferModel(config.transfer_bytes_per_s, kv_bytes_per_token),
                                      block_size=block_size)
         self.scheduler = _scheduler(config, estimator, seed, pool)
-        self.admission: AdmissionPolicy | None = None
+        self._prefill_cost = prefill_cost
+        self._decode_step = decode_step
         self.local: LocalPrefill | None = None
         if decode_step is not None:
-            self.admission = _admission(config, decode_step)
             if config.local_prefill and decode_prefill is not None:
                 self.local = LocalPrefill(decode_prefill, decode_step, SLO(config.slo_ttft_s, config.slo_tbt_s),
                                           config.local_prefill_chunk_tokens, block_size)
@@ -117,7 +159,7 @@ class Placer:
         plan = self.scheduler.select(request, open_)
         if not decodes:
             return Placement(plan, [])
-        admission = self.admission
+        admission = self.admission(request)
         balanced = DecodeLoadBalancer(admission.step).select(request, decodes)
         decision = admission.on_arrival(now, request, plan, balanced, decodes)
         if admit and not decision.accept:
@@ -131,6 +173,10 @@ class Placer:
             local = chosen if chosen.local else None
         return Placement(plan, [decodes[i].index for i in order], local)
 
+    def admission(self, request: RequestInfo) -> AdmissionPolicy:
+        """The admission policy ``request`` is judged by (with decode instances only)."""
+        return _admission(self.config, self._prefill_cost, self._decode_step, request.input_length)
+
 
 def _scheduler(config: PlacementConfig, estimator: PrefillEstimator, seed: int, pool: bool) -> PrefillScheduler:
     if config.scheduler == "random":
@@ -142,10 +188,12 @@ def _scheduler(config: PlacementConfig, estimator: PrefillEstimator, seed: int, 
     return GlobalCacheAwareScheduler(estimator, config.kvcache_balancing_threshold, pull_from_instances=not pool)
 
 
-def _admission(config: PlacementConfig, step: DecodeStepModel) -> AdmissionPolicy:
+def _admission(config: PlacementConfig, prefill: PrefillTime, step: DecodeStepModel, input_length: int
+               ) -> AdmissionPolicy:
     if config.admission == "none":
         return AcceptAll(SLO(1.0, 1.0), step)
-    slo = SLO(config.slo_ttft_s, config.slo_tbt_s)
+    slo = (default_slo(prefill, step, input_length) if config.slo_ttft_s is None
+           else SLO(config.slo_ttft_s, config.slo_tbt_s))
     if config.admission == "early":
         return EarlyRejection(slo, step)
     return PredictiveEarlyRejection(slo, step, config.predicted_decode_s)

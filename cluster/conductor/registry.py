@@ -2,8 +2,9 @@
 
 Polling (``/instance/info`` once per incarnation, ``/instance/state`` every ``poll_interval_s``)
 brings health, free blocks and the cached prefix keys, as changes since the version the registry
-last saw. Load is not polled: every request passes through the Conductor, which keeps its own
-exact record (``ledger.py``).
+last saw. A Conductor's own load on an instance is not polled: its requests pass through it, and
+it keeps an exact record of them (``ledger.py``); the poll brings what the instance reports of the
+other Conductors' requests (``InstanceState.work``), which the ledger adds.
 
 An instance that fails a poll, or that a request finds unhealthy (``InstanceUnavailable``,
 ``cluster/protocol/``; a refused request says nothing against it), is marked down and left out
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -48,6 +50,7 @@ class InstanceRecord:
     failed_to_start: bool = False  # its engine could not load: it will not come up by itself
     misfit: str | None = None  # why it does not fit the instances up (kept down), if it does not
     state: InstanceState | None = None
+    state_at: float = 0.0  # monotonic, when ``state`` was answered
     # Elastic roles (issue 32): the role the instance drains toward (its polled state), and the
     # one this Conductor decided to move it to (set before the instance knows, until it serves
     # it or gave up). Either keeps it out of placement (``Registry.up``).
@@ -171,7 +174,7 @@ class Registry:
                 self.mark_down(rec, "restarted")
                 return
             self._apply_cache(rec, state.cache)
-            rec.state = state
+            rec.state, rec.state_at = state, time.monotonic()
             if state.role is not None and state.role != rec.role:
                 log.info("instance %s serves %s now (was %s)", rec.url, state.role, rec.role)
                 rec.role = state.role

@@ -96,13 +96,14 @@ class Receiver:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
 
-    def by_conductor(self) -> dict[str, int]:
-        """Reservations held here, by the id of the Conductor that made them."""
+    def incoming(self) -> dict[str, list[int]]:
+        """The reservations held here (their KV not taken over yet), as their prompts' lengths
+        by the id of the Conductor that made them."""
         with self._lock:
-            counts: dict[str, int] = {}
+            prompts: dict[str, list[int]] = {}
             for lease in self._leases.values():
-                counts[lease.fence.conductor] = counts.get(lease.fence.conductor, 0) + 1
-            return counts
+                prompts.setdefault(lease.fence.conductor, []).append(len(lease.prompt))
+            return prompts
 
     def aborted(self, request_id: str) -> bool:
         """Whether ``request_id`` was released (aborted) lately, perhaps before this instance had

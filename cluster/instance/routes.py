@@ -61,7 +61,7 @@ from cluster.protocol import (
 from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
-    InstanceNotReady, KVWriteFailed, NoKVRoom, NotOwner, PrefillReply, PrefillRequest, ProtocolError, PushReply,
+    InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply,
     PushRequest, RenewReply, RenewRequest, RequestFailed, ReserveReply, ReserveRequest, StageJoin, StageSpecReply,
     SwitchRoleRequest, stream_line)
 from engine.disaggregation import KVCapacityError
@@ -119,8 +119,6 @@ class InstanceRoutes:
                                                audiences=[service.config.url])
         # Every answer to a control call is signed with the instances' key, bound to the call.
         self._signer = AnswerSigner(derive_key(service.config.secret, INSTANCE))
-        # The Conductor id each prefill or decode running here was started by (``_claim``).
-        self._owners: dict[str, str] = {}
 
     def _control(self, roles: tuple[str, ...] | None = None, needs_ready: bool = True,
                  max_body: int = SMALL_BODY, verifier: ControlVerifier | None = None) -> Callable[[Handler], Handler]:
@@ -201,11 +199,12 @@ class InstanceRoutes:
     async def prefill(self, request: Request) -> Response:
         r = PrefillRequest.from_dict(await _body(request))
         with self.s.roles.work(Work.PREFILL):
-            self._claim(r.request_id, _fence(request))
+            self.s.work.claim(r.request_id, _fence(request).conductor, len(r.prompt_token_ids),
+                              self.s.cached_tokens(r.prompt_token_ids))
             try:
                 return await self._prefill(request, r)
             finally:
-                self._let_go(r.request_id)
+                self.s.work.let_go(r.request_id)
 
     async def _prefill(self, request: Request, r: PrefillRequest) -> Response:
         work = asyncio.ensure_future(
@@ -227,43 +226,34 @@ class InstanceRoutes:
     async def generate(self, request: Request) -> Response:
         r = GenerateRequest.from_dict(await _body(request))
         fence = _fence(request)
+        work, rid = self.s.work, r.request_id
         if r.prefilled is None:
             # A decode instance computes the prompt itself where the Conductor chose local prefill.
-            stream = self.s.decoder.whole(r.request_id, r.prompt_token_ids, r.params)
+            stream = self.s.decoder.whole(rid, r.prompt_token_ids, r.params)
+            cached = self.s.cached_tokens(r.prompt_token_ids)
         else:
-            self.s.receiver.check_owner(r.request_id, fence)  # another Conductor's KV is not to take
-            stream = self.s.decoder.continue_decode(r.request_id, r.prefilled)
-        self._claim(r.request_id, fence)
+            self.s.receiver.check_owner(rid, fence)  # another Conductor's KV is not to take
+            stream = self.s.decoder.continue_decode(rid, r.prefilled)
+            cached = len(r.prompt_token_ids)
+        # Until ``let_go`` an abort from another Conductor is refused (``NotOwner``), and so is a
+        # second run of the id for another.
+        work.claim(rid, fence.conductor, len(r.prompt_token_ids), cached, prefilling=r.prefilled is None)
         try:
             first = await anext(stream)
         except StopAsyncIteration:
-            self._let_go(r.request_id)
+            work.let_go(rid)
             raise InstanceFailed("the engine ended the request without output") from None
         except BaseException:
-            self._let_go(r.request_id)
+            work.let_go(rid)
             raise
-        return StreamingResponse(_ndjson(first, stream, lambda: self._let_go(r.request_id)),
+        return StreamingResponse(_ndjson(first, stream, lambda out: work.decoding(rid, len(out.new_token_ids)),
+                                         lambda: work.let_go(rid)),
                                  media_type="application/x-ndjson")
-
-    def _claim(self, request_id: str, fence: Fence) -> None:
-        """A prefill or a decode of ``request_id`` runs here for the Conductor of ``fence`` until
-        ``_let_go``: an abort from another is refused (``NotOwner``), and so is a second run of
-        the id for another Conductor."""
-        self._check_runner(request_id, fence)
-        self._owners[request_id] = fence.conductor
-
-    def _check_runner(self, request_id: str, fence: Fence) -> None:
-        owner = self._owners.get(request_id)
-        if owner is not None and owner != fence.conductor:
-            raise NotOwner(f"request {request_id!r} runs for Conductor {owner!r}, not {fence.conductor!r}")
-
-    def _let_go(self, request_id: str) -> None:
-        self._owners.pop(request_id, None)
 
     async def abort(self, request: Request) -> Response:
         r = AbortRequest.from_dict(await _body(request))
         fence = _fence(request)
-        self._check_runner(r.request_id, fence)
+        self.s.work.check(r.request_id, fence.conductor)
         if self.s.receiver is not None:
             self.s.receiver.check_owner(r.request_id, fence)
         if self.s.client.is_ready:
@@ -271,7 +261,7 @@ class InstanceRoutes:
         if self.s.receiver is not None:
             await self.s.receiver.release(r.request_id, settled=r.writes_done, fence=fence)
         # A stream whose caller left before its first byte never ran its end: its owner goes here.
-        self._let_go(r.request_id)
+        self.s.work.let_go(r.request_id)
         return JSONResponse(AbortReply(r.request_id).to_dict())
 
     async def push(self, request: Request) -> Response:
@@ -356,13 +346,15 @@ def _fence(request: Request) -> Fence:
 
 
 async def _ndjson(first: RequestOutput, stream: AsyncIterator[RequestOutput],
-                  ended: Callable[[], None]) -> AsyncIterator[bytes]:
+                  sent: Callable[[RequestOutput], None], ended: Callable[[], None]) -> AsyncIterator[bytes]:
     # Leaving early (the Conductor disconnected) closes ``stream``, which aborts the request.
     try:
+        sent(first)
         yield stream_line(first)
         if first.finished:
             return
         async for out in stream:
+            sent(out)
             yield stream_line(out)
     except (EngineError, EngineNotReady, ValueError, ProtocolError) as e:
         yield stream_line(_as_protocol_error(e))

@@ -30,6 +30,7 @@ from cluster.instance.pool_io import PoolIO
 from cluster.instance.receiver import Receiver
 from cluster.instance.replication import Replicator
 from cluster.instance.roles import RoleState
+from cluster.instance.work import WorkBook
 from cluster.instance.decode import Decoder
 from cluster.instance.prefill import Prefiller
 from cluster.kv_stream import KVSender
@@ -50,6 +51,7 @@ from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
 from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
+from paged_kv.prefix_keys import chain_keys
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,7 @@ class InstanceService:
         self.rendezvous = (StageRendezvous(config.stage_group, config.engine.stage[1])
                            if config.stage_group is not None else None)
         self.mirror = CacheMirror()
+        self.work = WorkBook()  # the prefills and decodes running here, by Conductor
         self.roles = RoleState(config.role)
         self._handoff: KVHandoff | None = None  # once the engine is up
         self._staging_bytes = 0  # each staging area's size, once known
@@ -405,7 +408,21 @@ class InstanceService:
         return dataclasses.replace(self._info, role=self.role)
 
     def state(self, since: int | None) -> InstanceState:
-        return InstanceState(self.instance_id, self.mirror.report(since), self.stats())
+        incoming = self.receiver.incoming() if self.receiver is not None else {}
+        return InstanceState(self.instance_id, self.mirror.report(since), self.stats(), self.work.report(incoming))
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """How much of ``token_ids``'s prefix this instance's prefix cache holds now (at most all
+        but the last token, as the engine computes at least that one)."""
+        if self._handoff is None or not self.mirror.keys:
+            return 0
+        bs = self._handoff.layout.block_size
+        n = 0
+        for key in chain_keys(token_ids[: (len(token_ids) - 1) // bs * bs], bs):
+            if key not in self.mirror.keys:
+                break
+            n += bs
+        return n
 
     def stats(self) -> dict[str, Any]:
         s = self.client.stats()
@@ -414,7 +431,8 @@ class InstanceService:
         s["role_switches"] = self.roles.switches
         s["role_switches_given_up"] = self.roles.given_up
         s["num_reservations"] = len(self.receiver) if self.receiver is not None else 0
-        s["reservations_by_conductor"] = self.receiver.by_conductor() if self.receiver is not None else {}
+        incoming = self.receiver.incoming() if self.receiver is not None else {}
+        s["reservations_by_conductor"] = {conductor: len(prompts) for conductor, prompts in incoming.items()}
         s["cache_version"] = self.mirror.version  # of the cached prefix keys the Conductor polls
         s["epochs_refused"] = self.epochs.refused
         for name, area in (("send", self.send), ("recv", self.recv)):

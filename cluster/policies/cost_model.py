@@ -148,9 +148,22 @@ class PrefillCostModel:
 
 class PrefillTime(Protocol):
     """What the Conductor predicts a prefill instance's time with: one node's
-    ``PrefillCostModel``, or a CPP group's ``PipelinedPrefillCost``."""
+    ``PrefillCostModel``, or a CPP group's ``PipelinedPrefillCost`` (either ``ScaledPrefill``)."""
 
     def seconds(self, input_length: int, prefix_length: int = 0) -> float: ...
+
+
+@dataclass(frozen=True)
+class ScaledPrefill:
+    """``base`` with every prefill ``factor`` times as long: a model calibrated on an idle
+    instance, as slow as the live cluster shows it is (``cluster/conductor/placement.py``
+    ``TTFTCorrection``)."""
+
+    base: PrefillTime
+    factor: float
+
+    def seconds(self, input_length: int, prefix_length: int = 0) -> float:
+        return self.base.seconds(input_length, prefix_length) * self.factor
 
 
 @dataclass(frozen=True)

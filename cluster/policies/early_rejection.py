@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.policies.cost_model import DecodeStepModel
+from cluster.policies.cost_model import DecodeStepModel, PrefillTime
 from cluster.policies.snapshot import DecodeInstanceState, RequestInfo
 from cluster.policies.scheduling import DecodePlan, PrefillPlan
 
@@ -35,6 +35,22 @@ class SLO:
     def __post_init__(self) -> None:
         if self.ttft_s <= 0 or self.tbt_s <= 0:
             raise ValueError(f"SLOs must be positive: {self}")
+
+
+# The SLOs a request is held to when the operator sets none (issue 41): the arXiv paper's
+# end-to-end ones, TTFT within 10x and TBT within 5x what the request would see run alone on an
+# idle cluster (its prompt's prefill, one decode step at its context), as the calibrated cost
+# models predict them; with floors, since a few-token prompt alone would get a TTFT bound a
+# single scheduling hiccup breaks: a second for the first token, and FAST'25's tightest TBT
+# threshold (100 ms), which no one reading a stream notices.
+DEFAULT_TTFT_FACTOR, DEFAULT_TBT_FACTOR = 10.0, 5.0
+DEFAULT_TTFT_FLOOR_S, DEFAULT_TBT_FLOOR_S = 1.0, 0.1
+
+
+def default_slo(prefill: PrefillTime, step: DecodeStepModel, input_length: int) -> SLO:
+    """The SLOs for a request of ``input_length`` prompt tokens when none are configured."""
+    return SLO(max(DEFAULT_TTFT_FACTOR * prefill.seconds(input_length), DEFAULT_TTFT_FLOOR_S),
+               max(DEFAULT_TBT_FACTOR * step.step_s(1, input_length), DEFAULT_TBT_FLOOR_S))
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,9 @@ then the least KV held.
 
 Invariants (``ElasticRolePolicy.decide``):
 
-* it never leaves a role with fewer than ``min_per_role`` (>= 1) serving instances;
+* it never leaves a role with fewer than ``min_per_role`` (>= 1) serving instances, and a role
+  below that (an instance died, or was started in the other role) is refilled first from the
+  other, if it has more, whatever the gain and the dwell (``refill``);
 * at most one switch is in flight: it answers None while ``RoleView.switching``;
 * a role none of whose instances took it less than ``min_dwell_s`` ago is the only kind that
   gives one up: no instance moves twice, and no role gives back, within a dwell;
@@ -214,7 +216,11 @@ class ElasticRolePolicy:
         """One instance to move and where, or None (module doc: the gain, the invariants)."""
         cfg = self.config
         arrivals = len(view.ttft)
-        if view.switching or not arrivals:
+        if view.switching:
+            return None
+        if (refill := self.refill(view)) is not None:
+            return refill
+        if not arrivals:
             return None
 
         def may_give(states: Sequence[PrefillInstanceState] | Sequence[DecodeInstanceState]) -> bool:
@@ -254,6 +260,20 @@ class ElasticRolePolicy:
                                       self._gain(ttft_now - ttft_after, lost, transit, arrivals), transit))
         best = max(options, key=lambda o: o.gain, default=None)
         return best if best is not None and best.gain > cfg.margin else None
+
+    def refill(self, view: RoleView) -> RoleSwitch | None:
+        """A role with fewer than ``min_per_role`` serving instances takes one from the other,
+        if that has more: its least loaded (the least queued prefill, or the quickest drained
+        decode). Without it, a role left empty stays empty: every request a 503."""
+        need = self.config.min_per_role
+        if len(view.decode) < need < len(view.prefill):
+            donor = min(view.prefill, key=lambda s: (s.queue_s, s.index))
+            return RoleSwitch(donor.index, Role.DECODE, math.inf, donor.queue_s + self.config.switch_cost_s)
+        if len(view.prefill) < need < len(view.decode):
+            donor_d = min(view.decode, key=lambda s: (self.decode_drain_s(s, view.now), s.context_tokens, s.index))
+            return RoleSwitch(donor_d.index, Role.PREFILL, math.inf,
+                              self.decode_drain_s(donor_d, view.now) + self.config.switch_cost_s)
+        return None
 
     def _gain(self, needy_saved: int, donor_lost: int, transit_s: float, arrivals: int) -> float:
         """Net share of requests saved over the horizon (module doc)."""

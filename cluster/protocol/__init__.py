@@ -96,7 +96,7 @@ from cluster.protocol.fields import (
     token_ids
 )
 from cluster.protocol.messages import (
-    AbortReply, AbortRequest, AdoptReply, AdoptRequest, CacheDelta, GenerateRequest, InstanceInfo,
+    AbortReply, AbortRequest, AdoptReply, AdoptRequest, CacheDelta, ConductorWork, GenerateRequest, InstanceInfo,
     InstanceState, PoolNaming, PrefillReply, PrefillRequest, Prefilled, PushReply, PushRequest,
     RegisterReply, RegisterRequest, RenewReply, RenewRequest, ReserveReply, ReserveRequest, SWITCHABLE_ROLES,
     SwitchRoleReply, SwitchRoleRequest,
@@ -116,7 +116,7 @@ from cluster.protocol.signing import (
 
 __all__ = [
     "ANSWER_SIGNATURE_HEADER", "AUDIENCE_HEADER", "AnswerAuthError", "AnswerSigner", "AbortReply", "AbortRequest", "AdoptReply", "AdoptRequest", "BadRequest", "CONTROL",
-    "CacheDelta", "ControlAuth", "ControlAuthError", "ControlVerifier", "DIGEST_HEADER", "EPOCH_HEADER",
+    "CacheDelta", "ConductorWork", "ControlAuth", "ControlAuthError", "ControlVerifier", "DIGEST_HEADER", "EPOCH_HEADER",
     "ERRORS", "Fence", "ForgedAnswer", "GenerateRequest", "INSTANCE", "InstanceBusy", "InstanceFailed", "InstanceInfo",
     "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID", "MAX_EPOCH",
     "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "NotOwner", "PROMPT_BODY", "PoolNaming",

@@ -10,7 +10,7 @@ from typing import Any
 
 from cluster.protocol.errors import BadRequest, InstanceFailed, ProtocolError, error_from
 from cluster.protocol.fields import (
-    _bytes, _dest, _dict, _field, _flag, _int, _keys, _number, _params, _str, _strings, _text, _unbytes, token_ids,
+    _bytes, _dest, _dict, _field, _flag, _int, _ints, _keys, _naturals, _number, _params, _str, _strings, _text, _unbytes, token_ids,
 )
 from engine.outputs import Logprobs, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -436,7 +436,39 @@ class CacheDelta:
         return cls(version, None, _keys(data, "cached_added"), _keys(data, "cached_removed"))
 
 
-_STATE_FIELDS = frozenset({"instance_id", "cache_version", "cached_keys", "cached_added", "cached_removed"})
+@dataclass(frozen=True)
+class ConductorWork:
+    """What one Conductor's requests make an instance do now, as the instance counts it: the
+    prefills queued or running there as (age s, prompt tokens, of them cached), the decodes
+    running there as (age s, prompt tokens, context tokens now), and the prompts of the KV
+    reservations whose KV is still on its way. Every Conductor books its own requests exactly
+    (``cluster/conductor/ledger.py``) and adds what the instance reports of the others' (issue 41):
+    so N Conductors in front of one instance see its whole load, not 1/N of it."""
+
+    prefills: list[tuple[float, int, int]] = field(default_factory=list)
+    decodes: list[tuple[float, int, int]] = field(default_factory=list)
+    incoming: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prefills": [list(p) for p in self.prefills], "decodes": [list(d) for d in self.decodes],
+                "incoming": list(self.incoming)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ConductorWork:
+        return cls(_triples(data, "prefills"), _triples(data, "decodes"), _ints(data, "incoming"))
+
+
+def _triples(data: Any, name: str) -> list[tuple[float, int, int]]:
+    """(seconds, count, count) triples, every one non-negative."""
+    value = _field(data, name)
+    if not isinstance(value, list) or not all(
+            isinstance(t, list) and len(t) == 3 and isinstance(t[0], (int, float)) and not isinstance(t[0], bool)
+            and t[0] >= 0 and _naturals(t[1:]) for t in value):
+        raise BadRequest(f"{name} must be a list of [seconds, count, count] with none negative")
+    return [(float(a), b, c) for a, b, c in value]
+
+
+_STATE_FIELDS = frozenset({"instance_id", "cache_version", "cached_keys", "cached_added", "cached_removed", "work"})
 
 
 @dataclass(frozen=True)
@@ -454,6 +486,7 @@ class InstanceState:
     instance_id: str
     cache: CacheDelta
     stats: dict[str, Any] = field(default_factory=dict)
+    work: dict[str, ConductorWork] = field(default_factory=dict)  # by Conductor id (``ConductorWork``)
 
     @property
     def role(self) -> str | None:
@@ -464,7 +497,8 @@ class InstanceState:
         return self.stats.get("switching_to")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"instance_id": self.instance_id, **self.stats, **self.cache.to_dict()}
+        return {"instance_id": self.instance_id, **self.stats, **self.cache.to_dict(),
+                "work": {conductor: w.to_dict() for conductor, w in self.work.items()}}
 
     @classmethod
     def from_dict(cls, data: Any) -> InstanceState:
@@ -472,7 +506,9 @@ class InstanceState:
         for name in ("role", "switching_to"):
             if (value := _str(data, name, optional=True)) is not None and value not in _ROLES:
                 raise BadRequest(f"{name} must be one of {', '.join(_ROLES)}")
-        return cls(instance_id, cache, {k: v for k, v in data.items() if k not in _STATE_FIELDS})
+        work = _dict(data, "work", optional=True) or {}
+        return cls(instance_id, cache, {k: v for k, v in data.items() if k not in _STATE_FIELDS},
+                   {conductor: ConductorWork.from_dict(w) for conductor, w in work.items()})
 
 
 @dataclass(frozen=True)

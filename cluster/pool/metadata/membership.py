@@ -25,6 +25,11 @@ metadata store's second user, beside the pool's index: the same contract, other 
   by the claim's keeper (below), and a Conductor restarted on it claims anew at whatever revision
   the store is at now, lower perhaps, which the instances take because the claim says so.
 
+* With elastic roles, one Conductor at a time **decides** role switches (``hold_decider``):
+  ``members/elastic/decider`` is created under its lease by whichever asks first, and the others
+  ask again until it is gone. A decider decides only while its lease is surely alive
+  (``LeasedKey.held``): one paused past its TTL stops before another can have taken over.
+
 A key is kept by a ``LeasedKey``: a thread that renews the lease every third of its TTL and, if
 the lease was lost all the same (the process was paused or cut off for longer, or the store was
 rebuilt or restored), writes the key again under a new one; an exclusive key found held by
@@ -59,9 +64,12 @@ class LeasedKey:
     has been held for longer than a claim waits (twice the TTL, and a second)."""
 
     def __init__(self, store: MetadataStore, key: str, value: str, lease: int, ttl_s: float, *,
-                 exclusive: bool) -> None:
+                 exclusive: bool, granted_at: float | None = None) -> None:
         self.store, self.key, self.value, self.ttl_s = store, key, value, ttl_s
         self._lease: int | None = lease  # None while none is held (being written again)
+        # Monotonic: the lease is surely alive till then (its last renewal was asked before
+        # ``valid_until - ttl_s``); after it, this process cannot tell, whatever it was doing.
+        self.valid_until = (time.monotonic() if granted_at is None else granted_at) + ttl_s
         self._exclusive = exclusive
         self._stop = threading.Event()
         self.lost = threading.Event()  # set when the key could not be written again (held by another)
@@ -75,6 +83,7 @@ class LeasedKey:
         """Write the key under a new lease and keep it: with ``exclusive``, only if it is absent
         (None when it is held; the lease is revoked). Also answers the store's revision of the
         write (0 when not ``exclusive``: ``put`` answers none)."""
+        asked = time.monotonic()
         lease = store.grant_lease(ttl_s)
         try:
             if exclusive:
@@ -88,14 +97,22 @@ class LeasedKey:
         except BaseException:
             store.revoke(lease)
             raise
-        return cls(store, key, value, lease, ttl_s, exclusive=exclusive), revision
+        return cls(store, key, value, lease, ttl_s, exclusive=exclusive, granted_at=asked), revision
+
+    @property
+    def held(self) -> bool:
+        """Whether the key is surely this process's now: kept, and renewed within its TTL (a
+        process paused past it may have lost it to another without knowing yet)."""
+        return not (self.lost.is_set() or self._stop.is_set()) and time.monotonic() < self.valid_until
 
     def _keep(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 if self._lease is not None:
                     try:
+                        asked = time.monotonic()
                         self.store.keepalive(self._lease)
+                        self.valid_until = asked + self.ttl_s
                         continue
                     except LeaseGone:
                         log.warning("the lease of %s ran out (this process was paused or cut off from the store, "
@@ -111,6 +128,7 @@ class LeasedKey:
     def _write_again(self) -> bool:
         """Write the key under a new lease (``_lease`` None: none held now); False once an
         exclusive key has been held by another for longer than a claim waits."""
+        asked = time.monotonic()
         lease = self.store.grant_lease(self.ttl_s)
         if not self._exclusive:
             self.store.put(self.key, self.value, lease)
@@ -119,7 +137,7 @@ class LeasedKey:
             now = time.monotonic()
             self._held_by_other_since = self._held_by_other_since or now
             return now - self._held_by_other_since <= 2 * self.ttl_s + 1
-        self._lease, self._held_by_other_since = lease, None
+        self._lease, self._held_by_other_since, self.valid_until = lease, None, asked + self.ttl_s
         return True
 
     def rewrite(self, value: str) -> None:
@@ -265,3 +283,26 @@ def conductor_epoch(store: MetadataStore, key: bytes, conductor_id: str) -> int 
         log.debug("ignoring the claim record of Conductor %r: %s", conductor_id, e)
         return None
     return epoch if hmac.compare_digest(mac, _claim_mac(key, conductor_id, url, epoch)) else None
+
+
+# -- the cluster's one elastic-roles decider ------------------------------------------------------
+
+# Held by the one Conductor that decides role switches (``cluster/conductor/elastic.py``): two
+# deciding each on its own view could switch the last two decode instances at once (issue 41).
+ELASTIC_DECIDER = "members/elastic/decider"
+
+
+def hold_decider(store: MetadataStore, conductor_id: str, ttl_s: float = DEFAULT_TTL_S) -> LeasedKey | None:
+    """Become the cluster's elastic-roles decider if none is (None: another Conductor is). The
+    key's lease is etcd's: a decider that dies or is cut off loses it within ``ttl_s``."""
+    held = LeasedKey.hold(store, ELASTIC_DECIDER, json.dumps({"conductor": conductor_id}), ttl_s, exclusive=True)
+    return None if held is None else held[0]
+
+
+def decider(store: MetadataStore) -> str | None:
+    """The id of the Conductor that decides role switches now, if any (as it wrote it)."""
+    value = store.get(ELASTIC_DECIDER)
+    try:
+        return json.loads(value)["conductor"] if value is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
