@@ -65,7 +65,7 @@ from cluster.protocol import MESSENGER, derive_key
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry
 from cluster.pool.client import NewObject
 from cluster.pool.index import OBJECTS
-from cluster.pool.metadata.embedded import HttpMetadata, MetadataServer
+from cluster.metadata.embedded import HttpMetadata, MetadataServer
 from cluster.pool.objects import part_checksums
 from cluster.messenger import MessengerConfig, Messenger
 from engine.config import EngineConfig

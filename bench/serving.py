@@ -54,6 +54,7 @@ import httpx
 import numpy as np
 
 from bench.harness import DONE, sse_data
+from cluster.policies.early_rejection import request_tbt
 from bench.trace import MIN_TOKEN_ID, BenchRequest, load_trace, synthesize_requests
 
 
@@ -276,11 +277,7 @@ async def run_benchmark(
 
 def tbt(result: RequestResult) -> float:
     """Mooncake-paper TBT (s): mean of the longest 10% (at least one) inter-token intervals."""
-    gaps = sorted(result.itls, reverse=True)
-    if not gaps:
-        return 0.0
-    k = max(1, math.ceil(0.1 * len(gaps)))
-    return float(np.mean(gaps[:k]))
+    return request_tbt(result.itls)
 
 
 def _stats_ms(values: list[float]) -> dict[str, float | None]:

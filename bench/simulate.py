@@ -27,6 +27,7 @@ import numpy as np
 
 from bench.sim.config import ARXIV_OVERLOAD_HARDWARE, SimConfig
 from bench.sim.hitrate import lru_hit_rate
+from bench.sim.false_rejects import false_rejects
 from bench.sim.metrics import distribution, summarize
 from bench.sim.plots import plot_bars, plot_hit_curves, plot_latency_cdfs, plot_loads, plot_switch_cost
 from bench.sim.simulator import COMPLETED, SimResult, simulate
@@ -192,19 +193,25 @@ def exp_overload(args: argparse.Namespace, out: Path) -> None:
     configs["elastic"] = elastic_config(base)
     results = run_all(configs, entries)
     summaries = {k: summarize(r) for k, r in results.items()}
+    for name, r in results.items():  # issue 41: how often each policy's rejections were wrong
+        t0 = time.perf_counter()
+        summaries[name]["false_rejects"] = false_rejects(r, entries, args.false_reject_samples, args.seed)
+        print(f"  {name}: {args.false_reject_samples} rejected requests replayed admitted in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
     n = len(entries)
     rows = []
     for name, s in summaries.items():
         paper = PAPER_TABLE3.get(name, math.nan)
+        fr = s["false_rejects"]
         rows.append([
             name, s["rejected"], s["rejected"] / n, paper, paper / 23000, s["rejected_on_arrival"],
             s["rejected_at_decode"], s["wasted_prefill_s"], s["slo_attainment"], s["goodput_req_per_s"],
-            s["switches"],
+            s["switches"], f"{fr['would_have_met']}/{fr['sampled']}",
         ])
     print(f"\narXiv Table 3: rejected requests under overload (8P + 8D at the start, trace at 2x, {n} requests)")
     print_table(
         ["policy", "rejected", "share", "paper", "paper share", "on arrival", "at decode", "wasted prefill s",
-         "SLO met", "goodput req/s", "switches"],
+         "SLO met", "goodput req/s", "switches", "false rejects (sampled)"],
         rows,
     )
     save_json(out, "overload", {"paper_rejected_of_23000": PAPER_TABLE3, "runs": summaries})
@@ -332,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--trace", type=Path, help="replay this Mooncake JSONL trace instead of the default")
     parser.add_argument("--out", type=Path, help="output folder (default out/simulate/EXPERIMENT)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--false-reject-samples", type=int, default=20,
+                        help="overload: rejected requests per policy replayed admitted (each its own replay)")
     parser.add_argument(
         "--pool-tokens", type=_pool_tokens, default=POOL_AS_DRAM, metavar="N|unbounded",
         help="global: KVCache pool capacity in tokens (default: n_prefill x the per-instance DRAM cache)",

@@ -248,6 +248,9 @@ def _placement_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
                    "would miss the SLOs: --slo-ttft-s and --slo-tbt-s, or without them each request's default "
                    "(10x its TTFT and 5x its TBT alone on an idle cluster, at least 1 s and 100 ms); none: only "
                    "the queue bound refuses")
+    c.add_argument("--admission-probe-share", type=float, default=0.02,
+                   help="(Conductor) of the requests admission refuses, this share is admitted all the same and "
+                   "timed against its SLOs: how often a refusal is wrong (/stats false_reject_rate); 0: none")
     c.add_argument("--slo-ttft-s", type=_positive_float, default=None,
                    help="(Conductor) TTFT SLO in seconds (with --slo-tbt-s)")
     c.add_argument("--slo-tbt-s", type=_positive_float, default=None,

@@ -109,9 +109,9 @@ def _start_pool(args: argparse.Namespace, secret: str, host: str, advertise_host
     it runs when there is no etcd (or None: listening on ``host``, the Conductor's own, and
     advertised by ``advertise_host``), and the flags its instances get to join."""
     from cluster.pool.index import PoolIndex
-    from cluster.pool.metadata.embedded import MetadataServer
-    from cluster.pool.metadata.etcd import EtcdMetadata
-    from cluster.pool.metadata.local import LocalMetadata
+    from cluster.metadata.embedded import MetadataServer
+    from cluster.metadata.etcd import EtcdMetadata
+    from cluster.metadata.local import LocalMetadata
 
     if args.etcd:
         return PoolIndex(EtcdMetadata(args.etcd)), None, []
@@ -126,11 +126,11 @@ def _url_host(host: str) -> str:
 
 def _claim_membership(args: argparse.Namespace, conductor_id: str, secret: bytes):
     """With etcd: the store instances announce themselves in, this Conductor's claim on its id
-    and the epoch the claim gives it (``cluster.pool.metadata.membership``). Raises ``RuntimeError`` when the id
+    and the epoch the claim gives it (``cluster.metadata.membership``). Raises ``RuntimeError`` when the id
     is held by a live Conductor or etcd does not answer."""
-    from cluster.pool.metadata.membership import claim_conductor
-    from cluster.pool.metadata import MetadataUnavailable
-    from cluster.pool.metadata.etcd import EtcdMetadata
+    from cluster.metadata.membership import claim_conductor
+    from cluster.metadata import MetadataUnavailable
+    from cluster.metadata.etcd import EtcdMetadata
     from cluster.protocol import MEMBERSHIP, derive_key
 
     store = EtcdMetadata(args.etcd)
@@ -224,6 +224,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
             admission=args.admission, slo_ttft_s=args.slo_ttft_s, slo_tbt_s=args.slo_tbt_s,
             predicted_decode_s=args.predicted_decode_s, max_queued_prefills=args.max_queued_prefills,
             local_prefill=args.local_prefill, local_prefill_chunk_tokens=args.max_num_batched_tokens,
+            probe_share=args.admission_probe_share,
         )
         pool, metadata_server, pool_args = (
             (None, None, []) if args.no_pool else _start_pool(args, secret, args.host, _advertised_host(args)))

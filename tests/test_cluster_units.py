@@ -29,7 +29,7 @@ from cluster.policies.cost_model import InstanceProfile
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.conductor.placement import PlacementConfig
 from cluster.conductor.client import InstanceClient
-from cluster.conductor.ledger import Ledger, RunningDecode
+from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import Placement, Placer
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
@@ -39,6 +39,7 @@ from cluster.protocol import CacheDelta, Fence, InstanceInfo, InstanceState, Wro
 from cluster.policies.snapshot import RequestInfo
 from cluster.protocol import output_to_dict
 from engine.disaggregation import KVHandoff
+from engine.engine_client import EngineOverloaded
 from engine.kv_layout import KVLayout
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -472,14 +473,14 @@ def test_a_reserve_in_flight_when_a_newer_epoch_arrives_is_not_granted_to_the_ol
 def test_booking_close_undoes_every_entry_and_names_the_holds_to_abort():
     ledger = Ledger()
     prefill, other, decode = InstanceRecord("http://p0"), InstanceRecord("http://p1"), InstanceRecord("http://d0")
-    b = ledger.book()
-    b.add(prefill, "prefilling", "r", (0.0, 1.0))
-    b.add(decode, "incoming", "r", (1.0, 40))
-    b.add(decode, "reserved", "r", True)    # before the reserve call
-    b.add(other, "reserved", "r:migrate", True)
-    b.add(other, "reserved", "r:migrate", False)  # a push may be writing into it
-    b.add(decode, "reserved", "r", False)   # the prefill may be streaming KV into it
-    b.add(decode, "running", "r", RunningDecode(2.0, 40))
+    b = ledger.book("r")
+    b.placed(prefill, 0.0, 1.0)
+    b.kv_headed(decode, 1.0, 40)
+    b.reserving(decode)    # before the reserve call
+    b.reserving(other, "r:migrate")
+    b.writable(other, "r:migrate")  # a push may be writing into it
+    b.writable(decode)   # the prefill may be streaming KV into it
+    b.decoding(decode, 40)
     assert ledger.reservations() == {decode: ["r"], other: ["r:migrate"]}
 
     holds = b.close()
@@ -493,17 +494,22 @@ def test_booking_close_undoes_every_entry_and_names_the_holds_to_abort():
     assert b.close() == {}  # idempotent
 
     # Entries already removed (done there) are not aborted; what the prefill answered is settled.
-    b = ledger.book()
-    b.add(prefill, "prefilling", "s", (0.0, 1.0))
-    b.add(decode, "incoming", "s", (1.0, 40))
-    b.add(decode, "reserved", "s", False)
-    b.remove(prefill, "prefilling", "s")
-    b.remove(decode, "incoming", "s")
-    b.add(decode, "reserved", "s", True)
+    b = ledger.book("s")
+    b.placed(prefill, 0.0, 1.0)
+    b.kv_headed(decode, 1.0, 40)
+    b.writable(decode)
+    b.prefilled(decode)
     assert b.close() == {(decode, "s"): True}
+    # A decode that finished by itself: nothing to abort there.
+    b = ledger.book("f")
+    b.writable(decode)
+    b.prefilled(decode)
+    b.decoding(decode, 40)
+    b.finished()
+    assert b.close() == {}
     # Only incoming: nothing to abort anywhere.
-    b = ledger.book()
-    b.add(decode, "incoming", "t", (1.0, 40))
+    b = ledger.book("t")
+    b.kv_headed(decode, 1.0, 40)
     assert b.close() == {}
     assert not ledger.load(decode).incoming
 
@@ -541,9 +547,9 @@ def test_placer_and_ledger_spread_a_back_to_back_burst():
                               [len(load.prefilling) for load in loads],
                               [ledger.load(r).decode_state(k, now, r) for k, r in enumerate(decodes)])
         assert isinstance(result, Placement)
-        b = ledger.book()
-        b.add(prefills[result.plan.instance], "prefilling", f"r{i}", (now, result.plan.prefill_s))
-        b.add(decodes[result.decode_order[0]], "incoming", f"r{i}", (now + result.plan.ttft_s, len(ids)))
+        b = ledger.book(f"r{i}")
+        b.placed(prefills[result.plan.instance], now, result.plan.prefill_s)
+        b.kv_headed(decodes[result.decode_order[0]], now + result.plan.ttft_s, len(ids))
         chosen.append(result.plan.instance)
         decode_first.append(result.decode_order[0])
     assert sorted(chosen.count(k) for k in (0, 1)) == [4, 4], chosen
@@ -567,7 +573,7 @@ def test_by_default_a_burst_is_refused_once_its_ttft_would_pass_10x_the_unloaded
                                   [ledger.queued(prefills[0])], [ledger.decode_state(decodes[0], 0, now)])
             if not isinstance(result, Placement):
                 break
-            ledger.book().add(prefills[0], "prefilling", f"r{i}", (now, result.plan.prefill_s))
+            ledger.book(f"r{i}").placed(prefills[0], now, result.plan.prefill_s)
         admitted[admission] = i
         if admission == "predictive":
             assert "predicted prefill load" in result.reason and result.retry_after_s > 2.0
@@ -658,3 +664,54 @@ def test_conductor_burst_spreads_over_both_prefill_instances_and_leaves_the_ledg
         await c.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("slo_s, rate", [(1e-4, 0.0), (1.0, 1.0)])
+def test_a_share_of_refused_requests_is_admitted_to_measure_the_false_reject_rate(monkeypatch, slo_s, rate):
+    """Issue 41 item 3, live: with a prefill model that predicts 2 s for these prompts every
+    request is refused; every 4th refusal (``probe_share`` 0.25) is admitted all the same and
+    timed. Against a 100 us SLO nothing could have met it (rate 0); the instances answer at once,
+    so against 1 s every probe did: those refusals were wrong (rate 1)."""
+    slow = InstanceProfile(PrefillCostModel(0.0, 0.0, 0.01), PROFILE.decode)
+    urls = {"http://p0:1": "prefill", "http://d0:1": "decode"}
+
+    async def instances(request: httpx.Request) -> httpx.Response:
+        url, path = f"{request.url.scheme}://{request.url.host}:{request.url.port}", request.url.path
+        body = {} if request.method == "GET" else json.loads(request.content)
+        if path == "/instance/info":
+            return httpx.Response(200, json=InstanceInfo(url, urls[url], 1, 4096, LAYOUT.to_dict(),
+                                                         slow.to_dict()).to_dict())
+        if path == "/instance/state":
+            return httpx.Response(200, json=InstanceState(url, CacheDelta(0, [])).to_dict())
+        if path == "/instance/reserve":
+            return httpx.Response(200, json={"dest": {"skip_blocks": 0, "num_blocks": 13}})
+        if path == "/instance/prefill":
+            out = RequestOutput(body["request_id"], [7], "x", True, "length", len(body["prompt_token_ids"]), 1, 0)
+            return httpx.Response(200, json={"output": output_to_dict(out)})
+        return httpx.Response(200, json={"request_id": body.get("request_id"), "gone": []})
+
+    transport = signed_transport(instances, SECRET)
+    monkeypatch.setattr(conductor_module, "InstanceClient",
+                        lambda *a, **k: InstanceClient(*a, **k, transport=transport))
+
+    async def scenario() -> dict:
+        placement = PlacementConfig(slo_ttft_s=slo_s, slo_tbt_s=slo_s, probe_share=0.25)
+        c = Conductor(ConductorConfig(secret=SECRET, instances=tuple(urls), epoch=3, placement=placement))
+        c._tokenizer, c._vocab_size = object(), 1000
+        for rec in c.registry.records:
+            await c.registry.poll(rec)
+        refused = 0
+        for i, ids in enumerate(_distinct_prompts(8)):
+            try:
+                outs = [o async for o in c.generate(f"r{i}", ids, SamplingParams(max_tokens=1))]
+                assert outs[-1].finished and i % 4 == 3, i  # only the probes get through
+            except EngineOverloaded:
+                refused += 1
+        assert refused == 6
+        stats = c.stats()
+        await c.shutdown()
+        return stats
+
+    stats = asyncio.run(scenario())
+    assert stats["admission_probes"] == 2 and stats["requests_rejected"] == 6
+    assert stats["false_reject_rate"] == rate and stats["admission_probes_met_slo"] == 2 * rate

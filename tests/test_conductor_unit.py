@@ -10,7 +10,8 @@ from cluster.policies.cost_model import InstanceProfile
 from cluster.conductor.conductor import ConductorConfig
 from cluster.conductor.placement import PlacementConfig, Placer, TTFTCorrection
 from cluster.conductor.client import InstanceClient
-from cluster.conductor.ledger import InstanceLoad, Ledger, RunningDecode
+from cluster.conductor.flow import RunningDecode
+from cluster.conductor.ledger import InstanceLoad, Ledger
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.policies.cost_model import DecodeStepModel, PrefillCostModel
 from cluster.policies.snapshot import PrefillInstanceState, RequestInfo
@@ -88,8 +89,8 @@ def test_the_ledger_adds_what_the_instance_reports_of_the_other_conductors_work(
     profile = InstanceProfile(PrefillCostModel(0.0, 0.0, 1e-3), DecodeStepModel(0.01, 0.0, 0.0, 10_000))
     rec = InstanceRecord("http://x", profile=profile)
     ledger = Ledger("c1")
-    ledger.load(rec).prefilling = {"mine": (9.0, 3.0)}
-    ledger.load(rec).running = {"m2": RunningDecode(8.0, 100, generated=5)}
+    ledger.book("mine").placed(rec, 9.0, 3.0)
+    ledger.book("m2").decoding(rec, 100, generated=5).start_s = 8.0
     rec.state_at = 10.0
     rec.state = InstanceState("i", CacheDelta(0), {}, {
         # Its own work as reported is left out: the ledger has it exactly.
@@ -205,7 +206,8 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
         assert reg.up("prefill") == [rec] and reg.up("decode") == []
         await reg.poll(rec)  # unchanged key set: not sent again, the old one kept
         assert seen_since == [None, "3"] and rec.cached == {b"k1"}
-        ledger.load(rec).running["r"] = RunningDecode(0.0, 5)
+        ledger.book("r").decoding(rec, 5)
+        assert ledger.load(rec).running
         answers["id"] = "two"  # the process restarted behind the same URL
         await reg.poll(rec)
         assert not rec.up and rec.last_error == "restarted" and rec.lost.is_set()

@@ -312,8 +312,8 @@ def test_a_poll_for_one_instance_is_refused_by_another_and_with_another_epoch():
 def test_a_call_with_an_epoch_its_conductors_claim_does_not_carry_is_refused():
     """Issue 40 item 3: one signed call naming a Conductor's id with a huge epoch used to lock that
     Conductor out of the instance; now the instance takes only the epoch the id's claim carries."""
-    from cluster.pool.metadata.local import LocalMetadata
-    from cluster.pool.metadata.membership import claim_conductor
+    from cluster.metadata.local import LocalMetadata
+    from cluster.metadata.membership import claim_conductor
 
     store, members_key = LocalMetadata(), derive_key(SECRET, MEMBERSHIP)
     claim, epoch = claim_conductor(store, members_key, "c1", "http://h:1", ttl_s=5.0)

@@ -26,7 +26,7 @@ from cluster.instance.calibration import CACHE_ENV
 from cluster.instance.roles import RoleState, Work
 from cluster.instance.service import InstanceConfig, InstanceService
 from cluster.policies.cost_model import DecodeStepModel
-from cluster.pool.metadata.local import LocalMetadata
+from cluster.metadata.local import LocalMetadata
 from cluster.policies.early_rejection import SLO
 from cluster.policies.elastic_roles import ElasticConfig, TBTPrediction, TTFTPrediction
 from cluster.protocol import BadRequest, CacheDelta, Fence, InstanceBusy, InstanceState, NoKVRoom, SwitchRoleReply, WrongEpoch

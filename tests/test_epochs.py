@@ -14,9 +14,9 @@ import time
 import pytest
 
 from cluster.instance.epochs import Epochs
-from cluster.pool.metadata import MetadataUnavailable
-from cluster.pool.metadata.local import LocalMetadata
-from cluster.pool.metadata.membership import CONDUCTORS, claim_conductor, conductor_epoch
+from cluster.metadata import MetadataUnavailable
+from cluster.metadata.local import LocalMetadata
+from cluster.metadata.membership import CONDUCTORS, claim_conductor, conductor_epoch
 from cluster.protocol import MEMBERSHIP, Fence, WrongEpoch, derive_key
 
 TTL_S = 0.3
@@ -143,7 +143,7 @@ def test_a_claim_restored_under_a_predecessors_record_is_written_once_that_lapse
         snapshot = LocalMetadata()
         lapsing = snapshot.grant_lease(4 * TTL_S)
         snapshot.put(CONDUCTORS + "c1", '{"url": "http://h:8000", "epoch": 1, "mac": "00"}', lapsing)
-        with caplog.at_level(logging.ERROR, logger="cluster.pool.metadata.membership"):
+        with caplog.at_level(logging.ERROR, logger="cluster.metadata.membership"):
             store.now = snapshot
             _until(lambda: conductor_epoch(store, KEY, "c1") == epoch, 2 * TTL_S + 1 + 10 * TTL_S)
         assert not claim.lost.is_set() and "giving it up" not in caplog.text

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from bench.harness import start_etcd
-from cluster.pool.metadata import MetadataUnavailable
-from cluster.pool.metadata.etcd import EtcdAccess, EtcdMetadata
-from cluster.pool.metadata.membership import claim_conductor, conductor_epoch
+from cluster.metadata import MetadataUnavailable
+from cluster.metadata.etcd import EtcdAccess, EtcdMetadata
+from cluster.metadata.membership import claim_conductor, conductor_epoch
 from cluster.protocol import MEMBERSHIP, derive_key
 
 KEY = derive_key(b"s" * 32, MEMBERSHIP)

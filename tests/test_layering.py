@@ -114,12 +114,15 @@ CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     "cluster.protocol": ("engine.outputs", "engine.sampling_params", "engine.engine_client"),
     # faults injected on purpose (bench.faults): a leaf the data paths ask
     "cluster.failpoints": (),
+    # the cluster's shared state under leases (etcd, or the embedded store): membership, claims,
+    # the elastic-roles decider, the pool's index; signs its records, knows nothing of the rest
+    "cluster.metadata": ("cluster.protocol",),
     # the pool stores objects over the messenger; of the engine only the wire layout and the sink seam
-    "cluster.pool": ("cluster.failpoints", "cluster.messenger", "cluster.protocol", "engine.kv_layout",
-                     "engine.hooks", "paged_kv.prefix_keys"),
+    "cluster.pool": ("cluster.failpoints", "cluster.messenger", "cluster.metadata", "cluster.protocol",
+                     "engine.kv_layout", "engine.hooks", "paged_kv.prefix_keys"),
     # the front door: policies, the pool's index (its lookups; not the client, which moves bytes
     # over the Messenger), the wire; no model code, no instance internals
-    "cluster.conductor": ("cluster.policies", "cluster.pool.index", "cluster.pool.metadata", "cluster.pool.objects",
+    "cluster.conductor": ("cluster.policies", "cluster.pool.index", "cluster.metadata", "cluster.pool.objects",
                           "cluster.protocol", "paged_kv.prefix_keys", *_LIGHT_ENGINE),
     # a prefill's KV into a decode instance's reservation, over the messenger: an instance's and a stage's
     "cluster.kv_stream": ("cluster.failpoints", "cluster.messenger", "engine.kv_layout", "engine.hooks"),
@@ -127,7 +130,8 @@ CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     "cluster.cpp": ("cluster.kv_stream", "cluster.messenger", "cluster.pool", "cluster.protocol", "engine"),
     # one engine process: everything below the Conductor
     "cluster.instance": ("cluster.cpp", "cluster.failpoints", "cluster.kv_stream", "cluster.messenger",
-                         "cluster.pool", "cluster.policies", "cluster.protocol", "engine", "paged_kv"),
+                         "cluster.metadata", "cluster.pool", "cluster.policies", "cluster.protocol", "engine",
+                         "paged_kv"),
 }
 # Modules that do I/O or threads: policies must stay pure; the messenger speaks no HTTP.
 FORBIDDEN_THIRD_PARTY: Mapping[str, tuple[str, ...]] = {

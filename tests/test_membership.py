@@ -1,4 +1,4 @@
-"""The cluster's membership in the metadata store (``cluster.pool.metadata.membership``): instances
+"""The cluster's membership in the metadata store (``cluster.metadata.membership``): instances
 announce themselves under leases, Conductors claim their ids and take their epochs from the
 claim's revision; a record not signed with the membership key is refused. On ``LocalMetadata`` with short TTLs (the etcd backend's ``create`` is checked by
 tests/test_pool_metadata.py; the whole, over a real etcd, by tests/test_across_hosts.py)."""
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from cluster.pool.metadata.local import LocalMetadata
-from cluster.pool.metadata.membership import (
+from cluster.metadata.local import LocalMetadata
+from cluster.metadata.membership import (
     CONDUCTORS, ConductorIdTaken, Member, announce, claim_conductor, list_instances)
 from cluster.protocol import MEMBERSHIP, derive_key
 

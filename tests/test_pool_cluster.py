@@ -29,7 +29,7 @@ from bench.harness import until
 from cluster.protocol import MESSENGER, derive_key
 from cluster.pool.index import OBJECTS, SEGMENTS, SegmentInfo
 from cluster.pool.messages import LeaseReply, LeaseRequest, ReleaseRequest
-from cluster.pool.metadata import connect_metadata
+from cluster.metadata import connect_metadata
 from cluster.messenger import MessengerConfig, Messenger, RegionHandle
 from cluster.messenger.wire import Status
 from engine import LLM, SamplingParams

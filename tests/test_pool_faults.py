@@ -35,8 +35,8 @@ from cluster.messenger import Messenger, MessengerConfig
 from cluster.messenger.staging import StagingArea
 from cluster.pool import PoolClient, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.index import OBJECTS, SEGMENTS, object_entry
-from cluster.pool.metadata import MetadataUnavailable
-from cluster.pool.metadata.local import LocalMetadata
+from cluster.metadata import MetadataUnavailable
+from cluster.metadata.local import LocalMetadata
 from cluster.pool.objects import PoolGeometry, part_checksums
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams

@@ -15,7 +15,7 @@ from cluster.pool.messages import (
     OPS, AbortRequest, AllocReply, AllocRequest, Grant, LeaseReply, LeaseRequest, NewObjectSize, ReleaseRequest,
     SealReply, SealRequest, TouchRequest, request_from_dict,
 )
-from cluster.pool.metadata.local import LocalMetadata
+from cluster.metadata.local import LocalMetadata
 from cluster.protocol import BadRequest
 
 GRANT = Grant("ns/a", 64, 8, 4, [11, 2**64 - 1], 3)

@@ -22,10 +22,10 @@ import pytest
 
 from cluster.conductor.supervisor import free_port
 from cluster.protocol import CONTROL, ControlAuth, derive_key
-from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable, connect_metadata
-from cluster.pool.metadata.embedded import METADATA_PURPOSE, HttpMetadata, MetadataServer
-from cluster.pool.metadata.etcd import EtcdMetadata
-from cluster.pool.metadata.local import LocalMetadata
+from cluster.metadata import LeaseGone, MetadataStore, MetadataUnavailable, connect_metadata
+from cluster.metadata.embedded import METADATA_PURPOSE, HttpMetadata, MetadataServer
+from cluster.metadata.etcd import EtcdMetadata
+from cluster.metadata.local import LocalMetadata
 
 SECRET = b"pool-metadata-test-secret-0123456789"
 

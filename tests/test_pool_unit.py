@@ -14,7 +14,7 @@ import torch
 from cluster.pool import PoolClient, PoolFull, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.client import NewObject
 from cluster.pool.index import SEGMENTS
-from cluster.pool.metadata.local import LocalMetadata
+from cluster.metadata.local import LocalMetadata
 from cluster.pool.objects import part_checksums
 from cluster.messenger import MessengerConfig, Messenger
 from tests.pool_objects import OBJ, PART, leased_bytes, write_object

@@ -388,9 +388,9 @@ def test_one_stalled_instance_does_not_hold_up_the_other_instances_renewals(monk
 
     async def scenario():
         c = await _conductor(instances, monkeypatch, renew_interval_s=0.05, renew_timeout_s=0.2)
+        held = c.ledger.book("held")
         for url in DECODES:
-            rec = next(r for r in c.registry.records if r.url == url)
-            c.ledger.load(rec).reserved["held"] = True
+            held.reserving(next(r for r in c.registry.records if r.url == url))
         await c.start()
         await asyncio.sleep(1.0)
         renews = [url for url, path, _ in instances.calls if path == "/instance/renew"]

@@ -10,7 +10,8 @@ import pytest
 from bench.sim.config import SimConfig
 from bench.sim.decode import DecodeInstance
 from bench.sim.hitrate import lru_hit_rate, pool_hit_rate, pool_hits
-from bench.sim.metrics import summarize
+from bench.sim.false_rejects import false_rejects
+from bench.sim.metrics import effective, summarize
 from bench.sim.simulator import COMPLETED, REJECTED_AT_DECODE, REJECTED_ON_ARRIVAL, Simulator, simulate
 from bench.simulate import main
 from bench.trace import TraceEntry, load_trace
@@ -189,6 +190,25 @@ def test_every_request_is_accounted_for(admission):
     done = r.status == COMPLETED
     assert not np.isnan(r.finish_s[done]).any()
     assert (r.finish_s[done] >= r.arrival_s[done] + r.ttft_s[done]).all()
+
+
+def test_a_rejected_request_replayed_admitted_says_whether_the_rejection_was_wrong():
+    """Issue 41 item 3, in the simulator: early rejection refuses 6 requests arriving while decode
+    is full; replayed admitted alone, each of them completes. On the truncated trace a replay
+    answers as on the whole one."""
+    entries = long_requests([0.0, 0.0] + [60.0] * 6)
+    cfg = replace(OVERLOAD, admission="early")
+    r = simulate(cfg, entries)
+    fr = false_rejects(r, entries, samples=3)
+    assert fr["rejected"] == 6 and fr["sampled"] == 3 and set(fr["requests"]) <= set(range(2, 8))
+    for i in fr["requests"]:
+        whole = simulate(cfg, entries, admit=frozenset({i}))
+        assert whole.status[i] == COMPLETED and (whole.status == COMPLETED).sum() == 3
+    assert fr["would_have_met"] == sum(bool(effective(simulate(cfg, entries, admit=frozenset({i})))[i])
+                                       for i in fr["requests"])
+    assert fr["rate"] == fr["would_have_met"] / 3
+    none = false_rejects(simulate(replace(cfg, admission="none"), entries), entries)
+    assert none["sampled"] == 0 and none["rate"] is None
 
 
 def test_config_is_validated():

@@ -174,7 +174,7 @@ def plant_foreign_objects(secret: bytes, metadata_url: str, namespace: str, bloc
     ours is stored there (a stored key is never written again: ours are then skipped). Returns
     how many the pool took."""
     from cluster.pool import PoolClient
-    from cluster.pool.metadata import connect_metadata
+    from cluster.metadata import connect_metadata
     from cluster.pool.objects import object_keys, part_checksums
     from paged_kv.prefix_keys import chain_keys
 

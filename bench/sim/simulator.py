@@ -125,10 +125,13 @@ def make_admission(config: SimConfig) -> AdmissionPolicy:
 
 
 class Simulator:
-    def __init__(self, config: SimConfig, entries: Sequence[TraceEntry]) -> None:
+    def __init__(self, config: SimConfig, entries: Sequence[TraceEntry], admit: frozenset[int] = frozenset()) -> None:
+        """``admit``: requests (by index in time order) the admission policy is overruled for,
+        on arrival and at decode: a counterfactual replay (``bench/sim/false_rejects.py``)."""
         if not entries:
             raise ValueError("empty trace")
         self.config = config
+        self._admit = admit
         self.entries = sorted(entries, key=lambda e: e.timestamp_ms)
         t0 = self.entries[0].timestamp_ms
         n = len(self.entries)
@@ -277,7 +280,7 @@ class Simulator:
             d.advance_to(now)
         decode_pool = [d.state() for d in self.roles.serving_decode]
         dplan = self.balancer.select(request, decode_pool)
-        if not self.admission.on_arrival(now, request, plan, dplan, decode_pool).accept:
+        if i not in self._admit and not self.admission.on_arrival(now, request, plan, dplan, decode_pool).accept:
             self.status[i] = REJECTED_ON_ARRIVAL
             return None
         if self.local is not None:
@@ -333,7 +336,7 @@ class Simulator:
             # batch, i.e. refusals only, saw too few misses: bench/README.md, issue 32.)
             own = next(s for s in pool if s.index == planned)
             self.roles.log.add_tbt(now, TBTPrediction(len(pool), own.batch_size + 1, own.context_tokens + n))
-        chosen = self.admission.on_decode(request, pool, planned)
+        chosen = planned if i in self._admit else self.admission.on_decode(request, pool, planned)
         if chosen is None:
             self.status[i] = REJECTED_AT_DECODE
             return None
@@ -404,5 +407,5 @@ class Simulator:
             tbt[i] = np.partition(gaps, steps - k)[steps - k :].mean()
 
 
-def simulate(config: SimConfig, entries: Sequence[TraceEntry]) -> SimResult:
-    return Simulator(config, entries).run()
+def simulate(config: SimConfig, entries: Sequence[TraceEntry], admit: frozenset[int] = frozenset()) -> SimResult:
+    return Simulator(config, entries, admit).run()

@@ -14,11 +14,12 @@ With a KVCache pool, step 2 first looks up how much of the prompt's prefix the p
 (``RequestInfo.pool_blocks``), which Algorithm 1 weighs against the instances' own caches; the
 pool's totals (``pool`` in ``/stats``) are read from its metadata every second.
 
-Around requests it keeps the registry polling, renews the leases of the reservations its
-requests hold on instances, and carries its fence (its id and epoch, ``cluster.protocol.Fence``)
+Beside the requests, the registry polls the instances (``registry.py``) and the upkeep loops
+(``upkeep.py``) renew the leases of the reservations its requests hold on instances and follow
+the membership and the pool; the Conductor carries its fence (its id and epoch, ``cluster.protocol.Fence``)
 on every call, so instances keep its reservations apart from other Conductors' and release what
 an earlier incarnation of it reserved. Any number of Conductors can front the same instances:
-with etcd (``cluster.pool.metadata.membership``) each finds the instances there and claims its id (the claim's
+with etcd (``cluster.metadata.membership``) each finds the instances there and claims its id (the claim's
 revision is its epoch); each places on its own, and an instance refuses a reservation it cannot
 honour (the Conductor then tries the next instance).
 """
@@ -39,22 +40,23 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cluster.conductor.client import InstanceClient, InstanceUnavailable
+from cluster.conductor.client import InstanceClient
 from cluster.conductor.elastic import DeciderLease, ElasticRoles
 from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
 from cluster.conductor.ledger import Ledger
-from cluster.conductor.placement import Placement, PlacementConfig, Placer, TTFTCorrection
+from cluster.conductor.placement import AdmissionProbes, Placement, PlacementConfig, Placer, TTFTCorrection
 from cluster.conductor.registry import InstanceRecord, Registry
-from cluster.pool.metadata.membership import LeasedKey, list_instances
+from cluster.conductor.upkeep import Upkeep
+from cluster.metadata.membership import LeasedKey
 from cluster.policies.cost_model import DecodeStepModel, InstanceProfile
-from cluster.policies.early_rejection import SLO
+from cluster.policies.early_rejection import SLO, request_tbt
 from cluster.policies.elastic_roles import ElasticConfig
 from cluster.policies.snapshot import RequestInfo
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
-from cluster.pool.metadata import MetadataStore
+from cluster.metadata import MetadataStore
 from cluster.pool.objects import object_keys
 from cluster.protocol import INSTANCE, MEMBERSHIP, ControlVerifier, derive_key, verify_request
-from cluster.protocol import BadRequest, Fence, RegisterReply, RegisterRequest, TimedOut, Unauthorized
+from cluster.protocol import BadRequest, Fence, RegisterReply, RegisterRequest, Unauthorized
 from engine.default_model import default_model_name
 from engine.model_config import ModelConfig
 from engine.default_model import resolve_model
@@ -66,9 +68,6 @@ from engine.tokenizer import Tokenizer
 from paged_kv.prefix_keys import chain_keys
 
 log = logging.getLogger(__name__)
-
-_FORGET_AFTER_S = 60.0  # an instance down and no longer announced is forgotten after this long
-
 
 @dataclass(frozen=True)
 class ConductorConfig:
@@ -140,6 +139,7 @@ class Conductor(EngineClient):
         self._verifier = ControlVerifier(derive_key(config.secret, INSTANCE))
         self.ledger = Ledger(self.fence.conductor)
         self.ttft_correction = TTFTCorrection()
+        self.probes = AdmissionProbes(config.placement.probe_share)
         self.registry = Registry(self.client, config.poll_interval_s, config.poll_timeout_s,
                                  on_new_incarnation=self.ledger.forget)
         for url in config.instances:
@@ -149,12 +149,6 @@ class Conductor(EngineClient):
         self._supervisor = supervisor
         self._pool = pool
         self._members, self._claim = members, claim
-        self._members_key = derive_key(config.secret, MEMBERSHIP)
-        self._members_error: str | None = None
-        # Membership records whose MAC failed in the latest listing (each logged when first seen):
-        # an instance announced without the cluster secret is never polled nor sent a request.
-        self._members_refused: list[str] = []
-        self._pool_stats: dict[str, Any] | None = None
         # Pool metadata calls run on threads of their own: a lookup that outlives its 1 s wait
         # (etcd down: up to its client timeout) must not take the default executor's few threads.
         self._pool_threads = ThreadPoolExecutor(2, thread_name_prefix="pool-lookup")
@@ -167,6 +161,8 @@ class Conductor(EngineClient):
         self._ids = itertools.count()
         self._background: set[asyncio.Task] = set()
         self._max_running_seen = 0
+        self.upkeep = Upkeep(config, self.client, self.registry, self.ledger, self.flow, self._spawn,
+                             self._pool_threads, pool, members, derive_key(config.secret, MEMBERSHIP))
         self.elastic: ElasticRoles | None = None
         if config.elastic is not None:
             slo = SLO(config.placement.slo_ttft_s, config.placement.slo_tbt_s)
@@ -179,11 +175,7 @@ class Conductor(EngineClient):
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         if not self._tasks:
-            self._tasks = [asyncio.create_task(self._load_tokenizer()), asyncio.create_task(self._renew_forever())]
-            if self._pool is not None:
-                self._tasks.append(asyncio.create_task(self._watch_pool()))
-            if self._members is not None:
-                self._tasks.append(asyncio.create_task(self._watch_members()))
+            self._tasks = [asyncio.create_task(self._load_tokenizer()), *self.upkeep.tasks()]
             if self.elastic is not None:
                 self._tasks.append(asyncio.create_task(self.elastic.run_forever()))
                 if self.elastic.decider is not None:
@@ -212,55 +204,6 @@ class Conductor(EngineClient):
         await self.client.close()
         self._pool_threads.shutdown(wait=False, cancel_futures=True)
 
-    async def _watch_pool(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                self._pool_stats = await loop.run_in_executor(self._pool_threads, self._pool.stats)
-            except Exception as exc:  # noqa: BLE001 -- reported, retried; the watch must not end
-                log.warning("pool metadata unavailable: %s", exc)
-            await asyncio.sleep(1.0)
-
-    async def _watch_members(self) -> None:
-        """Poll every instance announced in the membership; forget one that left it, once it has
-        been down (and held no request of this Conductor) for ``_FORGET_AFTER_S``: till then
-        /stats shows it down, and it comes back by itself if it was only cut off. Instances named
-        by hand stay."""
-        loop = asyncio.get_running_loop()
-        announced: set[str] = set()
-        gone_since: dict[str, float] = {}
-        while True:
-            try:
-                listing = await asyncio.wait_for(
-                    loop.run_in_executor(self._pool_threads, list_instances, self._members, self._members_key), 5.0)
-            except Exception as exc:  # noqa: BLE001 -- the instances known stay polled; retried
-                if self._members_error is None:
-                    log.warning("membership unavailable (the instances known are still polled): %s", exc)
-                self._members_error = f"{type(exc).__name__}: {exc}"
-            else:
-                if self._members_error is not None:
-                    log.info("membership available again")
-                self._members_error = None
-                for name in set(listing.refused) - set(self._members_refused):
-                    log.warning("ignoring the membership record %s: not signed with the cluster's membership key "
-                                "(written by someone without the cluster secret, or altered)", name)
-                self._members_refused = listing.refused
-                listed = {m.url.rstrip("/") for m in listing.members}
-                for url in sorted(listed - announced):
-                    self.registry.add(url)
-                announced |= listed
-                now = time.monotonic()
-                for rec in list(self.registry.records):
-                    if (rec.url not in announced or rec.url in listed or rec.up
-                            or rec.url in self.config.instances or self.ledger.holds(rec)):
-                        gone_since.pop(rec.url, None)
-                    elif now - gone_since.setdefault(rec.url, now) >= _FORGET_AFTER_S:
-                        self.registry.remove(rec)
-                        self.ledger.forget(rec)
-                        announced.discard(rec.url)
-                        del gone_since[rec.url]
-            await asyncio.sleep(self.config.members_interval_s)
-
     async def _pool_prefix(self, ids: list[int]) -> int:
         """Engine blocks of ``ids``'s prefix the pool holds; 0 without a pool, or when its
         metadata does not answer within a second (the instance still loads what it finds)."""
@@ -282,37 +225,6 @@ class Conductor(EngineClient):
             log.warning("pool lookup failed; placing without it: %s", exc)
             return 0
         return len(run) * per_object
-
-    async def _renew_forever(self) -> None:
-        """Keep the leases of the reservations requests hold on instances (they expire by
-        themselves when this Conductor dies or forgets them). Each instance is renewed by a call
-        of its own, bounded by ``renew_timeout_s``: one that stalls delays only its own leases,
-        and while its call is unanswered the next round skips it rather than piling calls up."""
-        in_flight: dict[InstanceRecord, asyncio.Task] = {}
-        while True:
-            await asyncio.sleep(self.config.renew_interval_s)
-            in_flight = {rec: task for rec, task in in_flight.items() if not task.done()}
-            for rec, rids in self.ledger.reservations().items():
-                if rec.up and rec not in in_flight:
-                    in_flight[rec] = self._spawn(self._renew_on(rec, rids))
-
-    async def _renew_on(self, rec: InstanceRecord, rids: list[str]) -> None:
-        try:
-            # wait_for as well as the HTTP timeout: the bound holds however the call hangs.
-            timeout = self.config.renew_timeout_s
-            asked_at = time.monotonic()
-            gone = await asyncio.wait_for(self.client.renew(rec.url, rids, timeout), timeout)
-            if gone and (stopped := self.flow.reservations_gone(gone, asked_at)):
-                # Lapsed there (the instance stalled past the lease): their prefills stop now
-                # rather than compute KV nobody will take, and the requests move.
-                log.warning("%d reservation(s) on %s lapsed: moving their requests", stopped, rec.url)
-        except (TimedOut, TimeoutError) as e:
-            # Slow, not necessarily down: the polls judge its health; the lease has two more rounds.
-            log.warning("renewing %d lease(s) on %s timed out: %s", len(rids), rec.url, e)
-        except InstanceUnavailable as e:
-            self.registry.mark_down(rec, f"renew: {e}")
-        except Exception as e:  # noqa: BLE001 -- a refused renewal ends no request by itself
-            log.warning("renewing leases on %s failed: %s", rec.url, e)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -416,6 +328,7 @@ class Conductor(EngineClient):
         most ``max_request_moves`` times, with the tokens already streamed as part of its prompt:
         the client's stream only pauses. A moved request was admitted once: where there is no
         room for it now, it waits for room (``move_wait_s`` at most) rather than end mid-stream."""
+        arrived = time.monotonic()
         if not self.is_ready:
             raise self.not_ready()
         ids = prompt_token_ids(prompt, self.tokenizer, self._vocab_size)
@@ -424,7 +337,7 @@ class Conductor(EngineClient):
         moves, number = 0, 0
         waiting_since: float | None = None
         while True:
-            attempt = _Attempt(request_id, ids, tuple(streamed), params, moves, number)
+            attempt = _Attempt(request_id, ids, tuple(streamed), params, moves, number, arrived)
             number += 1
             try:
                 async with aclosing(self._serve(attempt)) as outs:
@@ -469,42 +382,51 @@ class Conductor(EngineClient):
         prefills = self.registry.up("prefill" if disaggregated else "both")
         decodes = self.registry.up("decode") if disaggregated else []
         # A moved request was admitted once: refusing it now would lose work the client waits on.
-        placement = self._place(ids, prefills, decodes, pool_blocks, admit=attempt.moves == 0)
-        booking = self.ledger.book()
+        placement, probed = self._place(ids, prefills, decodes, pool_blocks, admit=attempt.moves == 0)
+        booking = self.ledger.book(request_id)
         prefill = prefills[placement.plan.instance]
         now = time.monotonic()
         if placement.local is not None:
             # Prefilled on its decode instance (cluster/policies/local_prefill.py): the whole
             # request runs there, as on a colocated instance.
             decode = decodes[placement.local.instance]
-            booking.add(decode, "prefilling", request_id, (now, placement.local.prefill_s))
+            booking.placed(decode, now, placement.local.prefill_s)
             self.counters.local_prefills += 1
             stream = self.flow.colocated(request_id, ids, params, booking, decode)
         elif disaggregated:
-            booking.add(prefill, "prefilling", request_id, (now, placement.plan.prefill_s))
+            booking.placed(prefill, now, placement.plan.prefill_s)
             order = [decodes[i] for i in placement.decode_order]
-            booking.add(order[0], "incoming", request_id, (now + placement.plan.ttft_s, len(ids)))
+            booking.kv_headed(order[0], now + placement.plan.ttft_s, len(ids))
             source = prefills[placement.plan.source] if placement.plan.source is not None else None
             stream = self.flow.disaggregated(request_id, ids, params, booking, prefill, source,
                                              placement.plan.prefix_tokens, order)
         else:
-            booking.add(prefill, "prefilling", request_id, (now, placement.plan.prefill_s))
+            booking.placed(prefill, now, placement.plan.prefill_s)
             stream = self.flow.colocated(request_id, ids, params, booking, prefill)
         self._max_running_seen = max(self._max_running_seen, self.ledger.total_running() + 1)
         # A first token placed afresh says how long prefills take live (a moved request's
         # prompt is the one before plus what streamed: its TTFT is not the plan's).
         timed = placement.local is None and attempt.moves == 0
         factor_then = self.ttft_correction.factor
+        stamps: list[float] = []  # when each output of a probe went out
         async with aclosing(stream):
             async for out in stream:
                 if timed:
                     self.ttft_correction.observe(placement.plan.ttft_s, time.monotonic() - now, factor_then)
                     self.ledger.prefill_factor = self.ttft_correction.factor
                     timed = False
+                if probed:
+                    stamps.append(time.monotonic())
                 yield out
+        if probed and stamps:  # ended as it should: whether the refusal was wrong
+            gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+            self.probes.done(stamps[0] - attempt.arrived <= placement.slo.ttft_s
+                             and request_tbt(gaps) <= placement.slo.tbt_s)
 
     def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord],
-               pool_blocks: int, admit: bool = True) -> Placement:
+               pool_blocks: int, admit: bool = True) -> tuple[Placement, bool]:
+        """The placement, and whether it is an admission probe (``AdmissionProbes``); a refusal
+        raises ``EngineOverloaded``."""
         ref = prefills[0]
         layout = ref.layout
         profile = self._decode_profile() if decodes else None
@@ -525,8 +447,10 @@ class Conductor(EngineClient):
             self.elastic.on_placed(now, len(ids), result.plan, ref.profile.prefill, prefills,
                                    decode_states[result.decode_order[0]] if placed else None, len(decodes))
         if not placed:
+            if result.placement is not None and self.probes.take():
+                return result.placement, True  # refused by admission, admitted to see if it was right
             raise self.counters.reject(result.reason, result.retry_after_s)
-        return result
+        return result, False
 
     def _decode_profile(self) -> InstanceProfile | None:
         """The profile placement predicts decode instances with: a decode instance's, else any
@@ -565,14 +489,16 @@ class Conductor(EngineClient):
             "ready": self.is_ready,
             "mode": self._serving_mode() or "none",
             "conductor_id": self.fence.conductor, "epoch": self.epoch,
-            **({"membership_error": self._members_error} if self._members_error else {}),
-            **({"membership_refused": len(self._members_refused)} if self._members is not None else {}),
+            **({"membership_error": self.upkeep.members_error} if self.upkeep.members_error else {}),
+            **({"membership_refused": len(self.upkeep.members_refused)} if self._members is not None else {}),
             "answers_refused": self.client.answers_refused,
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,
             "local_prefills": c.local_prefills,
             "ttft_prediction_factor": round(self.ttft_correction.factor, 3),
+            "admission_probes": self.probes.probed, "admission_probes_met_slo": self.probes.met,
+            "false_reject_rate": self.probes.false_reject_rate,
             "moved_requests_waiting_for_room": c.moved_waits,
             "migrations": c.migrations, "migrated_blocks": c.migrated_blocks,
             "max_num_running_seen": max(self._max_running_seen, totals.get("max_num_running_seen", 0)),
@@ -582,8 +508,8 @@ class Conductor(EngineClient):
             totals.update(self.elastic.describe())
         if self._supervisor is not None:
             totals["supervised"] = self._supervisor.status()
-        if self._pool_stats is not None:
-            pool = dict(self._pool_stats)
+        if self.upkeep.pool_stats is not None:
+            pool = dict(self.upkeep.pool_stats)
             for name in CLIENT_COUNTERS:  # what the instances read and wrote
                 pool[name] = sum(s.get("pool_client", {}).get(name, 0) for s in up)
             totals["pool"] = pool
@@ -603,6 +529,7 @@ class _Attempt:
     client_params: SamplingParams
     moves: int
     number: int = 0
+    arrived: float = 0.0  # monotonic, when the client's request reached the Conductor
 
     @property
     def request_id(self) -> str:

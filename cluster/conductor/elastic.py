@@ -51,8 +51,8 @@ from typing import Any
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.registry import InstanceRecord, Registry
-from cluster.pool.metadata import MetadataStore
-from cluster.pool.metadata.membership import DEFAULT_TTL_S, LeasedKey, decider, hold_decider
+from cluster.metadata import MetadataStore
+from cluster.metadata.membership import DEFAULT_TTL_S, LeasedKey, decider, hold_decider
 from cluster.policies.cost_model import DecodeStepModel, PrefillTime
 from cluster.policies.early_rejection import SLO
 from cluster.policies.elastic_roles import (ElasticConfig, ElasticRolePolicy, PredictionLog, Role, RoleView,

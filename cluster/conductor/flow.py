@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.conductor.client import InstanceClient
-from cluster.conductor.ledger import Booking, RunningDecode
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.protocol import (BadRequest, GenerateRequest, InstanceBusy, InstanceUnavailable, KVWriteFailed, NoKVRoom,
                               Prefilled, ProtocolError, RequestError, RequestFailed, ReserveReply, UnknownReservation)
@@ -42,6 +41,107 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningDecode:
+    start_s: float
+    prompt_tokens: int
+    generated: int = 1  # the first token came from the prefill
+
+
+class Booking:
+    """Where one request stands on each instance, booked step by step as it walks through the
+    cluster: the methods below, in the order a disaggregated request takes them, each called
+    before the call that makes an instance hold something. The ledger (``ledger.py``) adds up
+    every open booking into each instance's load; ``close``, on whatever path the request leaves,
+    says what the instances may still hold of it, to abort. A step that ends by itself there
+    (``prefilled``, ``finished``) leaves nothing to abort. ``key``: a second id of the request's
+    own on an instance (a hot-prefix migration's), by default the request's."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.prefill: tuple[InstanceRecord, float, float] | None = None  # (instance, start, predicted s)
+        self.kv: tuple[InstanceRecord, float, int] | None = None  # headed to (decode, predicted arrival, prompt)
+        self.reserved: dict[tuple[InstanceRecord, str], bool] = {}  # held: -> no KV write can be in flight
+        self.decode: tuple[InstanceRecord, RunningDecode] | None = None  # decoding there
+        self.closed = False
+
+    def placed(self, rec: InstanceRecord, start: float, predicted_s: float) -> None:
+        """Its prefill is placed on ``rec`` (a prefill instance, or the instance that runs the
+        whole request), predicted to take ``predicted_s``."""
+        self.prefill = (rec, start, predicted_s)
+
+    def kv_headed(self, decode: InstanceRecord, arrives_at: float, prompt_tokens: int) -> None:
+        """Its KV is headed for ``decode``, predicted to land at ``arrives_at``."""
+        self.kv = (decode, arrives_at, prompt_tokens)
+
+    def reserving(self, rec: InstanceRecord, key: str | None = None) -> None:
+        """A reservation is asked for on ``rec``: from now on it may hold one (a call that
+        times out may have been granted), though nothing writes into it yet."""
+        self.reserved[rec, key or self.request_id] = True
+
+    def no_room(self, rec: InstanceRecord) -> None:
+        """``rec`` refused the reservation: it holds nothing."""
+        self.reserved.pop((rec, self.request_id), None)
+
+    def kv_moved(self, decode: InstanceRecord, prompt_tokens: int) -> None:
+        """The reservation was granted on ``decode``, not on the planned one (full)."""
+        self.kv = (decode, time.monotonic(), prompt_tokens)
+
+    def writable(self, rec: InstanceRecord, key: str | None = None) -> None:
+        """From now on KV may be in flight into the reservation on ``rec``: its abort must say so."""
+        self.reserved[rec, key or self.request_id] = False
+
+    def released(self, rec: InstanceRecord, key: str | None = None) -> None:
+        """The reservation on ``rec`` is over there (adopted or dropped)."""
+        self.reserved.pop((rec, key or self.request_id), None)
+
+    def prefilled(self, decode: InstanceRecord) -> None:
+        """The prefill answered: it left its instance's queue, its KV landed on ``decode``, and no
+        write is in flight into the reservation any more."""
+        self.prefill = self.kv = None
+        self.reserved[decode, self.request_id] = True
+
+    def decoding(self, rec: InstanceRecord, prompt_tokens: int, generated: int = 1) -> RunningDecode:
+        """It decodes on ``rec`` (``generated``: tokens it has already, from a prefill
+        elsewhere); the entry counts the tokens that stream back."""
+        entry = RunningDecode(time.monotonic(), prompt_tokens, generated)
+        self.decode = (rec, entry)
+        return entry
+
+    def first_token(self) -> None:
+        """The instance that runs the whole request sent its first token: its prefill is over."""
+        self.prefill = None
+
+    def finished(self) -> None:
+        """It ended where it decoded, by itself: nothing there to abort."""
+        if self.decode is not None:
+            self.reserved.pop((self.decode[0], self.request_id), None)
+        self.decode = None
+
+    def forget(self, rec: InstanceRecord) -> None:
+        """``rec`` restarted: whatever it held of the request is gone with it."""
+        if self.prefill is not None and self.prefill[0] is rec:
+            self.prefill = None
+        if self.kv is not None and self.kv[0] is rec:
+            self.kv = None
+        if self.decode is not None and self.decode[0] is rec:
+            self.decode = None
+        self.reserved = {(at, key): done for (at, key), done in self.reserved.items() if at is not rec}
+
+    def close(self) -> dict[tuple[InstanceRecord, str], bool]:
+        """End every step. Returns what instances may still hold of the request (a
+        reservation, a queued prefill, a running decode) as {(instance, id): writes done}, to
+        abort there; ``writes done`` is False for a reservation whose KV may still be arriving."""
+        holds = dict(self.reserved)
+        for step in (self.prefill, self.decode):
+            if step is not None:
+                holds.setdefault((step[0], self.request_id), True)
+        self.prefill = self.kv = self.decode = None
+        self.reserved = {}
+        self.closed = True
+        return holds
 
 
 class RequestMoved(Exception):
@@ -113,7 +213,7 @@ class RequestFlow:
             self._counters.accepted += 1
             if source is not None and source is not prefill:
                 await self._migrate(rid, ids, prefix_tokens, source, prefill, booking)
-            booking.add(decode, "reserved", rid, False)  # from now on KV may be in flight
+            booking.writable(decode)
             # Noted after the grant: a renewal sent before now may not have seen it.
             lapsed = asyncio.Event()
             self._granted[rid] = (time.monotonic(), lapsed)
@@ -129,9 +229,7 @@ class RequestFlow:
                 raise self._failed(prefill, "prefill", e) from None
             finally:
                 self._granted.pop(rid, None)
-            booking.remove(prefill, "prefilling", rid)
-            booking.remove(decode, "incoming", rid)
-            booking.add(decode, "reserved", rid, True)  # the prefill answered: no write in flight
+            booking.prefilled(decode)
             handoff = first.finish_reason == "handoff"
             if handoff:
                 first.finished, first.finish_reason = False, None
@@ -142,22 +240,21 @@ class RequestFlow:
                 return
             body = GenerateRequest(rid, ids, params,
                                    Prefilled(first.new_token_ids[0], first.num_cached_tokens, sampler_state))
-            entry = booking.add(decode, "running", rid, RunningDecode(time.monotonic(), len(ids)))
+            entry = booking.decoding(decode, len(ids))
             async for out in self._relay(decode, body, entry):
                 yield out
-            booking.remove(decode, "running", rid)  # finished there: nothing to abort
-            booking.remove(decode, "reserved", rid)
+            booking.finished()
 
     async def _reserve(self, rid: str, ids: list[int], params: SamplingParams, decodes: list[InstanceRecord],
                        booking: Booking) -> tuple[InstanceRecord, ReserveReply]:
         full = []
         for rec in decodes:
             # Noted before the call: if it times out, the instance may still have granted it.
-            booking.add(rec, "reserved", rid, True)
+            booking.reserving(rec)
             try:
                 dest = await self._client.reserve(rec.url, rid, ids, params)
             except NoKVRoom:
-                booking.remove(rec, "reserved", rid)
+                booking.no_room(rec)
                 full.append(rec)
                 self._counters.decode_retries += 1
                 continue
@@ -171,8 +268,7 @@ class RequestFlow:
                 continue
             # The KV is headed here, not to the planned instance, if that one was full.
             if rec is not decodes[0]:
-                booking.remove(decodes[0], "incoming", rid)
-                booking.add(rec, "incoming", rid, (time.monotonic(), len(ids)))
+                booking.kv_moved(rec, len(ids))
             return rec, dest
         if full:
             raise self._counters.reject(f"no decode instance has room for the KV ({len(full)} full)", 1.0)
@@ -188,10 +284,10 @@ class RequestFlow:
         if not prefix:
             return
         mid = f"{rid}:migrate"
-        booking.add(target, "reserved", mid, True)
+        booking.reserving(target, mid)
         try:
             dest = await self._client.reserve(target.url, mid, prefix, SamplingParams(max_tokens=1))
-            booking.add(target, "reserved", mid, False)  # the push may write into it
+            booking.writable(target, mid)  # the push may write into it
             ok = True
             try:
                 await self._client.push(source.url, mid, prefix, dest)
@@ -199,7 +295,7 @@ class RequestFlow:
                 log.info("migration from %s to %s failed: %s", source.url, target.url, e)
                 ok = False
             adopted = await self._client.adopt(target.url, mid, ok)
-            booking.remove(target, "reserved", mid)  # adopted or dropped there
+            booking.released(target, mid)  # adopted or dropped there
             if ok:
                 self._counters.migrations += 1
                 self._counters.migrated_blocks += adopted and dest.num_blocks
@@ -211,12 +307,12 @@ class RequestFlow:
                         rec: InstanceRecord) -> AsyncIterator[RequestOutput]:
         self._counters.accepted += 1
         body = GenerateRequest(rid, ids, params)
-        entry = booking.add(rec, "running", rid, RunningDecode(time.monotonic(), len(ids), generated=0))
+        entry = booking.decoding(rec, len(ids), generated=0)
         with self._settled(rid, booking):
             async for out in self._relay(rec, body, entry):
-                booking.remove(rec, "prefilling", rid)
+                booking.first_token()
                 yield out
-            booking.remove(rec, "running", rid)
+            booking.finished()
 
     # -- shared ---------------------------------------------------------------------------------------
     async def _relay(self, rec: InstanceRecord, body: GenerateRequest, entry: RunningDecode) -> AsyncIterator[RequestOutput]:

@@ -1,13 +1,14 @@
-"""The Conductor's per-instance ledger: what it routed where, with rollback.
+"""The Conductor's per-instance ledger: each instance's load, from the requests' bookings.
 
 Every request passes through the Conductor, so it keeps an exact, immediate record of each
 instance's load: prefills queued or running there (with their predicted times), decodes running
 there (with their contexts, counted as tokens stream back), KV on its way there, and the
 reservations it holds there (which it renews, ``reservations``). A queue length polled every
 0.2 s would be stale, and a burst of arrivals would all pile onto the instance that last looked
-idle: so a placement is booked in the same synchronous step that decided it (``Booking``), and
-every entry a booking made is undone by ``Booking.close`` on whatever path the request leaves.
-From the ledger come the snapshots the policies read (``cluster/policies/snapshot.py``).
+idle: so a placement is booked in the same synchronous step that decided it. Each request keeps
+its own ``Booking`` (``flow.py``: where it stands, step by step, on the request path); the
+ledger holds the open ones and adds them up per instance (``load``), and from those loads come
+the snapshots the policies read (``cluster/policies/snapshot.py``).
 
 Other Conductors may front the same instances (issue 41). Their requests are not in this ledger,
 but every poll answer says what each Conductor's requests make the instance do
@@ -21,15 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from cluster.conductor.flow import Booking, RunningDecode
 from cluster.conductor.registry import InstanceRecord
 from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState
-
-
-@dataclass
-class RunningDecode:
-    start_s: float
-    prompt_tokens: int
-    generated: int = 1  # the first token came from the prefill
 
 
 @dataclass(frozen=True)
@@ -101,12 +96,31 @@ class Ledger:
         # How much longer prefills take live than calibrated (the Conductor's ``TTFTCorrection``):
         # the others' reported prompts are predicted as this Conductor's own are.
         self.prefill_factor = 1.0
-        self._loads: dict[InstanceRecord, InstanceLoad] = {}
+        self._open: list[Booking] = []
+
+    def book(self, request_id: str) -> Booking:
+        """A new request's booking, counted in every load until it is closed."""
+        booking = Booking(request_id)
+        self._open.append(booking)
+        return booking
+
+    def _bookings(self) -> list[Booking]:
+        self._open = [b for b in self._open if not b.closed]
+        return self._open
 
     def load(self, rec: InstanceRecord) -> InstanceLoad:
-        load = self._loads.get(rec)
-        if load is None:
-            load = self._loads[rec] = InstanceLoad()
+        """What this Conductor's open bookings hold on ``rec`` now."""
+        load = InstanceLoad()
+        for b in self._bookings():
+            if b.prefill is not None and b.prefill[0] is rec:
+                load.prefilling[b.request_id] = b.prefill[1:]
+            if b.kv is not None and b.kv[0] is rec:
+                load.incoming[b.request_id] = b.kv[1:]
+            if b.decode is not None and b.decode[0] is rec:
+                load.running[b.request_id] = b.decode[1]
+            for (at, key), writes_done in b.reserved.items():
+                if at is rec:
+                    load.reserved[key] = writes_done
         return load
 
     def others(self, rec: InstanceRecord) -> Others:
@@ -138,50 +152,21 @@ class Ledger:
         return self.load(rec).queued(self.others(rec))
 
     def forget(self, rec: InstanceRecord) -> None:
-        """A new incarnation of ``rec``: whatever the old one was doing is gone."""
-        self._loads.pop(rec, None)
+        """A new incarnation of ``rec``: whatever the old one was doing is gone (nothing to abort)."""
+        for b in self._bookings():
+            b.forget(rec)
 
     def holds(self, rec: InstanceRecord) -> bool:
         """Whether any request of this Conductor is on ``rec`` (placed, running or reserved)."""
-        load = self._loads.get(rec)
-        return load is not None and any(load.describe().values())
+        return any(self.load(rec).describe().values())
 
     def reservations(self) -> dict[InstanceRecord, list[str]]:
         """The reservations held on each instance, to renew."""
-        return {rec: list(load.reserved) for rec, load in self._loads.items() if load.reserved}
-
-    def book(self) -> Booking:
-        return Booking(self)
+        held: dict[InstanceRecord, list[str]] = {}
+        for b in self._bookings():
+            for rec, key in b.reserved:
+                held.setdefault(rec, []).append(key)
+        return held
 
     def total_running(self) -> int:
-        return sum(len(load.running) for load in self._loads.values())
-
-
-class Booking:
-    """The ledger entries of one request. ``add`` books, ``remove`` ends an entry that is over
-    (nothing to abort there any more), and ``close`` ends whatever is left."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self._ledger = ledger
-        self._entries: list[tuple[InstanceRecord, str, str]] = []  # (instance, table, key)
-
-    def add(self, rec: InstanceRecord, table: str, key: str, value: Any) -> Any:
-        getattr(self._ledger.load(rec), table)[key] = value
-        self._entries.append((rec, table, key))
-        return value
-
-    def remove(self, rec: InstanceRecord, table: str, key: str) -> None:
-        getattr(self._ledger.load(rec), table).pop(key, None)
-
-    def close(self) -> dict[tuple[InstanceRecord, str], bool]:
-        """Undo every entry. Returns what instances may still hold of the request (a
-        reservation, a queued prefill, a running decode) as {(instance, id): writes done}, to
-        abort there; ``writes done`` is False for a reservation whose KV may still be arriving."""
-        holds: dict[tuple[InstanceRecord, str], bool] = {}
-        for rec, table, key in self._entries:
-            value = getattr(self._ledger.load(rec), table).pop(key, None)
-            if value is not None and table != "incoming":
-                done = value if table == "reserved" else True
-                holds[rec, key] = holds.get((rec, key), True) and done
-        self._entries.clear()
-        return holds
+        return sum(b.decode is not None for b in self._bookings())

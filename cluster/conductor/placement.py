@@ -20,6 +20,11 @@ other and with the Conductors, and first tokens take longer than it predicts (is
 requests met the TTFT SLO 4% of the time at 4x overload). ``TTFTCorrection`` learns how much
 longer from every request's predicted and actual TTFT, and placement predicts with the model
 scaled by it (``ScaledPrefill``); default SLOs stay those of the calibrated, idle model.
+
+How often is a refusal wrong (issue 41 item 3)? Only admitting the request tells: a refusal by
+the admission policy carries the placement it refused (``Refusal.placement``), and the Conductor
+admits a ``probe_share`` of them all the same (``AdmissionProbes``), timing each against the SLOs
+it was judged by. The queue bound's refusals are never probed.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ class PlacementConfig:
     # the decode instances' step budget, which spreads a prompt over their steps.
     local_prefill: bool = False
     local_prefill_chunk_tokens: int = 512
+    # Of the requests admission refuses, this share is admitted all the same and timed: the
+    # live false-reject rate (``AdmissionProbes``). 0: none, and no rate.
+    probe_share: float = 0.02
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -83,6 +91,8 @@ class PlacementConfig:
                              "instance only where both hold")
         if self.local_prefill_chunk_tokens < 1:
             raise ValueError("local_prefill_chunk_tokens must be >= 1")
+        if not 0 <= self.probe_share <= 1:
+            raise ValueError(f"probe_share must be in [0, 1], got {self.probe_share}")
 
 
 class TTFTCorrection:
@@ -110,18 +120,49 @@ class TTFTCorrection:
         self.factor = min(max(moved, self.BOUNDS[0]), self.BOUNDS[1])
 
 
+class AdmissionProbes:
+    """The live false-reject rate: which refusals to admit all the same (every ``1/share``-th,
+    evenly, not at random: reproducible), and how many of those met both SLOs."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self._refusals = 0
+        self.probed = 0
+        self.met = 0
+
+    def take(self) -> bool:
+        """One more refusal by the admission policy: whether to admit it as a probe."""
+        self._refusals += 1
+        return math.floor(self._refusals * self.share) > math.floor((self._refusals - 1) * self.share)
+
+    def done(self, met: bool) -> None:
+        """A probe ran to its end: it met both its SLOs, or not."""
+        self.probed += 1
+        self.met += met
+
+    @property
+    def false_reject_rate(self) -> float | None:
+        """Of the refused requests admitted as probes, the share that met both SLOs."""
+        return self.met / self.probed if self.probed else None
+
+
 @dataclass(frozen=True)
 class Placement:
     plan: PrefillPlan  # the prefill instance, the prefix it reuses (maybe pulled), predicted times
     decode_order: list[int]  # decode instances, most preferred first (empty for colocated)
     local: LocalPlan | None = None  # set: prefill on decode instance local.instance (the first of the order)
+    slo: SLO | None = None  # the SLOs admission judged it by (None: no admission policy)
 
 
 @dataclass(frozen=True)
 class Refusal:
     reason: str
     retry_after_s: float
-    plan: PrefillPlan | None = None  # what admission refused (None: refused before any plan)
+    placement: Placement | None = None  # what admission refused (None: refused before any plan)
+
+    @property
+    def plan(self) -> PrefillPlan | None:
+        return None if self.placement is None else self.placement.plan
 
 
 class Placer:
@@ -162,16 +203,18 @@ class Placer:
         admission = self.admission(request)
         balanced = DecodeLoadBalancer(admission.step).select(request, decodes)
         decision = admission.on_arrival(now, request, plan, balanced, decodes)
-        if admit and not decision.accept:
-            return Refusal(f"overloaded: predicted prefill load {decision.prefill_load:.2f}, decode load "
-                           f"{decision.decode_load:.2f} (1.0 = at the SLO)", plan.queue_s, plan)
         order = sorted(range(len(decodes)),
                        key=lambda i: (decodes[i].index != balanced.instance, admission.tbt_with(request, decodes[i])))
         local = None
         if self.local is not None:
             chosen = self.local.choose(request, plan, decodes[order[0]])
             local = chosen if chosen.local else None
-        return Placement(plan, [decodes[i].index for i in order], local)
+        slo = None if isinstance(admission, AcceptAll) else admission.slo
+        placement = Placement(plan, [decodes[i].index for i in order], local, slo)
+        if admit and not decision.accept:
+            return Refusal(f"overloaded: predicted prefill load {decision.prefill_load:.2f}, decode load "
+                           f"{decision.decode_load:.2f} (1.0 = at the SLO)", plan.queue_s, placement)
+        return placement
 
     def admission(self, request: RequestInfo) -> AdmissionPolicy:
         """The admission policy ``request`` is judged by (with decode instances only)."""

@@ -8,7 +8,7 @@ got an epoch lower than its last one (the instances answered 409 and it marked t
 
 So an instance that has the membership store (``--etcd``) takes an epoch only from the identity
 it belongs to, as the store says: the epoch in ``members/conductors/<id>``, whose record is signed
-with the membership key (``cluster.pool.metadata.membership.conductor_epoch``). An id with a claim
+with the membership key (``cluster.metadata.membership.conductor_epoch``). An id with a claim
 is held to it: another epoch is refused (``WrongEpoch``) however large, and the claim's epoch is
 taken even when it is lower than one seen before (the store was rebuilt, the claim is the truth:
 the earlier incarnation's reservations are released as on any restart). The store is read only
@@ -30,8 +30,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from cluster.pool.metadata import MetadataStore, MetadataUnavailable
-from cluster.pool.metadata.membership import conductor_epoch
+from cluster.metadata import MetadataStore, MetadataUnavailable
+from cluster.metadata.membership import conductor_epoch
 from cluster.protocol import Fence, WrongEpoch
 
 log = logging.getLogger(__name__)

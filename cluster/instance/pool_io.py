@@ -58,7 +58,7 @@ from cluster.messenger import TransferError
 from cluster.messenger.staging import StagingArea, StagingFull, StagingRange, when_free
 from cluster.pool.client import NewObject, PoolClient, PoolRead, PoolWrite
 from cluster.pool.layerwise import LayerwiseStore, LayerwiseStores
-from cluster.pool.metadata import MetadataUnavailable
+from cluster.metadata import MetadataUnavailable
 from cluster.pool.objects import PoolGeometry, part_checksums
 from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVHandoff

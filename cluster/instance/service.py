@@ -3,7 +3,7 @@
 At start the instance loads its engine (``AsyncLLMEngine``: one engine thread), opens its
 Messenger (``Messenger``) and staging (send for a prefill / both instance, receive for
 every role), calibrates its cost models (``cluster/instance/calibration.py``), then makes itself known: it
-announces itself in etcd (``cluster.pool.metadata.membership``), where every Conductor finds it, and/or
+announces itself in etcd (``cluster.metadata.membership``), where every Conductor finds it, and/or
 registers with each Conductor named by hand, again every few seconds (one that restarted has
 forgotten it). Polls (``info``, ``state``) are answered from snapshots the engine thread publishes
 after each step, never by waiting for the engine thread: one long step must not make a healthy
@@ -39,8 +39,8 @@ from cluster.cpp.pool_stages import LaterStages
 from cluster.pool import PoolClient, PoolConfig, PoolGeometry, Segment, SegmentConfig, SegmentService, SsdTier
 from cluster.pool.config import model_identity, weights_digest
 from cluster.instance.epochs import Epochs
-from cluster.pool.metadata.membership import LeasedKey, announce
-from cluster.pool.metadata import MetadataUnavailable, connect_metadata
+from cluster.metadata.membership import LeasedKey, announce
+from cluster.metadata import MetadataUnavailable, connect_metadata
 from cluster.messenger.staging import StagingArea
 from cluster.messenger import MessengerConfig, Messenger
 from cluster.protocol import (INSTANCE, MEMBERSHIP, MESSENGER, BadRequest, ControlAuth, Fence, StageSpec,
@@ -66,7 +66,7 @@ class InstanceConfig:
     url: str  # how the Conductor reaches this instance, e.g. http://127.0.0.1:8101
     secret: bytes  # the cluster secret: Messenger authentication and the control routes
     conductors: tuple[str, ...] = ()  # Conductors' URLs to register with (besides, or instead of, etcd)
-    members: str | None = None  # etcd's URL, to announce this instance in (``cluster.pool.metadata.membership``)
+    members: str | None = None  # etcd's URL, to announce this instance in (``cluster.metadata.membership``)
     staging_gib: float = 0.5  # send and receive staging, each (raised to one max-length prompt's KV)
     reservation_lease_s: float = 10.0  # released unless the Conductor renews it within this long
     transfer_timeout_s: float = 30.0
@@ -386,7 +386,7 @@ class InstanceService:
                 await asyncio.sleep(_REREGISTER_S if up else 1.0)
 
     async def _announce_forever(self) -> None:
-        """Put this instance in the membership (``cluster.pool.metadata.membership``), retrying until the store
+        """Put this instance in the membership (``cluster.metadata.membership``), retrying until the store
         answers; the announcement lives until shutdown."""
         store = self._members
         loop = asyncio.get_running_loop()

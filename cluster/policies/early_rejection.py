@@ -18,6 +18,7 @@ rejection, late decode binding) are in ``bench/sim/baselines.py``, on the same `
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -45,6 +46,15 @@ class SLO:
 # threshold (100 ms), which no one reading a stream notices.
 DEFAULT_TTFT_FACTOR, DEFAULT_TBT_FACTOR = 10.0, 5.0
 DEFAULT_TTFT_FLOOR_S, DEFAULT_TBT_FLOOR_S = 1.0, 0.1
+
+
+def request_tbt(gaps: Sequence[float]) -> float:
+    """A request's TBT (FAST'25 §5.1): the mean of its longest 10% inter-token gaps (at least
+    one); 0 without any gap."""
+    if not gaps:
+        return 0.0
+    k = max(1, math.ceil(0.1 * len(gaps)))
+    return sum(sorted(gaps, reverse=True)[:k]) / k
 
 
 def default_slo(prefill: PrefillTime, step: DecodeStepModel, input_length: int) -> SLO:

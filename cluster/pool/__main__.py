@@ -19,7 +19,7 @@ import threading
 from cluster.protocol import MESSENGER, derive_key
 from cluster.pool.client import PoolClient
 from cluster.pool.config import PoolConfig
-from cluster.pool.metadata import connect_metadata
+from cluster.metadata import connect_metadata
 from cluster.pool.segment import Segment, SegmentConfig
 from cluster.pool.service import SegmentService
 from cluster.pool.ssd import SsdTier

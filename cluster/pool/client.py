@@ -46,7 +46,7 @@ from cluster.pool.messages import (
     AbortRequest, AllocReply, AllocRequest, Grant, LeaseReply, LeaseRequest, NewObjectSize, PoolRequest,
     ReleaseRequest, SealReply, SealRequest, TouchRequest,
 )
-from cluster.pool.metadata import MetadataStore
+from cluster.metadata import MetadataStore
 from cluster.protocol import BadRequest
 
 log = logging.getLogger(__name__)

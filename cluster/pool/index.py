@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.pool.metadata import MetadataStore
+from cluster.metadata import MetadataStore
 
 log = logging.getLogger(__name__)
 

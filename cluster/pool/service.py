@@ -37,7 +37,7 @@ from cluster.pool.messages import (
     OPS, AbortRequest, AllocReply, AllocRequest, LeaseReply, LeaseRequest, ReleaseRequest, SealReply, SealRequest,
     TouchRequest, request_from_dict,
 )
-from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
+from cluster.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 from cluster.pool.segment import PoolFull, Segment
 
 log = logging.getLogger(__name__)

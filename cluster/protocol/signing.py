@@ -40,7 +40,7 @@ class Fence:
     remembers the newest epoch each id has shown: a newer one (that Conductor restarted) releases
     only that id's older reservations at once, and a call from an older one is refused
     (``WrongEpoch``). The epoch is the revision of the Conductor's claim on its id in etcd
-    (``cluster.pool.metadata.membership``), else its start time in nanoseconds: either grows from one
+    (``cluster.metadata.membership``), else its start time in nanoseconds: either grows from one
     incarnation to the next."""
 
     conductor: str
@@ -71,7 +71,7 @@ class Fence:
 CONTROL = "control"  # what Conductors sign: their calls to instances
 INSTANCE = "instance"  # what instances sign: a registration with a Conductor, a stage joining its first
 MESSENGER = "messenger"
-MEMBERSHIP = "membership"  # the instances' records in etcd (cluster.pool.metadata.membership)
+MEMBERSHIP = "membership"  # the instances' records in etcd (cluster.metadata.membership)
 
 TIMESTAMP_HEADER = "X-Mooncake-Timestamp"
 NONCE_HEADER = "X-Mooncake-Nonce"

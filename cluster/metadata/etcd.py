@@ -1,4 +1,4 @@
-"""``EtcdMetadata``: the metadata contract (``cluster.pool.metadata``) in a real etcd (>= 3.4),
+"""``EtcdMetadata``: the metadata contract (``cluster.metadata``) in a real etcd (>= 3.4),
 through its v3 HTTP gateway, for clusters that have one (Mooncake's default); over TLS and with
 etcd's user/password authentication where the operator turned them on (``EtcdAccess``)."""
 
@@ -17,7 +17,7 @@ import etcd3gw
 from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease as EtcdLease
 
-from cluster.pool.metadata import DEFAULT_TIMEOUT_S, LeaseGone, MetadataStore, MetadataUnavailable, base_url
+from cluster.metadata import DEFAULT_TIMEOUT_S, LeaseGone, MetadataStore, MetadataUnavailable, base_url
 
 ETCD_DEFAULT_PORT = 2379
 

@@ -1,4 +1,4 @@
-"""``LocalMetadata``: the metadata contract (``cluster.pool.metadata``) in this process's memory.
+"""``LocalMetadata``: the metadata contract (``cluster.metadata``) in this process's memory.
 
 Tests use it directly; the Conductor serves one over HTTP (``embedded.MetadataServer``) and
 reads it in place for its own lookups.
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cluster.pool.metadata import LeaseGone, MetadataStore
+from cluster.metadata import LeaseGone, MetadataStore
 
 
 @dataclass

@@ -2,7 +2,7 @@
 HTTP, ``HttpMetadata`` is its client. Together here because they share the wire format.
 
 The zero-configuration backend (Mooncake's master with ``--enable_http_metadata_server``): one
-route per operation of the contract (``cluster.pool.metadata``), ``POST /<operation>`` with a
+route per operation of the contract (``cluster.metadata``), ``POST /<operation>`` with a
 JSON object, answered with a JSON object; a lease that is gone is status 410. Every request is
 signed with a key derived from the cluster secret for this purpose alone (``METADATA_PURPOSE``,
 ``cluster.protocol``); anything else gets 401.
@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from cluster.pool.metadata import DEFAULT_TIMEOUT_S, LeaseGone, MetadataStore, MetadataUnavailable, base_url
-from cluster.pool.metadata.local import LocalMetadata
+from cluster.metadata import DEFAULT_TIMEOUT_S, LeaseGone, MetadataStore, MetadataUnavailable, base_url
+from cluster.metadata.local import LocalMetadata
 from cluster.protocol import ControlAuthError, ControlVerifier, derive_key, sign
 
 log = logging.getLogger(__name__)

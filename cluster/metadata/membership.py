@@ -47,7 +47,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from cluster.pool.metadata import LeaseGone, MetadataStore, MetadataUnavailable
+from cluster.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""The pool's metadata store: membership and the object index, held under leases.
+"""The cluster's metadata store: its membership and the pool's object index, held under leases.
+
+A package of the cluster's own (issue 41): Conductors find the instances and claim their ids
+in it (``membership``), elastic roles elect their decider in it, and the KVCache pool keeps its
+index there (``cluster.pool``).
 
 Mooncake keeps the pool's metadata in etcd: every node writes its entries (where its segment is,
 which objects it holds) under a lease it keeps alive; when a node dies its lease expires and its
@@ -8,7 +12,7 @@ entries vanish, so no master has to notice the death. ``MetadataStore`` is that 
   (or grant); when it expires or is revoked every key put under it is gone, at once for readers.
 * ``create``: ``put`` only if the key is absent, answering the store's revision after it (a
   number that only grows, over every write) or None when the key is held: a claim on a name, and
-  an epoch that orders the claims (a restarted Conductor's, ``cluster.conductor.membership``).
+  an epoch that orders the claims (a restarted Conductor's, ``membership``).
 * ``put`` / ``get`` / ``get_many`` / ``get_prefix`` / ``delete`` / ``delete_prefix``: string keys
   to string values. A key put under a lease belongs to that lease until it is put again (under
   another lease or none) or deleted.
@@ -135,9 +139,9 @@ def connect_metadata(url: str, secret: bytes, *, etcd: bool = False) -> Metadata
     # Imported here, not at the top: the backends import the contract from this package, and a
     # process loads only the backend it uses (etcd3gw only with etcd).
     if etcd:
-        from cluster.pool.metadata.etcd import EtcdMetadata
+        from cluster.metadata.etcd import EtcdMetadata
 
         return EtcdMetadata(url)
-    from cluster.pool.metadata.embedded import HttpMetadata
+    from cluster.metadata.embedded import HttpMetadata
 
     return HttpMetadata(url, secret)
