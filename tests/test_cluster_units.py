@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 import random
 import threading
 import time
@@ -703,8 +704,12 @@ def test_a_share_of_refused_requests_is_admitted_to_measure_the_false_reject_rat
         refused = 0
         for i, ids in enumerate(_distinct_prompts(8)):
             try:
-                outs = [o async for o in c.generate(f"r{i}", ids, SamplingParams(max_tokens=1))]
-                assert outs[-1].finished and i % 4 == 3, i  # only the probes get through
+                # As the server reads a stream: up to its finished output, then closed.
+                async with aclosing(c.generate(f"r{i}", ids, SamplingParams(max_tokens=1))) as outs:
+                    async for out in outs:
+                        if out.finished:
+                            break
+                assert out.finished and i % 4 == 3, i  # only the probes get through
             except EngineOverloaded:
                 refused += 1
         assert refused == 6

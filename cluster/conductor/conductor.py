@@ -161,6 +161,7 @@ class Conductor(EngineClient):
         self._ids = itertools.count()
         self._background: set[asyncio.Task] = set()
         self._max_running_seen = 0
+        self._decode_seen: InstanceProfile | None = None  # the last profile with a decode model
         self.upkeep = Upkeep(config, self.client, self.registry, self.ledger, self.flow, self._spawn,
                              self._pool_threads, pool, members, derive_key(config.secret, MEMBERSHIP))
         self.elastic: ElasticRoles | None = None
@@ -417,11 +418,13 @@ class Conductor(EngineClient):
                     timed = False
                 if probed:
                     stamps.append(time.monotonic())
+                    # Judged at its last output, not after the loop: a client has what it asked
+                    # for then, and may close the stream without reading further.
+                    if out.finished:
+                        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+                        self.probes.done(stamps[0] - attempt.arrived <= placement.slo.ttft_s
+                                         and request_tbt(gaps) <= placement.slo.tbt_s)
                 yield out
-        if probed and stamps:  # ended as it should: whether the refusal was wrong
-            gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-            self.probes.done(stamps[0] - attempt.arrived <= placement.slo.ttft_s
-                             and request_tbt(gaps) <= placement.slo.tbt_s)
 
     def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord],
                pool_blocks: int, admit: bool = True) -> tuple[Placement, bool]:
@@ -430,6 +433,9 @@ class Conductor(EngineClient):
         ref = prefills[0]
         layout = ref.layout
         profile = self._decode_profile() if decodes else None
+        if decodes and profile is None:  # every decode instance started as prefill: none measured decode
+            raise EngineNotReady("no instance has measured its decode steps yet (those serving decode started as "
+                                 "prefill instances); start a decode instance", retry_after=5.0)
         placer = Placer(self.config.placement, ref.profile.prefill, None if profile is None else profile.decode,
                         layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids),
                         pool=self._pool is not None, decode_prefill=None if profile is None else profile.prefill,
@@ -454,11 +460,14 @@ class Conductor(EngineClient):
 
     def _decode_profile(self) -> InstanceProfile | None:
         """The profile placement predicts decode instances with: a decode instance's, else any
-        instance's with a decode model (one started as prefill calibrated none, and may serve
-        decode now)."""
-        up = [r for r in self.registry.records if r.up and r.profile is not None]
-        profiles = [r.profile for r in sorted(up, key=lambda r: r.role != "decode") if r.profile.decode is not None]
-        return profiles[0] if profiles else None
+        instance's with a decode model, down ones too, else the last one seen (an instance
+        started as prefill measured no decode steps, and may be the only one serving decode now,
+        its decode instances gone: instances that fit one cluster run the same model on the same
+        kind of node). Elastic roles asks every interval, so it is seen before it is forgotten."""
+        known = [r for r in self.registry.records if r.profile is not None and r.profile.decode is not None]
+        if known:  # up ones first, decode instances first (a down one is kept a minute: ``upkeep.py``)
+            self._decode_seen = min(known, key=lambda r: (not r.up, r.role != "decode")).profile
+        return self._decode_seen
 
     def _decode_model(self) -> DecodeStepModel | None:
         """The decode step model of ``_decode_profile``."""

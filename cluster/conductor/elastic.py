@@ -56,7 +56,7 @@ from cluster.metadata.membership import DEFAULT_TTL_S, LeasedKey, decider, hold_
 from cluster.policies.cost_model import DecodeStepModel, PrefillTime
 from cluster.policies.early_rejection import SLO
 from cluster.policies.elastic_roles import (ElasticConfig, ElasticRolePolicy, PredictionLog, Role, RoleView,
-                                            TBTPrediction, TTFTPrediction)
+                                            TBTPrediction, TTFTPrediction, refill)
 from cluster.policies.scheduling import PrefillPlan
 from cluster.policies.snapshot import DecodeInstanceState
 from cluster.protocol import ProtocolError
@@ -211,7 +211,7 @@ class ElasticRoles:
             return
         step = self._step = self._decode_model() or self._step
         prefills, decodes = self._registry.up("prefill"), self._registry.up("decode")
-        if step is None or not prefills + decodes:
+        if not prefills + decodes:
             return
         now = time.monotonic()
         ttft, tbt = self.log.window(now)
@@ -221,8 +221,11 @@ class ElasticRoles:
             prefill=[self._ledger.prefill_state(r, self._number(r), now) for r in prefills],
             decode=[self._ledger.decode_state(r, self._number(r), now) for r in decodes],
             ttft=ttft, tbt=tbt, switching=self._switching is not None, changed_at=self._changed_at)
-        live = step.scaled(self.slowdown.update(step, decodes))
-        switch = ElasticRolePolicy(self.config, self.slo, live).decide(view)
+        if step is None:  # no instance has a decode model yet (all started as prefill): refill only
+            switch = refill(self.config, view)
+        else:
+            live = step.scaled(self.slowdown.update(step, decodes))
+            switch = ElasticRolePolicy(self.config, self.slo, live).decide(view)
         if switch is not None:
             rec = by_number[switch.instance]
             log.info("elastic roles: moving %s from %s to %s (predicted gain %.3f of the requests, transit %.1f s)",

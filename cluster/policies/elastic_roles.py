@@ -209,8 +209,7 @@ class ElasticRolePolicy:
 
     def decode_drain_s(self, state: DecodeInstanceState, now: float) -> float:
         """Until the last running request ends, each decoding ``decode_time_s`` from its join."""
-        last_end = max((start + self.config.decode_time_s for start in state.running_start_s), default=now)
-        return max(0.0, last_end - now)
+        return decode_drain_s(self.config, state, now)
 
     def decide(self, view: RoleView) -> RoleSwitch | None:
         """One instance to move and where, or None (module doc: the gain, the invariants)."""
@@ -218,8 +217,8 @@ class ElasticRolePolicy:
         arrivals = len(view.ttft)
         if view.switching:
             return None
-        if (refill := self.refill(view)) is not None:
-            return refill
+        if (switch := refill(cfg, view)) is not None:
+            return switch
         if not arrivals:
             return None
 
@@ -261,21 +260,32 @@ class ElasticRolePolicy:
         best = max(options, key=lambda o: o.gain, default=None)
         return best if best is not None and best.gain > cfg.margin else None
 
-    def refill(self, view: RoleView) -> RoleSwitch | None:
-        """A role with fewer than ``min_per_role`` serving instances takes one from the other,
-        if that has more: its least loaded (the least queued prefill, or the quickest drained
-        decode). Without it, a role left empty stays empty: every request a 503."""
-        need = self.config.min_per_role
-        if len(view.decode) < need < len(view.prefill):
-            donor = min(view.prefill, key=lambda s: (s.queue_s, s.index))
-            return RoleSwitch(donor.index, Role.DECODE, math.inf, donor.queue_s + self.config.switch_cost_s)
-        if len(view.prefill) < need < len(view.decode):
-            donor_d = min(view.decode, key=lambda s: (self.decode_drain_s(s, view.now), s.context_tokens, s.index))
-            return RoleSwitch(donor_d.index, Role.PREFILL, math.inf,
-                              self.decode_drain_s(donor_d, view.now) + self.config.switch_cost_s)
-        return None
-
     def _gain(self, needy_saved: int, donor_lost: int, transit_s: float, arrivals: int) -> float:
         """Net share of requests saved over the horizon (module doc)."""
         useful = max(0.0, 1.0 - transit_s / self.config.horizon_s)
         return (needy_saved * useful - donor_lost) / arrivals
+
+
+def decode_drain_s(config: ElasticConfig, state: DecodeInstanceState, now: float) -> float:
+    """Until a decode instance's last running request ends, each decoding ``decode_time_s`` from
+    its join."""
+    last_end = max((start + config.decode_time_s for start in state.running_start_s), default=now)
+    return max(0.0, last_end - now)
+
+
+def refill(config: ElasticConfig, view: RoleView) -> RoleSwitch | None:
+    """A role with fewer than ``min_per_role`` serving instances takes one from the other, if
+    that has more: its least loaded (the least queued prefill, or the quickest drained decode).
+    Without it, a role left empty stays empty: every request a 503. It needs no cost model: a
+    cluster whose decode role is empty may have none of decode yet (``ElasticRoles``)."""
+    need = config.min_per_role
+    if view.switching:
+        return None
+    if len(view.decode) < need < len(view.prefill):
+        donor = min(view.prefill, key=lambda s: (s.queue_s, s.index))
+        return RoleSwitch(donor.index, Role.DECODE, math.inf, donor.queue_s + config.switch_cost_s)
+    if len(view.prefill) < need < len(view.decode):
+        donor_d = min(view.decode, key=lambda s: (decode_drain_s(config, s, view.now), s.context_tokens, s.index))
+        return RoleSwitch(donor_d.index, Role.PREFILL, math.inf,
+                          decode_drain_s(config, donor_d, view.now) + config.switch_cost_s)
+    return None
