@@ -40,3 +40,9 @@ def chain_keys(
         parent = block_key(parent, token_ids[start : start + block_size])
         keys.append(parent)
     return keys
+
+
+def reusable_keys(token_ids: Sequence[int], block_size: int) -> list[PrefixKey]:
+    """Keys of the full blocks of ``token_ids`` a prefix cache can serve: those before its last
+    token, which is always computed (its logits give the first output token)."""
+    return chain_keys(token_ids[: (len(token_ids) - 1) // block_size * block_size], block_size)

@@ -65,7 +65,7 @@ from engine.outputs import RequestOutput
 from engine.prompt import check_fits, prompt_token_ids
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from paged_kv.prefix_keys import chain_keys
+from paged_kv.prefix_keys import reusable_keys
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Conductor(EngineClient):
             return 0
         namespace, per_object = records[0].info.pool.namespace, records[0].info.pool.blocks_per_object
         bs = records[0].layout.block_size
-        keys = object_keys(namespace, chain_keys(ids[: (len(ids) - 1) // bs * bs], bs), per_object)
+        keys = object_keys(namespace, reusable_keys(ids, bs), per_object)
         if not keys:
             return 0
         if time.monotonic() < self._pool_down_until:
@@ -440,8 +440,7 @@ class Conductor(EngineClient):
                         layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids),
                         pool=self._pool is not None, decode_prefill=None if profile is None else profile.prefill,
                         prefill_factor=self.ttft_correction.factor)
-        # As the engines' prefix cache: at most len-1 tokens can hit (the last is always computed).
-        keys = chain_keys(ids[: (len(ids) - 1) // layout.block_size * layout.block_size], layout.block_size)
+        keys = reusable_keys(ids, layout.block_size)
         info = RequestInfo(next(self._ids), len(ids), keys, min(pool_blocks, len(keys)))
         now = time.monotonic()
         decode_states = [self.ledger.decode_state(r, i, now) for i, r in enumerate(decodes)]

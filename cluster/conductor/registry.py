@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from cluster.policies.cost_model import InstanceProfile
+from cluster.policies.prefix_index import match_len
 from cluster.conductor.client import InstanceClient, OwnResourcesExhausted
 from cluster.protocol import CacheDelta, InstanceInfo, InstanceNotReady, InstanceState
 from engine.kv_layout import KVLayout
@@ -66,12 +67,7 @@ class InstanceRecord:
 
     # -- PrefixView ------------------------------------------------------------------------------
     def match_len(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        for k in keys:
-            if k not in self.cached:
-                break
-            n += 1
-        return n
+        return match_len(keys, self.cached)
 
     def describe(self) -> dict[str, Any]:
         stats = self.state.stats if self.state is not None else {}

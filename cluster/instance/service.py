@@ -25,6 +25,7 @@ import httpx
 
 from cluster.instance.calibration import cached_profile
 from cluster.policies.cost_model import InstanceProfile
+from cluster.policies.prefix_index import match_len
 from cluster.instance.cache_mirror import CacheMirror
 from cluster.instance.pool_io import PoolIO
 from cluster.instance.receiver import Receiver
@@ -51,7 +52,7 @@ from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
 from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
-from paged_kv.prefix_keys import chain_keys
+from paged_kv.prefix_keys import reusable_keys
 
 log = logging.getLogger(__name__)
 
@@ -417,12 +418,7 @@ class InstanceService:
         if self._handoff is None or not self.mirror.keys:
             return 0
         bs = self._handoff.layout.block_size
-        n = 0
-        for key in chain_keys(token_ids[: (len(token_ids) - 1) // bs * bs], bs):
-            if key not in self.mirror.keys:
-                break
-            n += bs
-        return n
+        return match_len(reusable_keys(token_ids, bs), self.mirror.keys) * bs
 
     def stats(self) -> dict[str, Any]:
         s = self.client.stats()

@@ -207,10 +207,6 @@ class ElasticRolePolicy:
         return sum(self.step.step_s(p.batch * p.serving / k * inflow, p.context_tokens * p.serving / k * inflow)
                    > self.tbt_limit for p in predictions)
 
-    def decode_drain_s(self, state: DecodeInstanceState, now: float) -> float:
-        """Until the last running request ends, each decoding ``decode_time_s`` from its join."""
-        return decode_drain_s(self.config, state, now)
-
     def decide(self, view: RoleView) -> RoleSwitch | None:
         """One instance to move and where, or None (module doc: the gain, the invariants)."""
         cfg = self.config
@@ -251,8 +247,8 @@ class ElasticRolePolicy:
             gain = self._gain(needy, ttft_after - ttft_now, transit, arrivals)
             options.append(RoleSwitch(donor.index, Role.DECODE, gain, transit))
         if n_d > cfg.min_per_role and may_give(view.decode):
-            donor_d = min(view.decode, key=lambda s: (self.decode_drain_s(s, view.now), s.context_tokens, s.index))
-            transit = self.decode_drain_s(donor_d, view.now) + cfg.switch_cost_s
+            donor_d, drain_s = quickest_drained(cfg, view.decode, view.now)
+            transit = drain_s + cfg.switch_cost_s
             ttft_after = self.ttft_misses(view.ttft, n_p + 1)
             lost = self.tbt_misses(view.tbt, n_d - 1, inflow(ttft_after)) - tbt_now
             options.append(RoleSwitch(donor_d.index, Role.PREFILL,
@@ -273,6 +269,14 @@ def decode_drain_s(config: ElasticConfig, state: DecodeInstanceState, now: float
     return max(0.0, last_end - now)
 
 
+def quickest_drained(config: ElasticConfig, decodes: Sequence[DecodeInstanceState], now: float
+                     ) -> tuple[DecodeInstanceState, float]:
+    """The decode instance a switch to prefill takes (the least predicted drain, then the least KV
+    held), and its drain."""
+    donor = min(decodes, key=lambda s: (decode_drain_s(config, s, now), s.context_tokens, s.index))
+    return donor, decode_drain_s(config, donor, now)
+
+
 def refill(config: ElasticConfig, view: RoleView) -> RoleSwitch | None:
     """A role with fewer than ``min_per_role`` serving instances takes one from the other, if
     that has more: its least loaded (the least queued prefill, or the quickest drained decode).
@@ -285,7 +289,6 @@ def refill(config: ElasticConfig, view: RoleView) -> RoleSwitch | None:
         donor = min(view.prefill, key=lambda s: (s.queue_s, s.index))
         return RoleSwitch(donor.index, Role.DECODE, math.inf, donor.queue_s + config.switch_cost_s)
     if len(view.prefill) < need < len(view.decode):
-        donor_d = min(view.decode, key=lambda s: (decode_drain_s(config, s, view.now), s.context_tokens, s.index))
-        return RoleSwitch(donor_d.index, Role.PREFILL, math.inf,
-                          decode_drain_s(config, donor_d, view.now) + config.switch_cost_s)
+        donor_d, drain_s = quickest_drained(config, view.decode, view.now)
+        return RoleSwitch(donor_d.index, Role.PREFILL, math.inf, drain_s + config.switch_cost_s)
     return None

@@ -13,9 +13,19 @@ instance-local DRAM cache the simulator keeps.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Protocol, Sequence
+from typing import Container, Hashable, Protocol, Sequence
 
 BlockKey = Hashable
+
+
+def match_len(keys: Sequence[BlockKey], cached: Container[BlockKey]) -> int:
+    """Number of leading ``keys`` in ``cached``: the reusable prefix, in blocks."""
+    n = 0
+    for k in keys:
+        if k not in cached:
+            break
+        n += 1
+    return n
 
 
 class PrefixView(Protocol):
@@ -48,13 +58,7 @@ class LRUBlockCache:
         return key in self._keys
 
     def match_len(self, keys: Sequence[BlockKey]) -> int:
-        cached = self._keys
-        n = 0
-        for k in keys:
-            if k not in cached:
-                break
-            n += 1
-        return n
+        return match_len(keys, self._keys)
 
     def insert(self, keys: Sequence[BlockKey]) -> None:
         """Store (or refresh) every key of a prompt, evicting the least recently used beyond capacity."""
