@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import httpx
 
 from bench.disagg import derive_slos, ratio, summarize, unloaded_values
-from bench.harness import HOST, INSTANCE_HELD, ServerProcess, free_port, launch_server, start_etcd, start_server, until
+from bench.harness import INSTANCE_HELD, ServerProcess, launch_server, start_etcd, until
 from bench.serving import RequestResult, compute_metrics, fetch_model, random_requests, send_request
 
 SECRET = "bench conductors secret 0123456789"
@@ -46,15 +46,10 @@ def _progress(msg: str) -> None:
 
 
 def start_instances(etcd_url: str, args: argparse.Namespace, logs: Path) -> list[ServerProcess]:
-    procs = []
-    for role in ("prefill", "decode"):
-        port = free_port(HOST)
-        url = f"http://{HOST}:{port}"
-        procs.append(start_server(role, [
-            args.python, "-m", "server", "--role", role, "--host", HOST, "--port", str(port), "--url", url,
-            "--etcd", etcd_url, "--threads", str(args.instance_threads), "--pool-dram-gib", "0",
-            "--log-level", "warning", *shlex.split(args.instance_args)], url, logs / f"{role}.log", env=ENV))
-    return procs
+    return [launch_server(["--role", role, "--etcd", etcd_url, "--threads", str(args.instance_threads),
+                           "--pool-dram-gib", "0", "--log-level", "warning", *shlex.split(args.instance_args)],
+                          logs / f"{role}.log", name=role, python=args.python, env=ENV, advertise=True)
+            for role in ("prefill", "decode")]
 
 
 def start_conductors(n: int, etcd_url: str, args: argparse.Namespace, logs: Path, flags: Sequence[str] = (),

@@ -248,11 +248,14 @@ def start_server(name: str, cmd: Sequence[str], base_url: str, log_path: Path,
 
 
 def launch_server(flags: Sequence[str], log_path: Path, *, name: str = "server", python: str = sys.executable,
-                  host: str = HOST, env: dict[str, str] | None = None) -> ServerProcess:
-    """``python -m server --host H --port P *flags`` on a free port (``start_server``)."""
+                  host: str = HOST, env: dict[str, str] | None = None, advertise: bool = False) -> ServerProcess:
+    """``python -m server --host H --port P *flags`` on a free port (``start_server``);
+    ``advertise``: also ``--url`` with its own address (an instance started by hand, which says
+    where Conductors reach it)."""
     port = free_port(host)
-    cmd = [python, "-m", "server", "--host", host, "--port", str(port), *flags]
-    return start_server(name, cmd, f"http://{host}:{port}", log_path, env)
+    url = f"http://{host}:{port}"
+    cmd = [python, "-m", "server", "--host", host, "--port", str(port), *(["--url", url] if advertise else []), *flags]
+    return start_server(name, cmd, url, log_path, env)
 
 
 # --------------------------------------------------------------------------- etcd

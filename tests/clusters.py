@@ -32,6 +32,12 @@ SECRET = "cluster test secret 0123456789"
 CONTROL_AUTH = ControlAuth(derive_key(SECRET.encode(), CONTROL))  # signs control calls as the Conductor does
 STARTUP_S = 300
 TEST_FLAGS = ("--dtype", "float32", "--instance-threads", "1", "--kv-cache-gib", "0.25", "--staging-gib", "0.1")
+# The Conductor's TEST_FLAGS, as an instance started by hand takes them (--threads, not
+# --instance-threads).
+INSTANCE_FLAGS = tuple("--threads" if f == "--instance-threads" else f for f in TEST_FLAGS)
+# The environment of every process a test starts: the cluster secret, and one OpenMP thread per
+# process (on 2 shared cores a second one that gets descheduled stalls every parallel region).
+PROCESS_ENV = {"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
 TRANSFER_TIMEOUT_S = 30.0  # the shipped default
 if os.environ.get("MOONCAKE_TEST_SHIPPED_TIMEOUTS") != "1":
     TRANSFER_TIMEOUT_S = 3.0
@@ -56,9 +62,7 @@ class Cluster:
                  env: dict[str, str] | None = None) -> None:
         self.server: ServerProcess = launch_server(
             [*TEST_FLAGS, *flags, "--log-level", log_level], workdir / "cluster.log", name="test cluster",
-            # One OpenMP thread per process: on 2 shared cores a second one that gets descheduled
-            # stalls every parallel region.
-            env={"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1", **(env or {})})
+            env={**PROCESS_ENV, **(env or {})})
         self.url = self.server.base_url
         self.http = httpx.Client(base_url=self.url, timeout=300)
         self.node: subprocess.Popen | None = None  # a pool node (start_pool_node)

@@ -35,7 +35,7 @@ import httpx
 import pytest
 
 from bench.harness import ServerProcess, sse_events, start_etcd, start_server, until
-from clusters import RELEASE_S, SECRET, STARTUP_S, TEST_FLAGS, words
+from clusters import INSTANCE_FLAGS, PROCESS_ENV, RELEASE_S, STARTUP_S, TEST_FLAGS, words
 from engine import LLM, SamplingParams
 from engine.default_model import resolve_model
 from netns import Hosts, NetnsUnavailable, probe
@@ -46,10 +46,6 @@ SUBNET = "10.23.0"
 HOSTS = {"ctl": 2, "ctl2": 3, "p0": 11, "p1": 12, "d0": 21, "d1": 22, "pool": 31}
 CONDUCTOR_PORT, INSTANCE_PORT, ETCD_PORT, ETCD_PEER_PORT = 8000, 8100, 2379, 2380
 POOL_BLOCK_TOKENS = 64
-ENV = {"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
-# The Conductor's TEST_FLAGS, as an instance started by hand takes them (--threads, not
-# --instance-threads).
-INSTANCE_FLAGS = tuple("--threads" if f == "--instance-threads" else f for f in TEST_FLAGS)
 
 
 def _in_ci_as_root() -> bool:
@@ -69,7 +65,7 @@ class AcrossHosts:
         self.http = httpx.Client(base_url=self.url, timeout=300, trust_env=False)
 
     def start(self, host: str, name: str, cmd: list[str], url: str) -> ServerProcess:
-        proc = start_server(name, self.hosts.run(host, cmd), url, self.workdir / f"{name}.log", ENV)
+        proc = start_server(name, self.hosts.run(host, cmd), url, self.workdir / f"{name}.log", PROCESS_ENV)
         self.procs[name] = proc
         return proc
 

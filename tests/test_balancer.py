@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,12 +19,10 @@ import httpx
 import pytest
 
 from bench.harness import ServerProcess, free_port, launch_server, sse_events, start_server, until
-from clusters import SECRET, STARTUP_S, TEST_FLAGS
+from clusters import INSTANCE_FLAGS, PROCESS_ENV, STARTUP_S, TEST_FLAGS
 from engine import LLM, SamplingParams
 
 CONFIG = Path(__file__).resolve().parent.parent / "server" / "haproxy.cfg"
-INSTANCE_FLAGS = tuple("--threads" if f == "--instance-threads" else f for f in TEST_FLAGS)
-ENV = {"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
 PROMPT = "Tell me a long story about a lighthouse keeper."
 MAX_TOKENS = 48  # long enough that streams are running when the Conductor is killed
 # The config's health check: every second, two failures take a Conductor out.
@@ -67,16 +64,13 @@ def test_haproxy_in_front_of_two_conductors_when_one_is_killed(tmp_path, etcd_ur
         conductors = []
         for k in (1, 2):
             c = launch_server([*TEST_FLAGS, "--prefill-instances", "0", "--decode-instances", "0", "--etcd", etcd_url,
-                               "--log-level", "warning"], tmp_path / f"conductor{k}.log", name=f"conductor {k}", env=ENV)
+                               "--log-level", "warning"], tmp_path / f"conductor{k}.log", name=f"conductor {k}", env=PROCESS_ENV)
             procs.append(c)
             conductors.append(c)
         for role in ("prefill", "decode"):
-            port = free_port("127.0.0.1")
-            url = f"http://127.0.0.1:{port}"
-            procs.append(start_server(role, [
-                sys.executable, "-m", "server", "--role", role, "--host", "127.0.0.1", "--port", str(port), "--url", url,
-                "--etcd", etcd_url, *INSTANCE_FLAGS, "--pool-dram-gib", "0", "--log-level", "warning"],
-                url, tmp_path / f"{role}.log", env=ENV))
+            procs.append(launch_server(["--role", role, "--etcd", etcd_url, *INSTANCE_FLAGS, "--pool-dram-gib", "0",
+                                        "--log-level", "warning"], tmp_path / f"{role}.log", name=role, env=PROCESS_ENV,
+                                       advertise=True))
         for c in conductors:
             c.wait_instances(2, STARTUP_S)
 

@@ -10,17 +10,14 @@ measured none); kill -9 of the decider hands the decision to the other within a 
 from __future__ import annotations
 
 import signal
-import sys
 import time
 
 import httpx
 import pytest
 
-from bench.harness import ServerProcess, free_port, launch_server, start_server, until
-from clusters import SECRET, STARTUP_S, TEST_FLAGS
+from bench.harness import ServerProcess, launch_server, until
+from clusters import INSTANCE_FLAGS, PROCESS_ENV, STARTUP_S, TEST_FLAGS
 
-INSTANCE_FLAGS = tuple("--threads" if f == "--instance-threads" else f for f in TEST_FLAGS)
-ENV = {"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
 ELASTIC = ("--elastic-roles", "--slo-ttft-s", "30", "--slo-tbt-s", "5", "--elastic-interval-s", "0.5")
 DECIDER_TTL_S = 3.0  # membership.DEFAULT_TTL_S
 
@@ -31,17 +28,14 @@ def test_two_elastic_conductors_refill_an_empty_role_once_and_hand_the_decision_
     try:
         started = []
         for k, role in enumerate(("prefill", "prefill", "decode")):
-            port = free_port("127.0.0.1")
-            url = f"http://127.0.0.1:{port}"
-            started.append(start_server(f"{role} {k}", [
-                sys.executable, "-m", "server", "--role", role, "--host", "127.0.0.1", "--port", str(port),
-                "--url", url, "--etcd", etcd_url, *INSTANCE_FLAGS, "--pool-dram-gib", "0", "--log-level", "warning"],
-                url, tmp_path / f"{role}{k}.log", env=ENV))
+            started.append(launch_server(["--role", role, "--etcd", etcd_url, *INSTANCE_FLAGS, "--pool-dram-gib", "0",
+                                          "--log-level", "warning"], tmp_path / f"{role}{k}.log", name=f"{role} {k}",
+                                         env=PROCESS_ENV, advertise=True))
         procs += started
         instances, decode = started[:2], started[2]
         conductors = [launch_server([*TEST_FLAGS, "--prefill-instances", "0", "--decode-instances", "0", "--etcd",
                                      etcd_url, "--conductor-id", f"elastic-{k}", *ELASTIC, "--log-level", "warning"],
-                                    tmp_path / f"conductor{k}.log", name=f"conductor {k}", env=ENV) for k in (1, 2)]
+                                    tmp_path / f"conductor{k}.log", name=f"conductor {k}", env=PROCESS_ENV) for k in (1, 2)]
         procs += conductors
 
         for c in conductors:
