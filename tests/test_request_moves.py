@@ -165,6 +165,7 @@ def test_a_decode_instance_lost_mid_stream_moves_the_request_and_the_stream_goes
         assert first == ("req", PROMPT, 8)
         assert again == ("req~1", PROMPT + tokens[:4], 4)
         assert c.stats()["requests_moved"] == 1 and c.stats()["requests_failed"] == 0
+        assert c.stats()["requests_accepted"] == 1  # one client request, admitted once: not per attempt
         assert not _up(c)[DECODES[0]], "the instance whose stream broke is marked down"
         await c.shutdown()
 

@@ -384,7 +384,7 @@ class Conductor(EngineClient):
         decodes = self.registry.up("decode") if disaggregated else []
         # A moved request was admitted once: refusing it now would lose work the client waits on.
         placement, probed = self._place(ids, prefills, decodes, pool_blocks, admit=attempt.moves == 0)
-        booking = self.ledger.book(request_id)
+        booking = self.ledger.book(request_id, moved=attempt.moves > 0)
         prefill = prefills[placement.plan.instance]
         now = time.monotonic()
         if placement.local is not None:

@@ -57,10 +57,12 @@ class Booking:
     every open booking into each instance's load; ``close``, on whatever path the request leaves,
     says what the instances may still hold of it, to abort. A step that ends by itself there
     (``prefilled``, ``finished``) leaves nothing to abort. ``key``: a second id of the request's
-    own on an instance (a hot-prefix migration's), by default the request's."""
+    own on an instance (a hot-prefix migration's), by default the request's. ``moved``: an
+    attempt after a move (the request was admitted, and counted, on its first)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, moved: bool = False) -> None:
         self.request_id = request_id
+        self.moved = moved
         self.prefill: tuple[InstanceRecord, float, float] | None = None  # (instance, start, predicted s)
         self.kv: tuple[InstanceRecord, float, int] | None = None  # headed to (decode, predicted arrival, prompt)
         self.reserved: dict[tuple[InstanceRecord, str], bool] = {}  # held: -> no KV write can be in flight
@@ -210,7 +212,7 @@ class RequestFlow:
         """``decodes``: in order of preference; ``source``: the holder of a prefix to pull first."""
         with self._settled(rid, booking):
             decode, dest = await self._reserve(rid, ids, params, decodes, booking)
-            self._counters.accepted += 1
+            self._counters.accepted += not booking.moved
             if source is not None and source is not prefill:
                 await self._migrate(rid, ids, prefix_tokens, source, prefill, booking)
             booking.writable(decode)
@@ -305,7 +307,7 @@ class RequestFlow:
     # -- the colocated path ---------------------------------------------------------------------------
     async def colocated(self, rid: str, ids: list[int], params: SamplingParams, booking: Booking,
                         rec: InstanceRecord) -> AsyncIterator[RequestOutput]:
-        self._counters.accepted += 1
+        self._counters.accepted += not booking.moved
         body = GenerateRequest(rid, ids, params)
         entry = booking.decoding(rec, len(ids), generated=0)
         with self._settled(rid, booking):

@@ -130,9 +130,10 @@ class Ledger:
         self._open: list[Booking] = []
         self._arrivals: dict[InstanceRecord, _Arrivals] = {}
 
-    def book(self, request_id: str) -> Booking:
-        """A new request's booking, counted in every load until it is closed."""
-        booking = Booking(request_id)
+    def book(self, request_id: str, moved: bool = False) -> Booking:
+        """A new request's booking (``moved``: an attempt after a move), counted in every load
+        until it is closed."""
+        booking = Booking(request_id, moved)
         self._open.append(booking)
         return booking
 
