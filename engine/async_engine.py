@@ -43,6 +43,7 @@ from engine.disaggregation import KVCapacityError
 from engine.llm_engine import LLMEngine, StepFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 from engine.tokenizer import Tokenizer
 from engine.engine_client import EngineClient, EngineError, EngineNotReady, EngineOverloaded, NotStarted, RequestFailed
 
@@ -191,9 +192,9 @@ class AsyncLLMEngine(EngineClient):
                 self._num_unstarted -= 1
 
     def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, session: SessionHint | None = None
     ) -> AsyncIterator[RequestOutput]:
-        return self.stream(request_id, lambda e: e.add_request(prompt, params, request_id=request_id))
+        return self.stream(request_id, lambda e: e.add_request(prompt, params, request_id=request_id, session=session))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result (or

@@ -43,6 +43,12 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # Soft retention (issue 42): the blocks of a request with a session hint stay cached ahead of
+    # cold ones this long after it ends (a bias on eviction, never a pin), and retained blocks
+    # hold at most this share of the cache. The default spans the think times of chat and agent
+    # sessions (minutes); beyond it a session's KV is as cold as any other.
+    session_retention_s: float = 600.0
+    session_retention_share: float = 0.5
     threads: int | None = None  # torch intra-op threads; None: all cores
     # While busy, how far (MiB) a CPU engine's private memory may grow since the heap was last
     # trimmed before it is trimmed again, checked once a second (``engine.cpu_runtime.HeapBound``);
@@ -111,6 +117,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.session_retention_s >= 0 or not 0 <= self.session_retention_share <= 1:
+            raise ValueError("session_retention_s must be >= 0 and session_retention_share in [0, 1], got "
+                             f"{self.session_retention_s}, {self.session_retention_share}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -33,6 +33,7 @@ from engine.kv_layout import pack
 from engine.hooks import KVSink
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 from engine.sequence import KVLoad, PendingKVLoad, Sequence, SequenceStatus
 from paged_kv.prefix_keys import chain_keys
 
@@ -83,14 +84,15 @@ class KVHandoff:
         self._engine.kv_sinks.append(sink)
 
     # -- receiving ----------------------------------------------------------------------------------
-    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Reservation:
+    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                session: SessionHint | None = None) -> Reservation:
         """Hold blocks for the KV of a prompt that another instance computes.
 
         Raises ``KVCapacityError`` when the blocks are not free now, ``ValueError`` for a request
         that could never be served. Ended by ``admit``, ``adopt``, ``drop`` or ``LLMEngine.abort``.
         """
         e = self._engine
-        seq = e.new_sequence(token_ids, params, request_id)
+        seq = e.new_sequence(token_ids, params, request_id, session)
         bm = e.block_manager
         cached = bm.match_prefix(seq.block_table, seq.token_ids)
         if not bm.can_grow(seq.block_table, seq.num_prompt_tokens):
@@ -198,7 +200,7 @@ class KVHandoff:
         return len(self._engine.block_manager.pool.lookup(chain_keys(token_ids, self.layout.block_size)))
 
     def add_loading(self, request_id: str, token_ids: list[int], params: SamplingParams, start_block: int,
-                    num_blocks: int, load: KVLoad) -> None:
+                    num_blocks: int, load: KVLoad, session: SessionHint | None = None) -> None:
         """Queue a request whose prompt blocks ``[start_block, start_block + num_blocks)`` come
         from ``load`` (the KVCache pool) layer by layer during its first step, so loading
         overlaps computing. The blocks before ``start_block`` must be cached here; if they are
@@ -209,7 +211,7 @@ class KVHandoff:
         bs = self.layout.block_size
         end = start_block + num_blocks
         try:
-            seq = e.new_sequence(token_ids, params, request_id)
+            seq = e.new_sequence(token_ids, params, request_id, session)
             if end * bs >= len(token_ids):
                 raise ValueError("a load never supplies the last prompt token's block: it must be computed")
         except BaseException:

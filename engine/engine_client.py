@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 from engine.tokenizer import Tokenizer
 
 
@@ -108,9 +109,10 @@ class EngineClient(ABC):
     # -- requests ---------------------------------------------------------------------------------
     @abstractmethod
     def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, session: SessionHint | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Serve one request and yield its output deltas (see the module docstring).
+        """Serve one request and yield its output deltas (see the module docstring). ``session``:
+        the client's session hint (``engine.session``); it never changes the output.
 
         Raises ``EngineNotReady`` / ``EngineOverloaded`` on the first iteration when the request
         is refused before reaching the engine, ``ValueError`` when the engine rejects it.

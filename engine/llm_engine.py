@@ -28,6 +28,7 @@ from engine.sampler import Sampler, score_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.session import SessionHint
 from engine.tokenizer import Tokenizer
 from paged_kv import BlockManager
 
@@ -87,7 +88,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, path, self.max_model_len)
         self.model_config = self.runner.model_config
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, config.session_retention_share
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
@@ -109,15 +110,18 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        session: SessionHint | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (and changes nothing) when it cannot be served."""
-        seq = self.new_sequence(prompt, params, request_id)
+        """Queue a request; raises ValueError (and changes nothing) when it cannot be served.
+        ``session``: its KV is retained after it ends (``EngineConfig.session_retention_s``)."""
+        seq = self.new_sequence(prompt, params, request_id, session)
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
 
     def new_sequence(
-        self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None
+        self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+        session: SessionHint | None = None,
     ) -> Sequence:
         """A validated sequence for a request, not yet queued (``add_request`` queues it;
         ``engine.disaggregation`` reserves blocks for it). Raises ValueError."""
@@ -132,7 +136,7 @@ class LLMEngine:
         check_fits(len(ids), params.max_tokens, self.block_manager.num_blocks * self.config.block_size,
                    "the KV cache capacity")
         detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens)
-        return Sequence(request_id, ids, params, detok, self.config.device)
+        return Sequence(request_id, ids, params, detok, self.config.device, session)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""

@@ -19,12 +19,14 @@ actually sampled.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.sequence import Sequence, SequenceStatus
 from paged_kv import BlockManager
+from paged_kv.block_pool import Retention
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Scheduler:
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.chunk_min_prompt_tokens = config.chunk_min_prompt_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.session_retention_s = config.session_retention_s
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -158,13 +161,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def retention(self, seq: Sequence) -> Retention | None:
+        """How a finished sequence's cached blocks are kept: a session's, for its next turn."""
+        if seq.session is None or not self.session_retention_s:
+            return None
+        return Retention(time.monotonic() + self.session_retention_s, seq.session.priority)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished (or aborted) and give its blocks back, wherever it is queued."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq.block_table)
+        self.block_manager.free(seq.block_table, self.retention(seq))
         seq.drop_kv_load()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -13,6 +13,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import Logprobs
 from engine.sampler import SamplingState
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 from paged_kv import BlockTable
 
 
@@ -57,9 +58,11 @@ class Sequence:
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer,
         device: str = "cpu",
+        session: SessionHint | None = None,
     ):
         self.request_id = request_id
         self.params = params
+        self.session = session  # its blocks are retained when it finishes
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -9,11 +9,22 @@ Every block is in exactly one of three states, and ``check_integrity`` verifies 
 * **free**       -- ``ref_count == 0`` and no key: contents are garbage.
 
 so that ``free + cached + in use == total`` at all times.
+
+Soft retention (issue 42): a session's blocks may be released with a ``Retention`` (keep until
+a deadline, at a priority). Retained blocks are cached blocks still: a hit takes them back and an
+allocation may evict them, so retention never refuses an allocation. It only orders eviction:
+cold (unretained) blocks go first, LRU; then retained blocks whose deadline passed; then live
+retained ones, lowest priority and nearest deadline first. Retained blocks never exceed
+``retained_share`` of the pool: one over it demotes the lowest-ranked retained block to cold.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from paged_kv.prefix_keys import PrefixKey
@@ -26,15 +37,33 @@ class OutOfBlocks(RuntimeError):
 _JOURNAL_LEN = 1 << 16
 
 
+@dataclass(frozen=True)
+class Retention:
+    """Keep released blocks cached, ahead of cold ones, until ``until`` (the pool's clock) at
+    ``priority`` (higher is evicted later). A bias, never a pin."""
+
+    until: float
+    priority: int = 0
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, retained_share: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if not 0 <= retained_share <= 1:
+            raise ValueError(f"retained_share must be in [0, 1], got {retained_share}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.keys: list[PrefixKey | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        # Retained cached blocks: block -> (priority, until, order released); evictable too.
+        self._retained: dict[int, tuple[int, float, int]] = {}
+        self.max_retained = int(retained_share * num_blocks)
+        self._clock = clock
+        self._released = itertools.count()
+        self.num_retained_evictions = 0  # retained blocks evicted before their deadline
         self._index: dict[PrefixKey, int] = {}
         self.num_evictions = 0
         # Bumped whenever the set of cached keys changes, so a reporter can skip unchanged sets.
@@ -48,11 +77,16 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take right now (free ones plus evictable cached ones)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + len(self._retained)
 
     @property
     def num_cached_unused(self) -> int:
-        return len(self._evictable)
+        return len(self._evictable) + len(self._retained)
+
+    @property
+    def num_retained(self) -> int:
+        """Cached blocks held under a ``Retention`` (expired ones included until evicted)."""
+        return len(self._retained)
 
     @property
     def num_in_use(self) -> int:
@@ -102,11 +136,12 @@ class BlockPool:
         if n > self.num_free:
             raise OutOfBlocks(f"asked for {n} KV blocks, only {self.num_free} free")
         out = []
+        victims = self._retained_victims(n - len(self._free) - len(self._evictable))
         for _ in range(n):
             if self._free:
                 block = self._free.popleft()
             else:
-                block, _ = self._evictable.popitem(last=False)
+                block = self._evictable.popitem(last=False)[0] if self._evictable else next(victims)
                 key = self.keys[block]
                 self.keys[block] = None
                 # The index may point at another block with the same key; only drop our entry.
@@ -118,18 +153,30 @@ class BlockPool:
             out.append(block)
         return out
 
+    def _retained_victims(self, n: int) -> Iterable[int]:
+        """The ``n`` retained blocks to evict, in order: expired ones first, then by rank."""
+        if n <= 0:
+            return iter(())
+        now = self._clock()
+        ranked = sorted(self._retained, key=lambda b: (self._retained[b][1] > now, *self._retained[b]))[:n]
+        for block in ranked:
+            if self._retained.pop(block)[1] > now:
+                self.num_retained_evictions += 1
+        return iter(ranked)
+
     def acquire(self, blocks: Iterable[int]) -> None:
         """Take one more reference on blocks found by ``lookup`` (a prefix-cache hit)."""
         for block in blocks:
             if self.ref_counts[block] == 0:
-                del self._evictable[block]
+                if self._retained.pop(block, None) is None:
+                    del self._evictable[block]
             self.ref_counts[block] += 1
 
-    def release(self, blocks: Sequence[int]) -> None:
+    def release(self, blocks: Sequence[int], retain: Retention | None = None) -> None:
         """Drop one reference from each block; blocks reaching zero become cached or free.
 
         Blocks are released tail first, so that under LRU eviction a sequence's last blocks
-        (the ones least likely to be shared) go before its first ones.
+        (the ones least likely to be shared) go before its first ones; under ``retain`` too.
         """
         for block in reversed(blocks):
             rc = self.ref_counts[block]
@@ -137,10 +184,19 @@ class BlockPool:
                 raise RuntimeError(f"double free of KV block {block}")
             self.ref_counts[block] = rc - 1
             if rc == 1:
-                if self.keys[block] is not None:
-                    self._evictable[block] = None
-                else:
+                if self.keys[block] is None:
                     self._free.append(block)
+                elif retain is not None:
+                    self._retained[block] = (retain.priority, retain.until, next(self._released))
+                else:
+                    self._evictable[block] = None
+        if len(self._retained) > self.max_retained:
+            # Over the share: the lowest-ranked retained blocks turn cold (the newest end of
+            # the LRU: released under a hint, they are no colder than the cold ones).
+            excess = len(self._retained) - self.max_retained
+            for block in sorted(self._retained, key=self._retained.__getitem__)[:excess]:
+                del self._retained[block]
+                self._evictable[block] = None
 
     def register(self, block: int, key: PrefixKey) -> None:
         """Publish a block whose KV is complete under ``key`` so later requests can reuse it."""
@@ -156,10 +212,11 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (unused cached blocks become free)."""
-        for block in list(self._evictable):
+        for block in [*self._evictable, *self._retained]:
             self.keys[block] = None
             self._free.append(block)
         self._evictable.clear()
+        self._retained.clear()
         for block in range(self.num_blocks):
             self.keys[block] = None
         self._index.clear()
@@ -171,18 +228,21 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Assert free + cached + in use == total and that the index agrees with block states."""
         in_use = sum(1 for rc in self.ref_counts if rc > 0)
-        total = len(self._free) + len(self._evictable) + in_use
+        total = len(self._free) + self.num_cached_unused + in_use
         if total != self.num_blocks:
             raise AssertionError(
                 f"KV block accounting broken: free {len(self._free)} + cached "
-                f"{len(self._evictable)} + in use {in_use} != total {self.num_blocks}"
+                f"{self.num_cached_unused} + in use {in_use} != total {self.num_blocks}"
             )
+        if len(self._retained) > self.max_retained or set(self._retained) & set(self._evictable):
+            raise AssertionError(f"{len(self._retained)} retained KV blocks (at most {self.max_retained}), "
+                                 "or a block both retained and cold")
         if len(set(self._free)) != len(self._free):
             raise AssertionError("a KV block is on the free list twice")
         for block in self._free:
             if self.ref_counts[block] != 0 or self.keys[block] is not None:
                 raise AssertionError(f"free KV block {block} is referenced or keyed")
-        for block in self._evictable:
+        for block in [*self._evictable, *self._retained]:
             if self.ref_counts[block] != 0 or self.keys[block] is None:
                 raise AssertionError(f"cached KV block {block} is referenced or unkeyed")
         for key, block in self._index.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from paged_kv.block_pool import BlockPool
+from paged_kv.block_pool import BlockPool, Retention
 from paged_kv.prefix_keys import PrefixKey, block_key, chain_keys
 
 
@@ -33,10 +33,11 @@ class BlockManager:
     written (``commit``), so a hit never reads KV that is still being computed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 retained_share: float = 0.5):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, retained_share)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
 
@@ -84,9 +85,10 @@ class BlockManager:
             table.keys.append(key)
             self.pool.register(table.block_ids[i], key)
 
-    def free(self, table: BlockTable) -> None:
-        """Return every block of ``table`` to the pool and empty it."""
-        self.pool.release(table.block_ids)
+    def free(self, table: BlockTable, retain: Retention | None = None) -> None:
+        """Return every block of ``table`` to the pool and empty it; its cached blocks are kept
+        ahead of cold ones under ``retain`` (a session's, ``BlockPool``)."""
+        self.pool.release(table.block_ids, retain)
         table.block_ids.clear()
         table.keys.clear()
 

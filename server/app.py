@@ -50,6 +50,7 @@ from starlette.routing import Route
 from engine.outputs import RequestOutput
 from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
 from engine.tokenizer import Tokenizer
+from engine.session import SessionHint
 from server.metrics import RequestTracker, ServerMetrics
 from server.protocol import (
     Choice,
@@ -161,10 +162,12 @@ async def _read_json(request: Request, limit: int) -> tuple[Any, int]:
 class _Generation:
     """The engine requests behind one HTTP request, and their merged outputs."""
 
-    def __init__(self, client: EngineClient, metrics: ServerMetrics, parsed: ParsedRequest, prefix: str):
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, parsed: ParsedRequest, prefix: str,
+                 session: SessionHint | None = None):
         self.client = client
         self.metrics = metrics
         self.parsed = parsed
+        self.session = session
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -176,7 +179,7 @@ class _Generation:
         for i, ids in enumerate(p.prompts):
             for j, params in enumerate(p.params[i]):
                 index = i * p.n + j
-                gen = self.client.generate(f"{self.id}-{index}", ids, params)
+                gen = self.client.generate(f"{self.id}-{index}", ids, params, self.session)
                 self.tasks.append(asyncio.create_task(self._pump(index, gen, self.metrics.tracker())))
         self.tasks.append(asyncio.create_task(self._watch(request)))
 
@@ -329,6 +332,7 @@ class OpenAIServer:
             if not self.client.is_ready:
                 return self._not_ready()
             parsed = await self._parse(kind, body, size)
+            session = parsed.session_hint(request.headers.get("x-session-id"))
         except ProtocolError as e:
             return _protocol_error(e)
         except EngineNotReady as e:
@@ -341,7 +345,7 @@ class OpenAIServer:
             return _error(503, f"the server could not tokenize the request in time (error id {fault.error_id}); "
                           "retry shortly", "service_unavailable", headers={"Retry-After": "2"})
 
-        gen = _Generation(self.client, self.metrics, parsed, prefix)
+        gen = _Generation(self.client, self.metrics, parsed, prefix, session)
         handed_over = False
         try:
             gen.start(request)

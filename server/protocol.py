@@ -20,6 +20,7 @@ from jinja2.exceptions import TemplateError
 from engine.outputs import RequestOutput
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from engine.session import MAX_SESSION_ID_CHARS, PRIORITY_RANGE, SessionHint
 from engine.tokenizer import Tokenizer
 
 MAX_N = 16  # choices per prompt
@@ -152,10 +153,30 @@ class ParsedRequest:
     # Completions with ``echo``: each choice's text (and logprobs) start with its prompt's.
     echo_texts: list[str] | None = None
     score_only: bool = False  # ``max_tokens`` 0: the prompt is scored, nothing is generated
+    session_id: str | None = None  # the body's session hint (``session_hint`` adds the header's)
+    priority: int = 0
 
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+    def session_hint(self, header: str | None) -> SessionHint | None:
+        """The request's session hint: ``session_id`` in the body (``extra_body`` of OpenAI's
+        clients) or the ``X-Session-Id`` header (for proxies; the two must agree), with the
+        body's ``priority``. None without either: the request is served as any other."""
+        if header is not None:
+            if not 0 < len(header) <= MAX_SESSION_ID_CHARS:
+                raise ProtocolError(f"the X-Session-Id header must be 1 to {MAX_SESSION_ID_CHARS} characters",
+                                    "session_id")
+            if self.session_id is not None and self.session_id != header:
+                raise ProtocolError("'session_id' and the X-Session-Id header name different sessions", "session_id")
+        session_id = self.session_id if self.session_id is not None else header
+        if session_id is None:
+            if self.priority:
+                raise ProtocolError("'priority' needs a session: give 'session_id' or the X-Session-Id header",
+                                    "priority")
+            return None
+        return SessionHint(session_id, self.priority)
 
 
 @dataclass
@@ -179,11 +200,20 @@ def check_model(body: dict, served: str) -> str:
     return served
 
 
+def _session(body: dict) -> dict[str, Any]:
+    """The body's session hint fields, validated (``ParsedRequest.session_hint`` combines them)."""
+    session_id = _string(body, "session_id")
+    if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+        raise ProtocolError(f"'session_id' must be 1 to {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}",
+                            "session_id")
+    return {"session_id": session_id, "priority": _integer(body, "priority", 0, *PRIORITY_RANGE)}
+
+
 def _common(body: dict, kind: str) -> tuple[dict[str, Any], int, bool, bool]:
     """Sampling fields shared by both endpoints (max_tokens and logprobs handled by callers)."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
-    _string(body, "user")
+    _string(body, "user")  # the end user, for abuse tracking: not a session
     n = _integer(body, "n", 1, 1, MAX_N)
     stream = _boolean(body, "stream", False)
     options = body.get("stream_options")
@@ -302,7 +332,7 @@ def parse_completion(body: Any, limits: ModelLimits) -> ParsedRequest:
                            "max_tokens", logprobs if echo else None)
     echo_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in raw] if echo else None
     return ParsedRequest("completion", model, prompts, params, n, stream, include_usage, logprobs,
-                         echo_texts=echo_texts, score_only=max_tokens == 0)
+                         echo_texts=echo_texts, score_only=max_tokens == 0, **_session(body))
 
 
 def _message_content(msg: dict, i: int) -> str | None:
@@ -372,7 +402,7 @@ def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
     if not ids:
         raise ProtocolError("the rendered prompt is empty", "messages")
     params = _build_params([ids], fields, max_tokens, logprobs, n, limits, key)
-    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs)
+    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs, **_session(body))
 
 
 # -- responses ---------------------------------------------------------------------------------------

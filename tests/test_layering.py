@@ -104,14 +104,14 @@ def test_checker_flags_planted_upward_imports(tmp_path: Path) -> None:
 # What of the engine loads no torch: the Conductor's share (tests/test_conductor_imports.py).
 _LIGHT_ENGINE = ("engine.outputs", "engine.sampling_params", "engine.engine_client", "engine.prompt",
                  "engine.tokenizer", "engine.model_config", "engine.default_model", "engine.kv_layout",
-                 "engine.core_share")
+                 "engine.core_share", "engine.session")
 CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     # pure code on plain snapshots, shared with the simulator
     "cluster.policies": (),
     # bytes between registered regions: no model, no blocks, no HTTP
     "cluster.messenger": (),
     # the wire: plain data of the engine only (and the engine's seam for a refused start)
-    "cluster.protocol": ("engine.outputs", "engine.sampling_params", "engine.engine_client"),
+    "cluster.protocol": ("engine.outputs", "engine.sampling_params", "engine.session", "engine.engine_client"),
     # faults injected on purpose (bench.faults): a leaf the data paths ask
     "cluster.failpoints": (),
     # the cluster's shared state under leases (etcd, or the embedded store): membership, claims,

@@ -230,7 +230,7 @@ def test_the_client_sends_the_messages_the_instance_reads():
         client = _client(handler)
         try:
             dest = await client.reserve("http://i", "r", [1, 2, 3], PARAMS)
-            out = await client.prefill("http://i", "r", [1, 2, 3], PARAMS, dest, asyncio.Event())
+            out = await client.prefill("http://i", "r", [1, 2, 3], PARAMS, None, dest, asyncio.Event())
         finally:
             await client.close()
         return dest, out

@@ -34,6 +34,7 @@ from cluster.protocol import (
 from engine.engine_client import EngineNotReady
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 
 T = TypeVar("T")
 R = TypeVar("R", ReserveReply, RenewReply, AbortReply, PushReply, AdoptReply, PrefillReply, InstanceInfo,
@@ -158,8 +159,9 @@ class InstanceClient:
         return _reply(InstanceState, data, "/instance/state")
 
     # -- reservations --------------------------------------------------------------------------------
-    async def reserve(self, url: str, request_id: str, token_ids: list[int], params: SamplingParams) -> ReserveReply:
-        body = ReserveRequest(request_id, token_ids, params).to_dict()
+    async def reserve(self, url: str, request_id: str, token_ids: list[int], params: SamplingParams,
+                      session: SessionHint | None = None) -> ReserveReply:
+        body = ReserveRequest(request_id, token_ids, params, session).to_dict()
         return _reply(ReserveReply, await self._post(url, "/instance/reserve", body), "/instance/reserve")
 
     async def renew(self, url: str, request_ids: list[str], timeout: float | None = None) -> list[str]:
@@ -187,11 +189,12 @@ class InstanceClient:
 
     # -- the long calls ------------------------------------------------------------------------------
     async def prefill(self, url: str, request_id: str, token_ids: list[int], params: SamplingParams,
-                      dest: ReserveReply, lost: asyncio.Event, *dest_lost: asyncio.Event) -> RequestOutput:
+                      session: SessionHint | None, dest: ReserveReply, lost: asyncio.Event,
+                      *dest_lost: asyncio.Event) -> RequestOutput:
         """``dest_lost``: set when the instance the KV streams to is lost, or the reservation
         there is gone; the prefill then ends at once with ``KVWriteFailed`` (its writes would only
         fail after the transfer timeout, and its compute is of no use)."""
-        body = PrefillRequest(request_id, token_ids, params, dest.dest).to_dict()
+        body = PrefillRequest(request_id, token_ids, params, dest.dest, session).to_dict()
         data = await _unless(lost, self._post(url, "/instance/prefill", body, timeout=self.request_timeout_s),
                              *dest_lost)
         return _reply(PrefillReply, data, "/instance/prefill").output

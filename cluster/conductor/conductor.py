@@ -46,11 +46,13 @@ from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import AdmissionProbes, Placement, PlacementConfig, Placer, TTFTCorrection
 from cluster.conductor.registry import InstanceRecord, Registry
+from cluster.conductor.sessions import SessionTable
 from cluster.conductor.upkeep import Upkeep
 from cluster.metadata.membership import LeasedKey
 from cluster.policies.cost_model import DecodeStepModel, InstanceProfile
 from cluster.policies.early_rejection import SLO, request_tbt
 from cluster.policies.elastic_roles import ElasticConfig
+from cluster.policies.sessions import Affinity
 from cluster.policies.snapshot import RequestInfo
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
 from cluster.metadata import MetadataStore
@@ -64,6 +66,7 @@ from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
 from engine.outputs import RequestOutput
 from engine.prompt import check_fits, prompt_token_ids
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 from engine.tokenizer import Tokenizer
 from paged_kv.prefix_keys import reusable_keys
 
@@ -140,6 +143,7 @@ class Conductor(EngineClient):
         self.ledger = Ledger(self.fence.conductor)
         self.ttft_correction = TTFTCorrection()
         self.probes = AdmissionProbes(config.placement.probe_share)
+        self.sessions = SessionTable()
         self.registry = Registry(self.client, config.poll_interval_s, config.poll_timeout_s,
                                  on_new_incarnation=self.ledger.forget)
         for url in config.instances:
@@ -323,7 +327,7 @@ class Conductor(EngineClient):
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, session: SessionHint | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Serve one request; when it loses its instance (``RequestMoved``) place it again, at
         most ``max_request_moves`` times, with the tokens already streamed as part of its prompt:
@@ -338,7 +342,7 @@ class Conductor(EngineClient):
         moves, number = 0, 0
         waiting_since: float | None = None
         while True:
-            attempt = _Attempt(request_id, ids, tuple(streamed), params, moves, number, arrived)
+            attempt = _Attempt(request_id, ids, tuple(streamed), params, moves, number, arrived, session)
             number += 1
             try:
                 async with aclosing(self._serve(attempt)) as outs:
@@ -382,10 +386,17 @@ class Conductor(EngineClient):
         disaggregated = mode == "disaggregated"
         prefills = self.registry.up("prefill" if disaggregated else "both")
         decodes = self.registry.up("decode") if disaggregated else []
+        session = attempt.session
+        affinity = Affinity() if session is None else self.sessions.affinity(session.session_id, prefills, decodes)
         # A moved request was admitted once: refusing it now would lose work the client waits on.
-        placement, probed = self._place(ids, prefills, decodes, pool_blocks, admit=attempt.moves == 0)
+        placement, probed = self._place(ids, prefills, decodes, pool_blocks, admit=attempt.moves == 0,
+                                        affinity=affinity)
         booking = self.ledger.book(request_id, moved=attempt.moves > 0)
         prefill = prefills[placement.plan.instance]
+        if session is not None:
+            ran_on = decodes[placement.local.instance] if placement.local is not None else prefill
+            self.sessions.placed(session.session_id, affinity, ran_on,
+                                 decodes[placement.decode_order[0]] if decodes else None)
         now = time.monotonic()
         if placement.local is not None:
             # Prefilled on its decode instance (cluster/policies/local_prefill.py): the whole
@@ -393,17 +404,17 @@ class Conductor(EngineClient):
             decode = decodes[placement.local.instance]
             booking.placed(decode, now, placement.local.prefill_s)
             self.counters.local_prefills += 1
-            stream = self.flow.colocated(request_id, ids, params, booking, decode)
+            stream = self.flow.colocated(request_id, ids, params, session, booking, decode)
         elif disaggregated:
             booking.placed(prefill, now, placement.plan.prefill_s)
             order = [decodes[i] for i in placement.decode_order]
             booking.kv_headed(order[0], now + placement.plan.ttft_s, len(ids))
             source = prefills[placement.plan.source] if placement.plan.source is not None else None
-            stream = self.flow.disaggregated(request_id, ids, params, booking, prefill, source,
+            stream = self.flow.disaggregated(request_id, ids, params, session, booking, prefill, source,
                                              placement.plan.prefix_tokens, order)
         else:
             booking.placed(prefill, now, placement.plan.prefill_s)
-            stream = self.flow.colocated(request_id, ids, params, booking, prefill)
+            stream = self.flow.colocated(request_id, ids, params, session, booking, prefill)
         self._max_running_seen = max(self._max_running_seen, self.ledger.total_running() + 1)
         # A first token placed afresh says how long prefills take live (a moved request's
         # prompt is the one before plus what streamed: its TTFT is not the plan's).
@@ -427,7 +438,7 @@ class Conductor(EngineClient):
                 yield out
 
     def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord],
-               pool_blocks: int, admit: bool = True) -> tuple[Placement, bool]:
+               pool_blocks: int, admit: bool = True, affinity: Affinity = Affinity()) -> tuple[Placement, bool]:
         """The placement, and whether it is an admission probe (``AdmissionProbes``); a refusal
         raises ``EngineOverloaded``."""
         ref = prefills[0]
@@ -446,7 +457,7 @@ class Conductor(EngineClient):
         decode_states = [self.ledger.decode_state(r, i, now) for i, r in enumerate(decodes)]
         result = placer.place(
             now, info, [self.ledger.prefill_state(r, i, now) for i, r in enumerate(prefills)],
-            [self.ledger.queued(r) for r in prefills], decode_states, admit=admit)
+            [self.ledger.queued(r) for r in prefills], decode_states, admit=admit, affinity=affinity)
         placed = isinstance(result, Placement)
         if self.elastic is not None and decodes and admit:  # arrivals only: a move was counted once
             self.elastic.on_placed(now, len(ids), result.plan, ref.profile.prefill, prefills,
@@ -503,7 +514,7 @@ class Conductor(EngineClient):
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,
-            "local_prefills": c.local_prefills,
+            "local_prefills": c.local_prefills, **self.sessions.describe(),
             "ttft_prediction_factor": round(self.ttft_correction.factor, 3),
             "admission_probes": self.probes.probed, "admission_probes_met_slo": self.probes.met,
             "false_reject_rate": self.probes.false_reject_rate,
@@ -538,6 +549,7 @@ class _Attempt:
     moves: int
     number: int = 0
     arrived: float = 0.0  # monotonic, when the client's request reached the Conductor
+    session: SessionHint | None = None
 
     @property
     def request_id(self) -> str:

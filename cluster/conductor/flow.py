@@ -39,6 +39,7 @@ from engine.engine_client import EngineOverloaded
 from engine.engine_client import RequestFailed as EngineRequestFailed
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 
 log = logging.getLogger(__name__)
 
@@ -206,12 +207,13 @@ class RequestFlow:
         return stopped
 
     # -- the disaggregated path ----------------------------------------------------------------------
-    async def disaggregated(self, rid: str, ids: list[int], params: SamplingParams, booking: Booking,
-                            prefill: InstanceRecord, source: InstanceRecord | None, prefix_tokens: int,
-                            decodes: list[InstanceRecord]) -> AsyncIterator[RequestOutput]:
-        """``decodes``: in order of preference; ``source``: the holder of a prefix to pull first."""
+    async def disaggregated(self, rid: str, ids: list[int], params: SamplingParams, session: SessionHint | None,
+                            booking: Booking, prefill: InstanceRecord, source: InstanceRecord | None,
+                            prefix_tokens: int, decodes: list[InstanceRecord]) -> AsyncIterator[RequestOutput]:
+        """``decodes``: in order of preference; ``source``: the holder of a prefix to pull first;
+        ``session``: the client's hint, which every instance the request runs on retains by."""
         with self._settled(rid, booking):
-            decode, dest = await self._reserve(rid, ids, params, decodes, booking)
+            decode, dest = await self._reserve(rid, ids, params, session, decodes, booking)
             self._counters.accepted += not booking.moved
             if source is not None and source is not prefill:
                 await self._migrate(rid, ids, prefix_tokens, source, prefill, booking)
@@ -220,7 +222,7 @@ class RequestFlow:
             lapsed = asyncio.Event()
             self._granted[rid] = (time.monotonic(), lapsed)
             try:
-                first = await self._client.prefill(prefill.url, rid, ids, params, dest, prefill.lost,
+                first = await self._client.prefill(prefill.url, rid, ids, params, session, dest, prefill.lost,
                                                    decode.lost, lapsed)
             except (UnknownReservation, KVWriteFailed) as e:
                 # The decode side lost the reservation (it lapsed while that instance stalled, and
@@ -241,20 +243,20 @@ class RequestFlow:
             if not handoff:
                 return
             body = GenerateRequest(rid, ids, params,
-                                   Prefilled(first.new_token_ids[0], first.num_cached_tokens, sampler_state))
+                                   Prefilled(first.new_token_ids[0], first.num_cached_tokens, sampler_state), session)
             entry = booking.decoding(decode, len(ids))
             async for out in self._relay(decode, body, entry):
                 yield out
             booking.finished()
 
-    async def _reserve(self, rid: str, ids: list[int], params: SamplingParams, decodes: list[InstanceRecord],
-                       booking: Booking) -> tuple[InstanceRecord, ReserveReply]:
+    async def _reserve(self, rid: str, ids: list[int], params: SamplingParams, session: SessionHint | None,
+                       decodes: list[InstanceRecord], booking: Booking) -> tuple[InstanceRecord, ReserveReply]:
         full = []
         for rec in decodes:
             # Noted before the call: if it times out, the instance may still have granted it.
             booking.reserving(rec)
             try:
-                dest = await self._client.reserve(rec.url, rid, ids, params)
+                dest = await self._client.reserve(rec.url, rid, ids, params, session)
             except NoKVRoom:
                 booking.no_room(rec)
                 full.append(rec)
@@ -305,10 +307,10 @@ class RequestFlow:
             log.info("migration to %s skipped: %s", target.url, e)
 
     # -- the colocated path ---------------------------------------------------------------------------
-    async def colocated(self, rid: str, ids: list[int], params: SamplingParams, booking: Booking,
-                        rec: InstanceRecord) -> AsyncIterator[RequestOutput]:
+    async def colocated(self, rid: str, ids: list[int], params: SamplingParams, session: SessionHint | None,
+                        booking: Booking, rec: InstanceRecord) -> AsyncIterator[RequestOutput]:
         self._counters.accepted += not booking.moved
-        body = GenerateRequest(rid, ids, params)
+        body = GenerateRequest(rid, ids, params, session=session)
         entry = booking.decoding(rec, len(ids), generated=0)
         with self._settled(rid, booking):
             async for out in self._relay(rec, body, entry):

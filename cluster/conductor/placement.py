@@ -37,6 +37,7 @@ from cluster.policies.early_rejection import (SLO, AcceptAll, AdmissionPolicy, E
                                               default_slo)
 from cluster.policies.cost_model import DecodeStepModel, PrefillTime, ScaledPrefill, TransferModel
 from cluster.policies.local_prefill import LocalPlan, LocalPrefill
+from cluster.policies.sessions import Affinity, sticky_decode, sticky_prefill
 from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState, RequestInfo
 from cluster.policies.scheduling import (
     DecodeLoadBalancer,
@@ -188,16 +189,21 @@ class Placer:
                                           config.local_prefill_chunk_tokens, block_size)
 
     def place(self, now: float, request: RequestInfo, prefills: Sequence[PrefillInstanceState],
-              queued: Sequence[int], decodes: Sequence[DecodeInstanceState] = (), admit: bool = True
-              ) -> Placement | Refusal:
+              queued: Sequence[int], decodes: Sequence[DecodeInstanceState] = (), admit: bool = True,
+              affinity: Affinity = Affinity()) -> Placement | Refusal:
         """Choose for ``request``. ``queued[i]``: requests waiting on prefill instance ``i``;
         ``decodes`` empty: colocated instances (the prefill choice serves the whole request).
-        ``admit`` False: the request was admitted before (it is being moved) and is never refused."""
+        ``admit`` False: the request was admitted before (it is being moved) and is never refused.
+        ``affinity``: where its session's last turn ran (``cluster/policies/sessions.py``)."""
         open_ = [s for s, n in zip(prefills, queued) if n < self.config.max_queued_prefills] if admit else list(prefills)
         if not open_:
             return Refusal(f"overloaded: every prefill instance has {self.config.max_queued_prefills} "
                            f"requests waiting", min(s.queue_s for s in prefills))
         plan = self.scheduler.select(request, open_)
+        slo = self.slo(request)
+        held = [s for s in open_ if s.index == affinity.prefill]
+        if held:
+            plan = sticky_prefill(plan, self.scheduler.select(request, held), None if slo is None else slo.ttft_s)
         if not decodes:
             return Placement(plan, [])
         admission = self.admission(request)
@@ -205,6 +211,9 @@ class Placer:
         decision = admission.on_arrival(now, request, plan, balanced, decodes)
         order = sorted(range(len(decodes)),
                        key=lambda i: (decodes[i].index != balanced.instance, admission.tbt_with(request, decodes[i])))
+        positions = {decodes[i].index: i for i in range(len(decodes))}
+        order = sticky_decode(order, positions.get(affinity.decode),
+                              lambda i: admission.tbt_with(request, decodes[i]), None if slo is None else slo.tbt_s)
         local = None
         if self.local is not None:
             chosen = self.local.choose(request, plan, decodes[order[0]])
@@ -218,7 +227,16 @@ class Placer:
 
     def admission(self, request: RequestInfo) -> AdmissionPolicy:
         """The admission policy ``request`` is judged by (with decode instances only)."""
-        return _admission(self.config, self._prefill_cost, self._decode_step, request.input_length)
+        return _admission(self.config, self.slo(request), self._decode_step)
+
+    def slo(self, request: RequestInfo) -> SLO | None:
+        """The SLOs ``request`` is held to: the operator's, else its default ones where a decode
+        model is known (None: neither)."""
+        if self.config.slo_ttft_s is not None:
+            return SLO(self.config.slo_ttft_s, self.config.slo_tbt_s)
+        if self._decode_step is None:
+            return None
+        return default_slo(self._prefill_cost, self._decode_step, request.input_length)
 
 
 def _scheduler(config: PlacementConfig, estimator: PrefillEstimator, seed: int, pool: bool) -> PrefillScheduler:
@@ -231,12 +249,9 @@ def _scheduler(config: PlacementConfig, estimator: PrefillEstimator, seed: int, 
     return GlobalCacheAwareScheduler(estimator, config.kvcache_balancing_threshold, pull_from_instances=not pool)
 
 
-def _admission(config: PlacementConfig, prefill: PrefillTime, step: DecodeStepModel, input_length: int
-               ) -> AdmissionPolicy:
+def _admission(config: PlacementConfig, slo: SLO, step: DecodeStepModel) -> AdmissionPolicy:
     if config.admission == "none":
         return AcceptAll(SLO(1.0, 1.0), step)
-    slo = (default_slo(prefill, step, input_length) if config.slo_ttft_s is None
-           else SLO(config.slo_ttft_s, config.slo_tbt_s))
     if config.admission == "early":
         return EarlyRejection(slo, step)
     return PredictiveEarlyRejection(slo, step, config.predicted_decode_s)

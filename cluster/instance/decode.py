@@ -21,6 +21,7 @@ from cluster.protocol import Prefilled
 from engine.async_engine import AsyncLLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 
 
 class Decoder:
@@ -29,34 +30,39 @@ class Decoder:
         self._receiver = receiver
         self._pool = pool
 
-    def continue_decode(self, request_id: str, prefilled: Prefilled) -> AsyncIterator[RequestOutput]:
-        """Stream a reserved request from the first token its prefill sampled."""
+    def continue_decode(self, request_id: str, prefilled: Prefilled,
+                        session: SessionHint | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a reserved request from the first token its prefill sampled (its session was
+        given at ``reserve``; ``session`` retains what it stores in the pool)."""
         prompt = self._receiver.prompt(request_id)
         admit = self._receiver.take_over(
             lambda h, kv: h.admit(request_id, kv, prefilled.first_token, prefilled.sampler_state,
                                   prefilled.num_cached_tokens), request_id)
         stream = self._client.stream(request_id, admit)
         # The prefill instance sampled the first token; this stream starts after it.
-        return stream if prompt is None else self._stored_after(prompt + [prefilled.first_token], stream)
+        return stream if prompt is None else self._stored_after(prompt + [prefilled.first_token], stream, session)
 
-    async def whole(self, request_id: str, token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def whole(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                    session: SessionHint | None = None) -> AsyncIterator[RequestOutput]:
         failed = False
-        async with pool_prefix(self._pool, request_id, token_ids, params) as start:
+        async with pool_prefix(self._pool, request_id, token_ids, params, session) as start:
             stream = self._client.stream(request_id, start)
-            async with aclosing(self._stored_after(token_ids, stream)) as outs:
+            async with aclosing(self._stored_after(token_ids, stream, session)) as outs:
                 async for out in outs:
                     if out.finish_reason == "kv_load_failed":
                         failed = True  # nothing was streamed yet: compute it without the pool
                         break
                     yield out
         if failed:
-            async with aclosing(self._stored_after(token_ids, self._client.generate(request_id, token_ids, params))) as outs:
+            retry = self._client.generate(request_id, token_ids, params, session)
+            async with aclosing(self._stored_after(token_ids, retry, session)) as outs:
                 async for out in outs:
                     yield out
 
-    async def _stored_after(self, token_ids: list[int], stream: AsyncGenerator[RequestOutput, None]
-                            ) -> AsyncIterator[RequestOutput]:
-        """``stream``, then the finished request's prompt and output blocks go to the pool."""
+    async def _stored_after(self, token_ids: list[int], stream: AsyncGenerator[RequestOutput, None],
+                            session: SessionHint | None) -> AsyncIterator[RequestOutput]:
+        """``stream``, then the finished request's prompt and output blocks go to the pool: what
+        its session's next turn starts with, retained there under ``session``."""
         outputs: list[int] = []
         async with aclosing(stream):  # a client that left aborts the request now, not at collection
             async for out in stream:
@@ -64,5 +70,5 @@ class Decoder:
                 if out.finished and out.finish_reason not in ("abort", "kv_load_failed") and self._pool is not None:
                     # The last sampled token never ran through the model: it has no KV.
                     tokens = token_ids + outputs
-                    self._pool.store_later(tokens, len(tokens) - 1)
+                    self._pool.store_later(tokens, len(tokens) - 1, session)
                 yield out

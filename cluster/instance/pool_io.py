@@ -65,6 +65,7 @@ from engine.disaggregation import KVHandoff
 from engine.hooks import PromptChunk
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +181,10 @@ class PoolIO:
         self._closer.submit(self._close, read, r, used)
 
     def start(self, request_id: str, token_ids: list[int], params: SamplingParams,
-              load: PoolLoad) -> Callable[[LLMEngine], None]:
+              load: PoolLoad, session: SessionHint | None = None) -> Callable[[LLMEngine], None]:
         """The engine-thread call that queues the request with its prefix arriving from ``load``."""
         return lambda _: self._handoff.add_loading(request_id, token_ids, params, load.start_block,
-                                                   load.num_blocks, load)
+                                                   load.num_blocks, load, session)
 
     def _abandon(self, opening: asyncio.Future, r: StagingRange) -> None:
         # Nothing was asked of the later stages yet.
@@ -295,44 +296,51 @@ class PoolIO:
             self._area.release(store.staging)  # seal and abort return once no write reads it
 
     # -- storing from the prefix cache --------------------------------------------------------------
-    def store_later(self, token_ids: list[int], computed_tokens: int) -> None:
+    def store_later(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None = None) -> None:
         """Store the full pool blocks of ``token_ids[:computed_tokens]`` in the background (not
-        on a pipeline group: ``PoolStages.stores_from_cache``)."""
+        on a pipeline group: ``PoolStages.stores_from_cache``); a ``session``'s are retained
+        there for its next turn."""
         if not self.geometry.object_keys(token_ids, computed_tokens) or not self._stages.stores_from_cache:
             return
         if len(self._stores) >= self._max_stores:
             self.stores_skipped += 1
             return
-        task = asyncio.create_task(self._store_quietly(token_ids, computed_tokens))
+        task = asyncio.create_task(self._store_quietly(token_ids, computed_tokens, session))
         self._stores.add(task)
         task.add_done_callback(self._stores.discard)
 
-    async def _store_quietly(self, token_ids: list[int], computed_tokens: int) -> None:
+    async def _store_quietly(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None) -> None:
         try:
-            await self.store(token_ids, computed_tokens)
+            await self.store(token_ids, computed_tokens, session)
         except (MetadataUnavailable, TransferError, TimeoutError) as exc:
             log.warning("pool: store failed: %s", exc)  # a failed store only costs a later request its hit
         except Exception:
             log.exception("pool: store failed")
 
-    async def store(self, token_ids: list[int], computed_tokens: int) -> int:
+    async def store(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None = None) -> int:
         """Put the pool blocks of ``token_ids[:computed_tokens]`` the pool lacks and touch those it
-        holds; returns how many were put."""
+        holds (all of them, retained, for a ``session``); returns how many were put."""
         keys = self.geometry.object_keys(token_ids, computed_tokens)
         holders, _ = await self._index(lambda: (self.pool.holders(keys), self.pool.segments()))
         stored = await self._put_missing(token_ids, keys, holders)
         # What the pool held was used again (from this instance's own cache, or just loaded): as
         # recent as a put, or its LRU would evict a prefix in use before a stale one. After the
-        # puts, so that a chain's head is its most recent object.
-        await self._run(self.pool.touch, keys, holders)
-        return stored
+        # puts, so that a chain's head is its most recent object. A session's objects are all
+        # retained, those just put too.
+        if session is None:
+            await self._run(self.pool.touch, keys, holders)
+        else:
+            where = [[stored[i]] if i in stored else h for i, h in enumerate(holders)]
+            await self._run(self.pool.touch, keys, where, session.priority)
+        return len(stored)
 
-    async def _put_missing(self, token_ids: list[int], keys: list[str], holders: list[list[str]]) -> int:
+    async def _put_missing(self, token_ids: list[int], keys: list[str], holders: list[list[str]]) -> dict[int, str]:
+        """Put the objects no segment holds; returns where each one put went (by its index)."""
         g = self.geometry
         bpo = g.blocks_per_object
         missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // g.nbytes]
         if not missing:
-            return 0
+            return {}
         r = await when_free(lambda: self._area.allocate(len(missing) * g.nbytes), self._timeout_s)
         try:
             layout = g.layout
@@ -349,13 +357,14 @@ class PoolIO:
 
             packed = await self._client.call(export)
 
-            def put_all() -> int:
+            def put_all() -> dict[int, str]:
                 # Tail first: a node seals the head last, so its LRU evicts the chain from the end,
                 # and readers (who need the head) see the prefix only once it is all there.
                 order = range(packed - 1, -1, -1)
                 objects = [NewObject(keys[missing[j]], r.offset + j * g.nbytes, g.nbytes, g.part_bytes) for j in order]
                 sums = [part_checksums(self._memory[o.offset : o.offset + g.nbytes], g.part_bytes) for o in objects]
-                return sum(s is not None for s in self.pool.put_many(self._area.handle, objects, sums))
+                placed = self.pool.put_many(self._area.handle, objects, sums)
+                return {missing[j]: s for j, s in zip(order, placed) if s is not None}
 
             return await self._run(put_all)
         finally:
@@ -400,8 +409,8 @@ class PoolLoad:
 
 
 @asynccontextmanager
-async def pool_prefix(pool: PoolIO | None, request_id: str, token_ids: list[int],
-                      params: SamplingParams) -> AsyncIterator[Callable[[LLMEngine], Any]]:
+async def pool_prefix(pool: PoolIO | None, request_id: str, token_ids: list[int], params: SamplingParams,
+                      session: SessionHint | None = None) -> AsyncIterator[Callable[[LLMEngine], Any]]:
     """How the prompt enters the engine (``AsyncLLMEngine.stream``'s ``start``): with the pool's
     part of its prefix loading, when the pool holds some past the local cache, or plainly. On
     leaving the block, a load the engine never took goes back (the engine closes one it took)."""
@@ -414,10 +423,10 @@ async def pool_prefix(pool: PoolIO | None, request_id: str, token_ids: list[int]
             # The pool is a cache: without it the engine computes the whole prompt.
             log.warning("pool: prefix load failed, computing the prompt: %s", exc)
     if load is None:
-        yield lambda e: e.add_request(token_ids, params, request_id=request_id)
+        yield lambda e: e.add_request(token_ids, params, request_id=request_id, session=session)
         return
     try:
-        yield pool.start(request_id, token_ids, params, load)
+        yield pool.start(request_id, token_ids, params, load, session)
     finally:
         load.close(used=False)  # a no-op once the engine has taken it
 

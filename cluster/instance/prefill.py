@@ -34,6 +34,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.engine_client import EngineError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 
 
 class Prefiller:
@@ -51,7 +52,7 @@ class Prefiller:
         self._pool = pool
 
     async def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      dest: KVDestination) -> RequestOutput:
+                      dest: KVDestination, session: SessionHint | None = None) -> RequestOutput:
         """Compute the prompt, stream its KV to ``dest``, return the first token's output.
         Raises ``BadRequest``, ``TimeoutError`` (send staging stayed full),
         ``EngineOverloaded``, ``EngineError`` and ``TransferError`` (a KV write failed)."""
@@ -60,13 +61,13 @@ class Prefiller:
             raise BadRequest("destination block count does not match the prompt")
         self._check_aborted(request_id)
         try:
-            async with pool_prefix(self._pool, request_id, token_ids, params) as start:
+            async with pool_prefix(self._pool, request_id, token_ids, params, session) as start:
                 output = await self._stream(request_id, token_ids, dest,
                                             lambda: self._client.stream(request_id, start))
             if output.finish_reason == "kv_load_failed":
                 # What the pool sent broke mid-way: compute the whole prompt here, streaming it again.
                 output = await self._stream(request_id, token_ids, dest,
-                                            lambda: self._client.generate(request_id, token_ids, params))
+                                            lambda: self._client.generate(request_id, token_ids, params, session))
             return output
         except StaleWrite as e:
             raise UnknownReservation(f"the decode instance no longer holds the reservation for {request_id!r}: {e}") from None

@@ -44,6 +44,7 @@ from engine.async_engine import AsyncLLMEngine
 from engine.disaggregation import KVCapacityError, KVHandoff
 from engine.kv_layout import KVLayout
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class Receiver:
 
     # -- making and keeping -------------------------------------------------------------------------
     async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      fence: Fence) -> KVDestination:
+                      fence: Fence, session: SessionHint | None = None) -> KVDestination:
         """Hold blocks and a staging range; raises ``KVCapacityError`` (no room now),
         ``ValueError`` (never servable, or the id is taken: ``BadRequest``), ``UnknownReservation``
         (aborted meanwhile) or ``WrongEpoch``."""
@@ -145,7 +146,7 @@ class Receiver:
             raise BadRequest(f"request {request_id!r} already holds a reservation")
         if self._aborted_by(request_id, fence):
             raise UnknownReservation(f"request {request_id!r} was aborted")
-        res = await self._client.call(lambda e: self._handoff.reserve(request_id, token_ids, params))
+        res = await self._client.call(lambda e: self._handoff.reserve(request_id, token_ids, params, session))
         n = res.num_sent_blocks
         staging = None
         if n:

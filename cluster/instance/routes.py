@@ -189,7 +189,7 @@ class InstanceRoutes:
     async def reserve(self, request: Request) -> Response:
         r = ReserveRequest.from_dict(await _body(request))
         with self.s.roles.work(Work.RESERVE):
-            dest = await self.s.receiver.reserve(r.request_id, r.prompt_token_ids, r.params, _fence(request))
+            dest = await self.s.receiver.reserve(r.request_id, r.prompt_token_ids, r.params, _fence(request), r.session)
         return JSONResponse(ReserveReply(dest.to_dict()).to_dict())
 
     async def renew(self, request: Request) -> Response:
@@ -208,7 +208,8 @@ class InstanceRoutes:
 
     async def _prefill(self, request: Request, r: PrefillRequest) -> Response:
         work = asyncio.ensure_future(
-            self.s.prefiller.prefill(r.request_id, r.prompt_token_ids, r.params, KVDestination.from_dict(r.dest)))
+            self.s.prefiller.prefill(r.request_id, r.prompt_token_ids, r.params, KVDestination.from_dict(r.dest),
+                                     r.session))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -229,11 +230,11 @@ class InstanceRoutes:
         work, rid = self.s.work, r.request_id
         if r.prefilled is None:
             # A decode instance computes the prompt itself where the Conductor chose local prefill.
-            stream = self.s.decoder.whole(rid, r.prompt_token_ids, r.params)
+            stream = self.s.decoder.whole(rid, r.prompt_token_ids, r.params, r.session)
             cached = self.s.cached_tokens(r.prompt_token_ids)
         else:
             self.s.receiver.check_owner(rid, fence)  # another Conductor's KV is not to take
-            stream = self.s.decoder.continue_decode(rid, r.prefilled)
+            stream = self.s.decoder.continue_decode(rid, r.prefilled, r.session)
             cached = len(r.prompt_token_ids)
         # Until ``let_go`` an abort from another Conductor is refused (``NotOwner``), and so is a
         # second run of the id for another.

@@ -230,10 +230,11 @@ class PoolClient(PoolIndex):
             except TransferError:
                 pass
 
-    def touch(self, keys: Sequence[str], holders: Sequence[Sequence[str]]) -> None:
+    def touch(self, keys: Sequence[str], holders: Sequence[Sequence[str]], retain: int | None = None) -> None:
         """Tell the segments holding ``keys`` (a prefix, in order; ``holders[i]``: the replicas
-        of ``keys[i]``) that it was used now, as a read would (their LRU order). Best effort: a
-        segment that does not answer misses it."""
+        of ``keys[i]``) that it was used now, as a read would (their LRU order); ``retain``: a
+        session's, to keep at this priority (``Segment.touch``). Best effort: a segment that
+        does not answer misses it."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         segments = self._answering(self.segments())
@@ -243,7 +244,7 @@ class PoolClient(PoolIndex):
                 by_segment.setdefault(s, []).append(key)
         for s, held in by_segment.items():
             try:
-                self._call_segment(segments[s], TouchRequest(held), None)
+                self._call_segment(segments[s], TouchRequest(held, retain), None)
             except (TransferError, KeyError) as exc:
                 log.info("pool: touch on segment %s failed: %s", s, exc)
 

@@ -122,17 +122,23 @@ class LeaseReply:
 @dataclass(frozen=True)
 class TouchRequest:
     """The objects ``keys`` (a prefix, in order) were used now, as a read would have: the
-    segment's LRU order follows. Keys it does not hold are ignored."""
+    segment's LRU order follows. Keys it does not hold are ignored. ``retain``: they are a
+    session's, retained at this priority (``Segment.touch``)."""
 
     OP: ClassVar[str] = "touch"
     keys: list[str]
+    retain: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"op": self.OP, "keys": self.keys}
+        d: dict[str, Any] = {"op": self.OP, "keys": self.keys}
+        if self.retain is not None:
+            d["retain"] = self.retain
+        return d
 
     @classmethod
     def from_dict(cls, data: Any) -> TouchRequest:
-        return cls(_strings(data, "keys"))
+        retain = data.get("retain") if isinstance(data, dict) else None
+        return cls(_strings(data, "keys"), None if retain is None else _int(data, "retain"))
 
 
 @dataclass(frozen=True)

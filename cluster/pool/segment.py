@@ -13,7 +13,10 @@ requests). An object's life:
   A reader that overran its lease may read bytes of a later object: its checksum check fails
   and the read is a miss, never another object's KV.
 * Eviction is LRU over sealed, unleased objects, when an allocation would take DRAM use past
-  ``high_watermark``. With an SSD tier the victim moves down to it (a demotion) and stays
+  ``high_watermark``. A session's objects (a touch with ``retain``: issue 42) go after the cold
+  ones until ``session_retention_s`` has passed since, lowest priority first; they never pin
+  (when nothing else is evictable they go too) and hold at most ``retained_share`` of DRAM
+  (beyond it the lowest-ranked turn cold). With an SSD tier the victim moves down to it (a demotion) and stays
   published; a lease on it brings it back up (a promotion). Without one, or when the SSD tier
   evicts it in turn, or its write to the SSD fails (a full disk), it is gone and unpublished.
 
@@ -66,6 +69,7 @@ class _Object:
     deadline: float = 0.0  # an unsealed put is abandoned after this
     leases: dict[int, float] = field(default_factory=dict)  # lease id -> expiry
     reads: deque = field(default_factory=deque)  # times of recent leases (hot-spot detection)
+    retain: tuple[int, float, int] | None = None  # a session's: (priority, until, order), ranks eviction
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,14 @@ class SegmentConfig:
     # prefill and seals after it (seconds), and a segment filled with unsealed objects could
     # neither evict nor promote anything for its readers meanwhile.
     max_pending_fraction: float = 0.5
+    # Soft retention of sessions' objects in DRAM (the SSD tier stays LRU): how long after a
+    # session's touch, and at most which share of DRAM (``engine.config.EngineConfig``'s twins).
+    session_retention_s: float = 600.0
+    retained_share: float = 0.5
 
     def __post_init__(self) -> None:
+        if not self.session_retention_s >= 0 or not 0 <= self.retained_share <= 1:
+            raise ValueError("session_retention_s must be >= 0 and retained_share in [0, 1]")
         if self.dram_bytes <= 0:
             raise ValueError(f"dram_bytes must be positive, got {self.dram_bytes}")
         if not 0 < self.high_watermark <= 1:
@@ -110,8 +120,10 @@ class Segment:
         # every object there would make puts slower the fuller the segment.
         self._pending: dict[str, _Object] = {}
         self._lease_ids = itertools.count(1)
+        self._retain_order = itertools.count()
         self.counters = dict.fromkeys(("stores", "leases", "evictions", "demotions", "promotions",
-                                       "corrupt_puts", "corrupt_ssd_reads", "aborted_puts", "ssd_errors"), 0)
+                                       "corrupt_puts", "corrupt_ssd_reads", "aborted_puts", "ssd_errors",
+                                       "retained_evictions"), 0)
         # Publications leave in the order the lock decided them, so an eviction's unpublish can
         # never overtake the publish of the same object.
         self._outbox: queue.SimpleQueue[tuple[str, bool] | None] = queue.SimpleQueue()
@@ -230,11 +242,29 @@ class Segment:
             self._spill(spills)
         return grants
 
-    def touch(self, keys: list[str]) -> None:
+    def touch(self, keys: list[str], retain: int | None = None) -> None:
         """Mark the objects of a prefix (in order) used now: a prefix a reader found elsewhere
-        (its own cache) is as recently used as one it loaded."""
+        (its own cache) is as recently used as one it loaded. ``retain``: they are a session's,
+        kept ahead of cold objects at this priority for ``session_retention_s``."""
         with self._lock:
-            self._refresh([k for k in keys if k in self._objects and self._objects[k].sealed])
+            held = [k for k in keys if k in self._objects and self._objects[k].sealed]
+            self._refresh(held)
+            if retain is not None and self.config.session_retention_s:
+                until = self._clock() + self.config.session_retention_s
+                for key in reversed(held):  # tail first: of one chain, the tail goes first
+                    obj = self._objects[key]
+                    if obj.range is not None:
+                        obj.retain = (retain, until, next(self._retain_order))
+                self._cap_retained()
+
+    def _cap_retained(self) -> None:
+        retained = sorted((o.retain, o) for o in self._objects.values() if o.retain is not None)
+        over = sum(o.nbytes for _, o in retained) - self.config.retained_share * self.config.dram_bytes
+        for _, obj in retained:
+            if over <= 0:
+                break
+            obj.retain = None  # turns cold, at the recent end of the LRU where the touch put it
+            over -= obj.nbytes
 
     def _refresh(self, keys: list[str]) -> None:
         # A prefix comes in order; its head becomes the most recent, so LRU evicts a chain from
@@ -324,11 +354,20 @@ class Segment:
                                f"nothing evictable (leased or being written)")
 
     def _evict_one(self, now: float, spills: list) -> bool:
+        retained = []
         for key, obj in self._objects.items():  # least recently used first
             if obj.sealed and obj.range is not None and not self._leased(obj, now):
+                if obj.retain is not None and obj.retain[1] > now:
+                    retained.append((obj.retain, key, obj))
+                    continue
                 self._demote_or_drop(key, obj, spills)
                 return True
-        return False
+        if not retained:
+            return False
+        _, key, obj = min(retained)  # nothing cold is left: the lowest-ranked session object
+        self.counters["retained_evictions"] += 1
+        self._demote_or_drop(key, obj, spills)
+        return True
 
     def _leased(self, obj: _Object, now: float) -> bool:
         for lease, expiry in list(obj.leases.items()):
@@ -337,6 +376,7 @@ class Segment:
         return bool(obj.leases)
 
     def _demote_or_drop(self, key: str, obj: _Object, spills: list) -> None:
+        obj.retain = None  # retention ranks DRAM only: on the SSD tier it is LRU
         if self.ssd is not None and obj.nbytes <= self.ssd.capacity_bytes:
             # The bytes leave DRAM now (a memory copy); the SSD write comes after the lock (_spill).
             obj.spill = self.area.buffer[obj.range.offset : obj.range.offset + obj.nbytes].numpy().tobytes()

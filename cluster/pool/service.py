@@ -138,8 +138,8 @@ class SegmentService:
         match request_from_dict(request):
             case LeaseRequest(keys=keys):
                 return Status.OK, LeaseReply(seg.lease(keys)).to_dict()
-            case TouchRequest(keys=keys):
-                seg.touch(keys)
+            case TouchRequest(keys=keys, retain=retain):
+                seg.touch(keys, retain)
             case ReleaseRequest(leases=leases):
                 for key, lease in leases:
                     seg.release(key, lease)

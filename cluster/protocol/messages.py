@@ -14,6 +14,7 @@ from cluster.protocol.fields import (
 )
 from engine.outputs import Logprobs, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 
 
 # -- outputs ------------------------------------------------------------------------------------------
@@ -64,9 +65,20 @@ def read_stream_line(line: str) -> RequestOutput:
 
 # -- Conductor -> instance: requests and their answers ------------------------------------------------
 
-def _prompt(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> dict[str, Any]:
-    """The fields every request about a prompt starts with."""
-    return {"request_id": request_id, "prompt_token_ids": prompt_token_ids, "params": dataclasses.asdict(params)}
+def _prompt(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            session: SessionHint | None) -> dict[str, Any]:
+    """The fields every request about a prompt starts with (``session``: only when hinted)."""
+    d = {"request_id": request_id, "prompt_token_ids": prompt_token_ids, "params": dataclasses.asdict(params)}
+    if session is not None:
+        d["session"] = session.to_dict()
+    return d
+
+
+def _session(data: Any) -> SessionHint | None:
+    try:
+        return SessionHint.from_dict(data.get("session"))
+    except ValueError as e:
+        raise BadRequest(f"session: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -76,13 +88,15 @@ class ReserveRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    session: SessionHint | None = None  # its KV is retained for the session's next turn
 
     def to_dict(self) -> dict[str, Any]:
-        return _prompt(self.request_id, self.prompt_token_ids, self.params)
+        return _prompt(self.request_id, self.prompt_token_ids, self.params, self.session)
 
     @classmethod
     def from_dict(cls, data: Any) -> ReserveRequest:
-        return cls(_str(data, "request_id"), token_ids(_field(data, "prompt_token_ids")), _params(data))
+        return cls(_str(data, "request_id"), token_ids(_field(data, "prompt_token_ids")), _params(data),
+                   _session(data))
 
 
 @dataclass(frozen=True)
@@ -168,14 +182,15 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     dest: dict[str, Any]
+    session: SessionHint | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**_prompt(self.request_id, self.prompt_token_ids, self.params), "dest": self.dest}
+        return {**_prompt(self.request_id, self.prompt_token_ids, self.params, self.session), "dest": self.dest}
 
     @classmethod
     def from_dict(cls, data: Any) -> PrefillRequest:
         r = ReserveRequest.from_dict(data)
-        return cls(r.request_id, r.prompt_token_ids, r.params, _dest(data))
+        return cls(r.request_id, r.prompt_token_ids, r.params, _dest(data), r.session)
 
 
 @dataclass(frozen=True)
@@ -224,9 +239,10 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefilled: Prefilled | None = None
+    session: SessionHint | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = _prompt(self.request_id, self.prompt_token_ids, self.params)
+        d = _prompt(self.request_id, self.prompt_token_ids, self.params, self.session)
         if self.prefilled is not None:
             d["prefilled"] = self.prefilled.to_dict()
         return d
@@ -236,7 +252,7 @@ class GenerateRequest:
         r = ReserveRequest.from_dict(data)
         prefilled = _dict(data, "prefilled", optional=True)
         return cls(r.request_id, r.prompt_token_ids, r.params,
-                   None if prefilled is None else Prefilled.from_dict(prefilled))
+                   None if prefilled is None else Prefilled.from_dict(prefilled), r.session)
 
 
 @dataclass(frozen=True)
