@@ -510,6 +510,8 @@ class AsyncLLMEngine(EngineClient):
             "num_free_blocks": bm.pool.num_free,
             "num_used_blocks": bm.pool.num_in_use,
             "num_cached_blocks": bm.pool.num_cached_unused,
+            "num_retained_blocks": bm.pool.num_retained,  # of those, sessions' (issue 42)
+            "retained_evictions": bm.pool.num_retained_evictions,
             "kv_cache_usage": s.kv_cache_usage,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
             "prefix_cache_queries": sched.num_prompt_tokens_admitted,

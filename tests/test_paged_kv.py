@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from paged_kv import BlockManager, BlockPool, BlockTable, OutOfBlocks, block_key, chain_keys
+from paged_kv.block_pool import Retention
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -586,3 +587,81 @@ def test_bm_random_stress():
     assert stats["hits"] > 50
     assert stats["oob"] > 10
     assert bm.pool.num_evictions > 10
+
+
+# -- soft retention (issue 42) ------------------------------------------------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _cached(pool: BlockPool, n: int, first_key: int, retain: Retention | None = None) -> list[int]:
+    blocks = pool.allocate(n)
+    for i, b in enumerate(blocks):
+        pool.register(b, _key(first_key + i))
+    pool.release(blocks, retain)
+    return blocks
+
+
+def test_retained_blocks_are_evicted_after_cold_ones_and_never_block_an_allocation():
+    clock = _Clock()
+    pool = BlockPool(8, retained_share=0.5, clock=clock)
+    session = _cached(pool, 3, 0, Retention(until=clock.now + 60))
+    cold = _cached(pool, 3, 10)  # released later: under plain LRU the session's would go first
+    assert pool.num_retained == 3 and pool.num_free == 8
+    pool.check_integrity()
+    taken = pool.allocate(5)  # 2 free blocks, then the 3 cold ones; the session's stay
+    assert set(cold) <= set(taken) and pool.lookup([_key(0), _key(1), _key(2)]) == session
+    more = pool.allocate(2)  # nothing cold is left: retention is a bias, not a pin
+    assert set(more) <= set(session) and pool.num_retained_evictions == 2
+    assert pool.num_free == 1
+    pool.check_integrity()
+
+
+def test_an_expired_retention_goes_first_and_priority_orders_the_rest():
+    clock = _Clock()
+    pool = BlockPool(6, retained_share=1.0, clock=clock)
+    low = _cached(pool, 2, 0, Retention(clock.now + 60, priority=-1))
+    high = _cached(pool, 2, 10, Retention(clock.now + 60, priority=5))
+    expired = _cached(pool, 2, 20, Retention(clock.now + 1, priority=9))
+    clock.now += 2
+    assert set(pool.allocate(2)) == set(expired)
+    assert pool.num_retained_evictions == 0  # its deadline had passed
+    assert set(pool.allocate(2)) == set(low)  # then the lower priority, tail first
+    assert pool.lookup([_key(10), _key(11)]) == high
+    pool.check_integrity()
+
+
+def test_a_hint_that_would_overflow_the_share_turns_its_oldest_blocks_cold():
+    clock = _Clock()
+    pool = BlockPool(10, retained_share=0.3, clock=clock)  # at most 3 retained blocks
+    first = _cached(pool, 2, 0, Retention(clock.now + 60))
+    clock.now += 1
+    second = _cached(pool, 3, 10, Retention(clock.now + 60))  # 5 > 3: the 2 lowest-ranked turn cold
+    assert pool.num_retained == 3
+    pool.check_integrity()
+    pool.allocate(5)  # the free blocks
+    assert set(pool.allocate(2)) == set(first)  # the demoted ones went as cold ones
+    assert pool.lookup([_key(10), _key(11), _key(12)]) == second
+    pool.check_integrity()
+
+
+def test_a_hit_takes_a_retained_block_back():
+    pool = BlockPool(4, retained_share=1.0)
+    blocks = _cached(pool, 2, 0, Retention(until=float("inf")))
+    hits = pool.lookup([_key(0), _key(1)])
+    pool.acquire(hits)
+    assert pool.num_retained == 0 and pool.num_free == 2
+    pool.release(hits)  # released without a hint this time: plain cold blocks
+    assert pool.num_retained == 0 and pool.num_cached_unused == 2
+    pool.reset_prefix_cache()
+    assert pool.num_free == 4 and blocks
+    pool.check_integrity()
+
+
+def test_retention_share_is_checked():
+    with pytest.raises(ValueError):
+        BlockPool(4, retained_share=1.5)

@@ -295,6 +295,27 @@ def test_a_second_turn_hits_the_first_turns_output(cluster, colocated):
     cluster.stop_pool_node()
 
 
+@ON_EMBEDDED
+def test_a_sessions_turn_is_retained_in_the_pool_and_the_instances_and_the_next_is_kept_there(cluster, colocated):
+    """Issue 42 at the shipped defaults: a hinted turn's KV is retained where it is cached (the
+    prefill instance's prompt, the decode instance's prompt and output, the pool's copy of them),
+    and the next turn goes back to the prefill instance that holds it."""
+    segment = cluster.start_node()
+    first = _words("session", 40) + " Tell me about the mountains."
+    hint = {"session_id": "hiker-1", "priority": 1}
+    turn = cluster.complete(first, temperature=0, max_tokens=40, ignore_eos=True, **hint)
+    second = first + turn["choices"][0]["text"] + " And the rivers?"
+    until(lambda: cluster.pool()["segments"][segment]["retained_objects"] > 0, 30, "the turn retained in the pool")
+    held = {i["url"]: cluster.instance_stats(i["url"])["num_retained_blocks"] for i in cluster.instances()}
+    assert sum(n > 0 for n in held.values()) == 2, held  # the prefill instance it ran on, and the decode one
+    got = cluster.complete(second, **GREEDY, **hint)
+    assert got["choices"][0]["text"] == _want(colocated, second)
+    stats = cluster.stats()
+    assert (stats["session_turns_followed"], stats["session_turns_kept"]) == (1, 1)
+    cluster.assert_clean()
+    cluster.stop_pool_node()
+
+
 @pytest.mark.parametrize("cluster", ["etcd"], indirect=True)
 def test_an_instance_put_into_etcd_without_the_secret_gets_no_request(cluster, colocated):
     """Issue 40: one unsigned write to etcd once added a fake prefill instance that answered 14 of

@@ -323,3 +323,41 @@ def test_hot_objects_get_more_replicas_and_reads_spread():
         assert b.segment.stats()["leases"] > 0  # the second replica serves reads too
         a.close()
         b.close()
+
+
+# -- soft retention of sessions' objects (issue 42) -------------------------------------------------------
+def test_a_sessions_objects_outlive_colder_ones_until_their_retention_ends(engine):
+    clock = Clock()
+    seg = Segment(engine, SegmentConfig(dram_bytes=5 * OBJ, high_watermark=0.8, session_retention_s=60),
+                  clock=clock)
+    for i, key in enumerate(["turn-head", "turn-tail", "cold-1", "cold-2"]):
+        write_object(seg, key, i)
+    seg.touch(["turn-head", "turn-tail"], retain=0)
+    seg.touch(["cold-1", "cold-2"])  # used more recently than the session: plain LRU would keep them
+    write_object(seg, "new", 9)
+    write_object(seg, "newer", 10)
+    assert sorted(seg.keys()) == ["new", "newer", "turn-head", "turn-tail"]
+    clock.now += 61  # the retention is over: the session's objects are as cold as their last use
+    write_object(seg, "newest", 11)
+    assert "turn-tail" not in seg.keys() and seg.stats()["retained_evictions"] == 0
+    seg.check()
+
+
+def test_retained_objects_never_pin_and_never_pass_their_share(engine):
+    clock = Clock()
+    seg = Segment(engine, SegmentConfig(dram_bytes=5 * OBJ, high_watermark=0.8, retained_share=0.4),
+                  clock=clock)
+    for i, key in enumerate("abcd"):
+        write_object(seg, key, i)
+    seg.touch(["a", "b", "c"], retain=1)  # 3 objects, 60% of DRAM: the share is 40%
+    assert sum(o.retain is not None for o in seg._objects.values()) == 2
+    seg.touch(["d"], retain=0)  # a lower priority than what is retained: it is the one left out
+    assert sorted(k for k, o in seg._objects.items() if o.retain is not None) == ["a", "b"]
+    write_object(seg, "e", 20)
+    write_object(seg, "f", 21)  # the cold "c" and "d" went
+    assert sorted(seg.keys()) == ["a", "b", "e", "f"]
+    seg.lease(["e", "f"])  # held by a reader: only the retained ones are left to evict
+    write_object(seg, "g", 22)
+    assert sorted(seg.keys()) == ["a", "e", "f", "g"]  # "b", the tail, ranked lowest
+    assert seg.stats()["retained_evictions"] == 1
+    seg.check()

@@ -828,3 +828,35 @@ def test_cluster_secret_errors_and_command_line_warning(monkeypatch, tmp_path, c
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "visible to other users" in warning.getMessage() and "MOONCAKE_CLUSTER_SECRET" in warning.getMessage()
     assert GOOD_SECRET not in warning.getMessage()
+
+
+# -- session hints (issue 42) --------------------------------------------------------------------------------
+def test_bad_session_hints_are_400_naming_the_field(url):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for extra, param in [({"session_id": ["a"]}, "session_id"), ({"session_id": {"id": 1}}, "session_id"),
+                         ({"session_id": "x" * 257}, "session_id"), ({"session_id": ""}, "session_id"),
+                         ({"session_id": "s", "priority": 1.5}, "priority"),
+                         ({"session_id": "s", "priority": True}, "priority"),
+                         ({"session_id": "s", "priority": 10**6}, "priority"),
+                         ({"priority": 3}, "priority")]:  # a priority of nothing
+        assert_error(post(url, "/v1/chat/completions", {**chat, **extra}), 400, param)
+    assert_error(post(url, "/v1/completions", {"prompt": PROMPT, "session_id": 7}), 400, "session_id")
+    assert_error(post(url, "/v1/completions", {"prompt": PROMPT, "session_id": "a"},
+                      headers={"X-Session-Id": "b"}), 400, "session_id")
+    assert_error(post(url, "/v1/completions", {"prompt": PROMPT}, headers={"X-Session-Id": "y" * 300}), 400,
+                 "session_id")
+
+
+def test_a_session_hint_retains_its_kv_and_changes_no_output(url, oai):
+    before = httpx.get(url + "/stats").json()["num_retained_blocks"]
+    prompt = PROMPT + " Tell me more about the city, its history and its museums."
+    plain = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=4, temperature=0)
+    assert httpx.get(url + "/stats").json()["num_retained_blocks"] == before  # no hint: nothing changes
+    hinted = oai.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt + " And", max_tokens=4, temperature=0,
+                                    extra_body={"session_id": "chat-42", "priority": 2})
+    assert hinted.choices[0].text  # served as any request
+    stats = wait_idle(url)
+    assert stats["num_retained_blocks"] > before
+    by_header = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0},
+                     headers={"X-Session-Id": "chat-43"})
+    assert by_header.status_code == 200 and by_header.json()["choices"][0]["text"] == plain.choices[0].text

@@ -37,7 +37,7 @@ CLIENT_COUNTERS = ("hits", "misses", "loads", "stores", "failed_reads_recomputed
                    "metadata_unavailable", "segment_timeouts", "segments_passed_over")
 
 # A segment's stats summed over the pool in ``PoolIndex.stats``.
-_SUMMED = ("evictions", "demotions", "promotions", "replicas_made")
+_SUMMED = ("evictions", "demotions", "promotions", "replicas_made", "retained_evictions")
 
 
 def object_entry(key: str, segment_id: str) -> str:
@@ -142,5 +142,6 @@ class PoolIndex:
                 "dram_bytes": s.get("dram_bytes", 0), "dram_free_bytes": s.get("dram_free_bytes", 0),
                 "ssd_bytes": s.get("ssd_bytes", 0), "ssd_free_bytes": s.get("ssd_free_bytes", 0),
                 "leased_objects": s.get("leased_objects", 0), "pending_puts": s.get("pending_puts", 0),
+                "retained_objects": s.get("retained_objects", 0),
             }
         return total

@@ -309,10 +309,12 @@ class Segment:
             on_ssd = sum(1 for o in self._objects.values() if o.range is None)
             stored = sum(o.nbytes for o in self._objects.values() if o.sealed)
             leased = sum(1 for o in self._objects.values() if o.leases)
+            now = self._clock()
+            retained = sum(1 for o in self._objects.values() if o.retain is not None and o.retain[1] > now)
             pending = len(self._pending)
         return {
             "objects": dram + on_ssd, "objects_dram": dram, "objects_ssd": on_ssd, "bytes": stored,
-            "leased_objects": leased, "pending_puts": pending,
+            "leased_objects": leased, "retained_objects": retained, "pending_puts": pending,
             "dram_bytes": self.config.dram_bytes, "dram_free_bytes": self.area.num_free_bytes,
             "ssd_bytes": self.ssd.capacity_bytes if self.ssd else 0,
             "ssd_free_bytes": self.ssd.capacity_bytes - self.ssd.used_bytes if self.ssd else 0,
