@@ -30,6 +30,9 @@ from bench.sim.hitrate import lru_hit_rate
 from bench.sim.false_rejects import false_rejects
 from bench.sim.metrics import distribution, summarize
 from bench.sim.plots import plot_bars, plot_hit_curves, plot_latency_cdfs, plot_loads, plot_switch_cost
+from bench.sim.sessions import HEADERS as SESSION_HEADERS
+from bench.sim.sessions import POLICIES as SESSION_POLICIES
+from bench.sim.sessions import AgenticConfig, SessionSimConfig, agentic_trace, simulate_sessions
 from bench.sim.simulator import COMPLETED, SimResult, simulate
 from bench.trace import TraceEntry, load_trace
 from cluster.policies.elastic_roles import ElasticConfig
@@ -313,6 +316,35 @@ def exp_local_prefill(args: argparse.Namespace, out: Path) -> None:
     plot_latency_cdfs(results, out / "local_prefill_cdf.png")
 
 
+# Issue 42: the agentic trace's regimes: where hints help (tight caches under one-shot traffic)
+# and where they cannot (caches that hold everything; think times past the retention window).
+SESSION_REGIMES: dict[str, tuple[AgenticConfig, SessionSimConfig]] = {
+    "tight caches, one-shot traffic": (AgenticConfig(session_rate=0.8, one_shot_rate=1.0), SessionSimConfig()),
+    "tight caches, sessions only": (AgenticConfig(session_rate=0.8, one_shot_rate=0.0), SessionSimConfig()),
+    "roomy caches (20x)": (AgenticConfig(session_rate=0.8, one_shot_rate=1.0),
+                           SessionSimConfig(cache_tokens=20 * SessionSimConfig.cache_tokens,
+                                            pool_tokens=20 * SessionSimConfig.pool_tokens)),
+    "users think 20 min (past the retention)": (AgenticConfig(session_rate=0.8, one_shot_rate=1.0,
+                                                              user_think_s=1200.0, tool_share=0.0, duration_s=3600.0),
+                                                SessionSimConfig()),
+}
+
+
+def exp_sessions(args: argparse.Namespace, out: Path) -> None:
+    runs: dict[str, Any] = {}
+    for regime, (workload, config) in SESSION_REGIMES.items():
+        trace = agentic_trace(replace(workload, seed=args.seed))
+        turns = sum(len(s.turns) for s in trace.sessions)
+        print(f"\n{regime}: {len(trace.sessions)} sessions ({turns} turns), {len(trace.one_shots)} one-shots; "
+              f"{config.instances} instances x {config.cache_tokens} tokens of cache, a pool of {config.pool_tokens}; "
+              f"TTFT SLO {config.ttft_slo_s:g} s")
+        results = [simulate_sessions(trace, policy, config) for policy in SESSION_POLICIES]
+        print_table(SESSION_HEADERS, [r.row() for r in results])
+        runs[regime] = {"workload": workload.__dict__, "cluster": config.__dict__,
+                        "rows": [dict(zip(SESSION_HEADERS, r.row())) for r in results]}
+    save_json(out, "sessions", runs)
+
+
 EXPERIMENTS: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "schedulers": exp_schedulers,
     "hitrate": exp_hitrate,
@@ -321,6 +353,7 @@ EXPERIMENTS: dict[str, Callable[[argparse.Namespace, Path], None]] = {
     "switch_cost": exp_switch_cost,
     "cpp": exp_cpp,
     "local_prefill": exp_local_prefill,
+    "sessions": exp_sessions,
 }
 
 

@@ -16,6 +16,7 @@ import stat
 import time
 from collections.abc import Callable
 
+from cluster.conductor.placement import PlacementConfig
 from cluster.conductor.supervisor import CORE_SHARE_ENV
 from cluster.policies.elastic_roles import ElasticConfig
 from engine.model_config import QUANTIZATIONS
@@ -57,6 +58,17 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _slack(text: str) -> float | None:
+    return None if text == "off" else _non_negative_float(text)
 
 
 def _stage(text: str) -> tuple[int, int]:
@@ -110,6 +122,12 @@ def _engine_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
                              help="token budget of one engine step (chunked prefill)"))
     passed_on(p.add_argument("--max-model-len", type=_positive_int, default=None,
                              help="context length; default: the model's"))
+    passed_on(p.add_argument("--session-retention-s", type=_non_negative_float, default=600.0,
+                             help="KV of a request with a session hint (session_id, X-Session-Id) stays cached ahead "
+                             "of other KV this long after it ends, in the prefix cache and the pool's DRAM (a bias "
+                             "on eviction, never a pin); 0: off"))
+    passed_on(p.add_argument("--session-retention-share", type=_share, default=0.5,
+                             help="at most this share of a prefix cache or a pool segment's DRAM is held for sessions"))
     passed_on(p.add_argument("--max-waiting", type=_non_negative_int, default=256,
                              help="requests allowed to wait for their first token (in the colocated engine, or in each "
                              "instance); beyond it: HTTP 429"))
@@ -251,6 +269,10 @@ def _placement_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
     c.add_argument("--admission-probe-share", type=float, default=0.02,
                    help="(Conductor) of the requests admission refuses, this share is admitted all the same and "
                    "timed against its SLOs: how often a refusal is wrong (/stats false_reject_rate); 0: none")
+    c.add_argument("--session-slack-s", type=_slack, default=PlacementConfig.session_slack_s,
+                   help="(Conductor) a session's next turn stays on the instances its last turn ran on while that "
+                   "costs at most this much predicted TTFT over the best placement and meets the SLOs; off: no "
+                   "sticky placement (docs/serving.md#sessions)")
     c.add_argument("--slo-ttft-s", type=_positive_float, default=None,
                    help="(Conductor) TTFT SLO in seconds (with --slo-tbt-s)")
     c.add_argument("--slo-tbt-s", type=_positive_float, default=None,

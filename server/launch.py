@@ -29,7 +29,8 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
         model=args.model, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, role=role, deterministic=args.deterministic,
-        busy_heap_free_mib=args.busy_heap_free_mib,
+        busy_heap_free_mib=args.busy_heap_free_mib, session_retention_s=args.session_retention_s,
+        session_retention_share=args.session_retention_share,
         stage=(0, args.cpp_stages) if role == "prefill" and args.cpp_stages > 1 else None,
     )
     if args.stage is not None:
@@ -224,7 +225,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
             admission=args.admission, slo_ttft_s=args.slo_ttft_s, slo_tbt_s=args.slo_tbt_s,
             predicted_decode_s=args.predicted_decode_s, max_queued_prefills=args.max_queued_prefills,
             local_prefill=args.local_prefill, local_prefill_chunk_tokens=args.max_num_batched_tokens,
-            probe_share=args.admission_probe_share,
+            probe_share=args.admission_probe_share, session_slack_s=args.session_slack_s,
         )
         pool, metadata_server, pool_args = (
             (None, None, []) if args.no_pool else _start_pool(args, secret, args.host, _advertised_host(args)))

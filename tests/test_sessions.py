@@ -27,8 +27,8 @@ class _Empty(PrefixView):
         return 0
 
 
-def _placer() -> Placer:
-    config = PlacementConfig(admission="none", slo_ttft_s=SLO_TTFT, slo_tbt_s=SLO_TBT)
+def _placer(**config) -> Placer:
+    config = PlacementConfig(admission="none", slo_ttft_s=SLO_TTFT, slo_tbt_s=SLO_TBT, **config)
     return Placer(config, PROFILE.prefill, PROFILE.decode, 16, 64)
 
 
@@ -36,18 +36,24 @@ def _decode(index: int, batch: int) -> DecodeInstanceState:
     return DecodeInstanceState(index, [0.0] * batch, [400] * batch, 400 * batch, [], [])
 
 
-def _place(prefill_queues: list[float], decode_batches: list[int], affinity: Affinity = Affinity()) -> Placement:
+def _place(prefill_queues: list[float], decode_batches: list[int], affinity: Affinity = Affinity(),
+           **config) -> Placement:
     prefills = [PrefillInstanceState(i, q, _Empty()) for i, q in enumerate(prefill_queues)]
     decodes = [_decode(i, b) for i, b in enumerate(decode_batches)]
-    result = _placer().place(0.0, REQUEST, prefills, [0] * len(prefills), decodes, affinity=affinity)
+    result = _placer(**config).place(0.0, REQUEST, prefills, [0] * len(prefills), decodes, affinity=affinity)
     assert isinstance(result, Placement)
     return result
 
 
-def test_the_sessions_prefill_instance_is_kept_until_its_ttft_would_miss_the_slo():
+def test_the_sessions_prefill_instance_is_kept_while_it_costs_little_and_meets_the_slo():
     assert _place([0.0, 0.5], [0]).plan.instance == 0  # no session: the quicker one
-    assert _place([0.0, 0.5], [0], Affinity(prefill=1)).plan.instance == 1  # 0.5 s more, within 2 s
-    assert _place([0.0, 2.5], [0], Affinity(prefill=1)).plan.instance == 0  # past the SLO: moved
+    slack = PlacementConfig().session_slack_s
+    assert _place([0.0, slack / 2], [0], Affinity(prefill=1)).plan.instance == 1  # within the slack: kept
+    assert _place([0.0, 0.5], [0], Affinity(prefill=1)).plan.instance == 0  # 0.5 s more: moved
+    unbounded = dict(session_slack_s=float("inf"))  # the SLO alone bounds it
+    assert _place([0.0, 0.5], [0], Affinity(prefill=1), **unbounded).plan.instance == 1
+    assert _place([0.0, 2.5], [0], Affinity(prefill=1), **unbounded).plan.instance == 0  # past the SLO
+    assert _place([0.0, 0.01], [0], Affinity(prefill=1), session_slack_s=None).plan.instance == 0  # off
 
 
 def test_the_sessions_decode_instance_goes_first_until_its_tbt_would_miss_the_slo():
@@ -56,6 +62,7 @@ def test_the_sessions_decode_instance_goes_first_until_its_tbt_would_miss_the_sl
     assert _place([0.0], [0, 3]).decode_order[0] == 0  # no session: the least loaded
     assert _place([0.0], [0, 3], Affinity(decode=1)).decode_order == [1, 0]
     assert _place([0.0], [0, 20], Affinity(decode=1)).decode_order == [0, 1]
+    assert _place([0.0], [0, 3], Affinity(decode=1), session_slack_s=None).decode_order == [0, 1]
 
 
 def test_sticky_decode_without_an_slo_or_a_known_instance_keeps_the_order():

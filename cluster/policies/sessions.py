@@ -12,6 +12,7 @@ pulled from the holder, or recomputed: ``scheduling.GlobalCacheAwareScheduler``)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,12 +28,15 @@ class Affinity:
     decode: int | None = None
 
 
-def sticky_prefill(best: PrefillPlan, sticky: PrefillPlan | None, slo_ttft_s: float | None) -> PrefillPlan:
-    """The session's plan unless its TTFT misses ``slo_ttft_s`` (None: no SLO known, then only
-    if it is as quick as ``best``); else the scheduler's ``best``."""
+def sticky_prefill(best: PrefillPlan, sticky: PrefillPlan | None, slo_ttft_s: float | None,
+                   slack_s: float = math.inf) -> PrefillPlan:
+    """The session's plan unless its TTFT misses ``slo_ttft_s`` (None: no SLO known) or is more
+    than ``slack_s`` longer than the scheduler's ``best``; else ``best``."""
     if sticky is None:
         return best
-    limit = best.ttft_s if slo_ttft_s is None else max(slo_ttft_s, best.ttft_s)
+    limit = best.ttft_s + slack_s
+    if slo_ttft_s is not None:
+        limit = min(limit, max(slo_ttft_s, best.ttft_s))
     return sticky if sticky.ttft_s <= limit else best
 
 

@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ssd-gib", type=float, default=0.0, help="size of the SSD tier")
     p.add_argument("--host", default="127.0.0.1", help="address the Messenger listens on")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--session-retention-s", type=float, default=SegmentConfig.session_retention_s,
+                   help="how long a session's objects stay ahead of colder ones in DRAM (0: off)")
+    p.add_argument("--session-retention-share", type=float, default=SegmentConfig.retained_share,
+                   help="at most this share of DRAM is held for sessions")
     p.add_argument("--cluster-secret-file", default=None)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -66,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     metadata = connect_metadata(config.metadata_url, secret, etcd=config.etcd)
     ssd = SsdTier(config.ssd_dir, config.ssd_bytes) if config.ssd_dir else None
     client = PoolClient(transfer, metadata, transfer_timeout_s=args.transfer_timeout_s)
-    service = SegmentService(Segment(transfer, SegmentConfig(config.dram_bytes), ssd), transfer, metadata, client,
+    segment = Segment(transfer, SegmentConfig(config.dram_bytes, session_retention_s=args.session_retention_s,
+                                              retained_share=args.session_retention_share), ssd)
+    service = SegmentService(segment, transfer, metadata, client,
                              "node", lease_ttl_s=config.lease_ttl_s)
     log.info("pool node %s: %g GiB of DRAM%s at %s", service.segment_id, args.dram_gib,
              f", {args.ssd_gib:g} GiB of SSD in {args.ssd_dir}" if ssd else "", transfer.address)
