@@ -49,6 +49,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 import numpy as np
@@ -69,6 +70,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None  # as the server counted them (usage)
     cached_tokens: int = 0  # prompt tokens the server found cached (usage.prompt_tokens_details)
+    text: str = ""  # what was generated
     success: bool = False
     rejected: bool = False
     status: int | None = None
@@ -160,8 +162,10 @@ async def send_request(
     model: str,
     req: BenchRequest,
     api_key: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> RequestResult:
-    """Send one streaming completion request and time it."""
+    """Send one streaming completion request and time it; ``extra``: more body fields (a
+    session hint, say)."""
     res = RequestResult(prompt_len=len(req.prompt), output_len=req.output_len)
     payload = {
         "model": model,
@@ -171,6 +175,7 @@ async def send_request(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     usage_tokens: int | None = None
     res.send_time = time.perf_counter()
@@ -199,6 +204,7 @@ async def send_request(
                     if res.first_token_time is None:
                         res.first_token_time = now
                     res.chunk_times.append(now)
+                    res.text += chunk["choices"][0].get("text") or ""
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])

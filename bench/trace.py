@@ -48,9 +48,9 @@ class TraceEntry:
 
 @dataclass
 class BenchRequest:
-    """One request to send: exact prompt token ids, output length, arrival offset (s)."""
+    """One request to send: exact prompt token ids (or text), output length, arrival offset (s)."""
 
-    prompt: list[int]
+    prompt: list[int] | str
     output_len: int
     arrival_s: float = 0.0
 
