@@ -30,6 +30,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,10 @@ def summarize(sent: list[Sent], slo_ttft_s: float) -> dict[str, Any]:
     done = [s.result for s in sent if s.result.success]
     span = max(r.end_time for r in done) - min(r.send_time for r in done) if done else 0.0
     met = sum(r.ttft <= slo_ttft_s for r in done)
+    errors = Counter(s.result.error[:80] for s in sent if not s.result.success)
     return {
-        "requests": len(sent), "failed": sum(not s.result.success for s in sent), "next_turns": len(nxt),
+        "requests": len(sent), "failed": sum(not s.result.success for s in sent), "errors": dict(errors),
+        "next_turns": len(nxt),
         "next_turn_hit": sum(r.cached_tokens for r in nxt) / max(sum(r.prompt_tokens or 0 for r in nxt), 1),
         "next_turn_ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else None,
         "next_turn_ttft_p90_s": float(np.percentile(ttft, 90)) if ttft else None,

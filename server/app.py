@@ -39,6 +39,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -487,15 +488,26 @@ def _completion_logprobs(tok: Tokenizer, p: ParsedRequest, c: Choice, lps: list,
                                after_prompt=len(_echo(p, c.index)) + offset)
 
 
+def _keyed(server: OpenAIServer, endpoint: Callable[[Request], Awaitable[Response]]
+           ) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        if (denied := server._unauthorized(request)) is not None:
+            return denied
+        return await endpoint(request)
+    return handle
+
+
 def build_app(
     client: EngineClient,
     settings: ServerSettings | None = None,
     manage_engine: bool = True,
     extra_routes: list[Route] | None = None,
+    keyed_routes: list[Route] | None = None,
 ) -> Starlette:
     """The starlette app over ``client``. With ``manage_engine`` the app's lifespan starts the
     client (loading in the background) and shuts it down; without it the caller does (several
-    apps may share one client). ``extra_routes``: e.g. the Conductor's registration route."""
+    apps may share one client). ``extra_routes``: e.g. the Conductor's registration route;
+    ``keyed_routes``: routes that take the API key as /v1 does (the Conductor's indexer API)."""
     settings = settings or ServerSettings()
     metrics = ServerMetrics(client, client.model_name)
     server = OpenAIServer(client, settings, metrics)
@@ -527,6 +539,7 @@ def build_app(
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
         Route("/stats", server.stats, methods=["GET"]),
         *(extra_routes or []),
+        *(Route(r.path, _keyed(server, r.endpoint), methods=r.methods) for r in keyed_routes or []),
     ]
     app = Starlette(
         routes=routes,

@@ -236,6 +236,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
         # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
+            indexer_registrations=bool(args.api_key),
             instances=tuple(args.instance) + tuple(supervisor.instances), placement=placement,
             renew_interval_s=args.renew_interval_s, renew_timeout_s=args.renew_timeout_s,
             max_request_moves=args.max_request_moves, conductor_id=conductor_id, epoch=epoch,
@@ -253,8 +254,13 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
     if metadata_server is not None:
         log.info("KVCache pool metadata at %s (a pool node joins with: python -m cluster.pool --metadata %s)",
                  metadata_server.url, metadata_server.url)
+    indexer = conductor.indexer
     app = build_app(conductor, settings,
-                    extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
+                    extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])],
+                    keyed_routes=[Route("/query", indexer.query_route, methods=["POST"]),
+                                  Route("/query_by_hash", indexer.query_by_hash_route, methods=["POST"]),
+                                  Route("/register", indexer.register_route, methods=["POST"]),
+                                  Route("/unregister", indexer.unregister_route, methods=["POST"])])
     log.info("serving %r on http://%s:%d: Conductor over %d prefill + %d decode instances (%d threads each%s); "
              "/health is 503 until they are up", conductor.model_name, args.host, args.port,
              args.prefill_instances, args.decode_instances, threads,

@@ -123,7 +123,7 @@ CLUSTER_ALLOWED: Mapping[str, tuple[str, ...]] = {
     # the front door: policies, the pool's index (its lookups; not the client, which moves bytes
     # over the Messenger), the wire; no model code, no instance internals
     "cluster.conductor": ("cluster.policies", "cluster.pool.index", "cluster.metadata", "cluster.pool.objects",
-                          "cluster.protocol", "paged_kv.prefix_keys", *_LIGHT_ENGINE),
+                          "cluster.protocol", "paged_kv.prefix_keys", "paged_kv.block_hashes", *_LIGHT_ENGINE),
     # a prefill's KV into a decode instance's reservation, over the messenger: an instance's and a stage's
     "cluster.kv_stream": ("cluster.failpoints", "cluster.messenger", "engine.kv_layout", "engine.hooks"),
     # a prefill instance's stages: below the instance that leads them (never cluster.instance)

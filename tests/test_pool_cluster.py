@@ -316,6 +316,41 @@ def test_a_sessions_turn_is_retained_in_the_pool_and_the_instances_and_the_next_
     cluster.stop_pool_node()
 
 
+@ON_EMBEDDED
+def test_the_indexer_answers_from_the_live_index_while_the_cluster_serves(cluster, colocated):
+    """Issue 42 item 6: /query, in the indexer API's documented shape, says which prefill
+    instance holds a prompt it computed and that the pool holds it for the others; asked while
+    another prompt keeps the cluster busy."""
+    cluster.start_node()
+    ids = colocated.tokenizer.encode(_words("indexed", 100) + " First question?")
+    holder = cluster.complete_on_one_prefill(ids, **GREEDY)
+    cluster.stored(3)
+    ids_of = {i["url"]: i["instance_id"] for i in cluster.instances()}
+    model = cluster.http.get("/v1/models").json()["data"][0]["id"]
+
+    async def scenario() -> dict:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
+            busy = asyncio.create_task(http.post("/v1/completions", json={
+                "prompt": _words("indexbusy", 300), "max_tokens": 1, "temperature": 0}))
+            await asyncio.to_thread(until, lambda: [i for i in cluster.instances("prefill") if i["prefilling"]], 60,
+                                    "the long prompt on an instance")
+            r = await http.post("/query", json={"model_name": model, "token_ids": ids})
+            assert (await busy).status_code == 200
+            return r.json()
+
+    answer = asyncio.run(scenario())
+    blocks = len(ids) // 16 * 16  # whole engine blocks
+    by_id = answer["instances"]
+    assert set(by_id) == set(ids_of.values())
+    mine = by_id[ids_of[holder]]
+    assert set(mine) == {"longest_matched", "gpu", "dp", "cpu", "disk"} and mine["gpu"] >= blocks - 16
+    for url, iid in ids_of.items():
+        entry = by_id[iid]
+        assert entry["gpu"] <= entry["cpu"] <= entry["disk"] == entry["longest_matched"]
+        assert entry["cpu"] >= 64 * 3  # every instance can load the pool's three objects
+    cluster.stop_pool_node()
+
+
 @pytest.mark.parametrize("cluster", ["etcd"], indirect=True)
 def test_an_instance_put_into_etcd_without_the_secret_gets_no_request(cluster, colocated):
     """Issue 40: one unsigned write to etcd once added a fake prefill instance that answered 14 of

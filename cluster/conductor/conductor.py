@@ -43,6 +43,7 @@ from starlette.responses import JSONResponse, Response
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.elastic import DeciderLease, ElasticRoles
 from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
+from cluster.conductor.indexer import Indexer, Ours
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import AdmissionProbes, Placement, PlacementConfig, Placer, TTFTCorrection
 from cluster.conductor.registry import InstanceRecord, Registry
@@ -100,6 +101,8 @@ class ConductorConfig:
     # that has not ended within elastic_drain_s is given up on (the instance keeps its role).
     elastic: ElasticConfig | None = None
     elastic_drain_s: float = 60.0
+    # The indexer API's /register (``indexer.py``): off unless the server takes an API key.
+    indexer_registrations: bool = False
 
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
@@ -158,6 +161,7 @@ class Conductor(EngineClient):
         self._pool_threads = ThreadPoolExecutor(2, thread_name_prefix="pool-lookup")
         self._pool_down_until = 0.0
         self._model_name = config.served_model_name or default_model_name(config.model)
+        self.indexer = Indexer(self._model_name, self._indexed, self._pool_blocks, config.indexer_registrations)
         self._tokenizer: Tokenizer | None = None
         self._vocab_size = 0
         self._load_error: str | None = None
@@ -199,7 +203,13 @@ class Conductor(EngineClient):
             self._load_error = f"tokenizer failed to load: {type(e).__name__}: {e}"
             log.exception("tokenizer failed to load")
 
+    def _indexed(self) -> list[Ours]:
+        """The instances up, as the indexer API answers for them (``indexer.py``)."""
+        return [Ours(r.instance_id or r.url, r.layout.block_size, r.match_len)
+                for r in self.registry.records if r.up and r.layout is not None]
+
     async def shutdown(self) -> None:
+        self.indexer.close()
         for task in self._tasks + list(self._background):
             task.cancel()
         if self.elastic is not None and self.elastic.decider is not None:
@@ -210,14 +220,18 @@ class Conductor(EngineClient):
         self._pool_threads.shutdown(wait=False, cancel_futures=True)
 
     async def _pool_prefix(self, ids: list[int]) -> int:
-        """Engine blocks of ``ids``'s prefix the pool holds; 0 without a pool, or when its
-        metadata does not answer within a second (the instance still loads what it finds)."""
+        """Engine blocks of ``ids``'s prefix the pool holds, of those a prefix cache can serve."""
+        ours = self._indexed()
+        return await self._pool_blocks(reusable_keys(ids, ours[0].block_size)) if ours else 0
+
+    async def _pool_blocks(self, prefix_keys: list[bytes]) -> int:
+        """Engine blocks of the leading ``prefix_keys`` the pool holds; 0 without a pool, or when
+        its metadata does not answer within a second (the instance still loads what it finds)."""
         records = [r for r in self.registry.records if r.up and r.layout is not None and r.info.pool is not None]
         if self._pool is None or not records:
             return 0
         namespace, per_object = records[0].info.pool.namespace, records[0].info.pool.blocks_per_object
-        bs = records[0].layout.block_size
-        keys = object_keys(namespace, reusable_keys(ids, bs), per_object)
+        keys = object_keys(namespace, prefix_keys, per_object)
         if not keys:
             return 0
         if time.monotonic() < self._pool_down_until:
@@ -349,6 +363,9 @@ class Conductor(EngineClient):
                     async for out in outs:
                         streamed.extend(out.new_token_ids)
                         yield attempt.as_seen_by_client(out)
+                # What its instances now hold, for the indexer's queries by hash (the last
+                # sampled token never ran through the model: it has no KV).
+                self.indexer.learn(ids + streamed[:-1])
                 return
             except EngineOverloaded as e:
                 if not moves:
@@ -514,7 +531,7 @@ class Conductor(EngineClient):
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,
-            "local_prefills": c.local_prefills, **self.sessions.describe(),
+            "local_prefills": c.local_prefills, **self.sessions.describe(), **self.indexer.describe(),
             "ttft_prediction_factor": round(self.ttft_correction.factor, 3),
             "admission_probes": self.probes.probed, "admission_probes_met_slo": self.probes.met,
             "false_reject_rate": self.probes.false_reject_rate,
