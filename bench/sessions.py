@@ -11,13 +11,15 @@ their DRAM, small caches so that one-shots push sessions out) per configuration:
 * LRU: no hints (what a client that names no session gets);
 * sticky only: hints, ``--session-retention-s 0``;
 * retention only: hints, ``--session-slack-s off``;
-* both: hints, the shipped defaults.
+* both: hints, the shipped defaults;
+* prestage (with ``--ssd``: a small pool DRAM over an SSD tier): both, and ``--session-prestage``.
 
 Per configuration: next turns' hit rate (``cached_tokens`` over prompt tokens, the prefix cache
 and the pool together), their TTFT p50 / p90, and goodput (requests, next turns and one-shots,
 whose TTFT met ``--slo-ttft-s``, per second). Belady's optimum is the simulator's alone.
 
-    python -m bench.sessions                    # all four, ~12 minutes
+    python -m bench.sessions                    # the first four, ~12 minutes
+    python -m bench.sessions --ssd              # both, with and without pre-staging
     python -m bench.sessions --duration-s 30 --configs lru,both
 """
 
@@ -54,9 +56,13 @@ CONFIGS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "sticky": (True, ("--session-retention-s", "0")),
     "retention": (True, ("--session-slack-s", "off")),
     "both": (True, ()),
+    "prestage": (True, ("--session-prestage",)),
 }
 NAMES = {"lru": "LRU, no hints", "sticky": "sticky only", "retention": "retention only",
-         "both": "sticky + retention (shipped)"}
+         "both": "sticky + retention (shipped)", "prestage": "sticky + retention + pre-staging"}
+# --ssd: the pool's DRAM holds a few objects per node and the rest goes to an SSD tier, where a
+# session's KV sits after a few seconds of one-shots: what pre-staging would bring back up.
+SSD = ("--pool-dram-gib", "0.01", "--pool-ssd-gib", "0.5")
 CLUSTER = ("--prefill-instances", "2", "--decode-instances", "1", "--kv-cache-gib", "0.04", "--pool-dram-gib", "0.02",
            "--pool-block-tokens", "64", "--log-level", "warning")
 
@@ -142,7 +148,8 @@ def summarize(sent: list[Sent], slo_ttft_s: float) -> dict[str, Any]:
 
 def run_config(name: str, args: argparse.Namespace, trace: AgenticTrace, logs: Path) -> dict[str, Any]:
     hints, flags = CONFIGS[name]
-    server = launch_server([*CLUSTER, *flags, *args.server_args], logs / f"{name}.log", name=name, env=ENV)
+    ssd = [*SSD, "--pool-ssd-dir", str(logs / f"{name}-ssd")] if args.ssd else []
+    server = launch_server([*CLUSTER, *ssd, *flags, *args.server_args], logs / f"{name}.log", name=name, env=ENV)
     try:
         server.wait_instances(3, 600)
         _progress(f"{name}: cluster up, replaying {len(trace.sessions)} sessions and {len(trace.one_shots)} one-shots")
@@ -151,7 +158,8 @@ def run_config(name: str, args: argparse.Namespace, trace: AgenticTrace, logs: P
         row = summarize(sent, args.slo_ttft_s)
         pool = stats.get("pool", {})
         row.update(config=NAMES[name], session_turns_kept=stats.get("session_turns_kept"),
-                   pool_evictions=pool.get("evictions"), pool_retained_evictions=pool.get("retained_evictions"))
+                   pool_evictions=pool.get("evictions"), pool_retained_evictions=pool.get("retained_evictions"),
+                   pool_promotions=pool.get("promotions"), session_prestaged_objects=stats.get("session_prestaged_objects"))
         _progress(f"{name}: {row}")
         return row
     finally:
@@ -171,7 +179,9 @@ def format_table(report: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=None,
+                   help=f"of {', '.join(CONFIGS)} (default: all but prestage; with --ssd: both,prestage)")
+    p.add_argument("--ssd", action="store_true", help="a small pool DRAM over an SSD tier (pre-staging's case)")
     p.add_argument("--duration-s", type=float, default=WORKLOAD.duration_s, help="sessions start within this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="what goodput counts as met")
@@ -182,14 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    names = args.configs.split(",")
+    names = (args.configs or ("both,prestage" if args.ssd else "lru,sticky,retention,both")).split(",")
     if unknown := [n for n in names if n not in CONFIGS]:
         raise SystemExit(f"unknown configs {unknown}; known: {list(CONFIGS)}")
     trace = agentic_trace(replace(WORKLOAD, seed=args.seed, duration_s=args.duration_s))
     with tempfile.TemporaryDirectory(prefix="bench-sessions-") as tmp:
         rows = [run_config(name, args, trace, Path(tmp)) for name in names]
     report = {"workload": WORKLOAD.__dict__ | {"duration_s": args.duration_s, "seed": args.seed},
-              "cluster": list(CLUSTER), "slo_ttft_s": args.slo_ttft_s, "rows": rows}
+              "cluster": list(CLUSTER) + (list(SSD) if args.ssd else []), "slo_ttft_s": args.slo_ttft_s, "rows": rows}
     print(format_table(report))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

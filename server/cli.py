@@ -273,6 +273,9 @@ def _placement_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
                    help="(Conductor) a session's next turn stays on the instances its last turn ran on while that "
                    "costs at most this much predicted TTFT over the best placement and meets the SLOs; off: no "
                    "sticky placement (docs/serving.md#sessions)")
+    c.add_argument("--session-prestage", action="store_true",
+                   help="(Conductor) bring a session's KV up from the pool's SSD tiers when its next turn is "
+                   "likely near (half its shortest recent think time after its last turn)")
     c.add_argument("--slo-ttft-s", type=_positive_float, default=None,
                    help="(Conductor) TTFT SLO in seconds (with --slo-tbt-s)")
     c.add_argument("--slo-tbt-s", type=_positive_float, default=None,

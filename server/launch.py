@@ -236,7 +236,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
         # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
-            indexer_registrations=bool(args.api_key),
+            indexer_registrations=bool(args.api_key), session_prestage=args.session_prestage,
             instances=tuple(args.instance) + tuple(supervisor.instances), placement=placement,
             renew_interval_s=args.renew_interval_s, renew_timeout_s=args.renew_timeout_s,
             max_request_moves=args.max_request_moves, conductor_id=conductor_id, epoch=epoch,

@@ -361,3 +361,22 @@ def test_retained_objects_never_pin_and_never_pass_their_share(engine):
     assert sorted(seg.keys()) == ["a", "e", "f", "g"]  # "b", the tail, ranked lowest
     assert seg.stats()["retained_evictions"] == 1
     seg.check()
+
+
+def test_a_promoting_touch_brings_a_sessions_objects_up_from_ssd(engine, tmp_path):
+    """Issue 42 item 4, a pre-staging's effect on a node: its objects on the SSD tier come up to
+    DRAM bit-exact (as a read would bring them) and are retained there again."""
+    seg = Segment(engine, SegmentConfig(dram_bytes=3 * OBJ, high_watermark=1.0, retained_share=1.0),
+                  SsdTier(tmp_path / "ssd", 8 * OBJ))
+    data = {key: write_object(seg, key, i) for i, key in enumerate(["turn-head", "turn-tail", "x", "y", "z"])}
+    until = time.monotonic() + 5
+    while seg.stats()["objects_ssd"] < 2 and time.monotonic() < until:
+        time.sleep(0.01)  # demoted as x, y, z came (the SSD writes run after the lock)
+    assert seg.stats()["objects_ssd"] == 2
+    assert seg.touch(["turn-head", "turn-tail"], retain=0, promote=True) == 2
+    stats = seg.stats()
+    assert stats["promotions"] == 2 and stats["retained_objects"] == 2 and stats["objects_dram"] == 3
+    for key in ("turn-head", "turn-tail"):
+        assert leased_bytes(seg, seg.lease([key])[0]) == data[key]
+    assert seg.touch(["turn-head"], promote=True) == 0  # in DRAM already
+    seg.check()

@@ -7,11 +7,14 @@ tests/test_pool_unit.py; a live cluster: tests/test_pool_cluster.py.)"""
 from __future__ import annotations
 
 import asyncio
+import json
+
+import httpx
 
 from cluster.conductor.placement import Placement, PlacementConfig, Placer
 from cluster.policies.cost_model import DecodeStepModel, InstanceProfile, PrefillCostModel
 from cluster.policies.prefix_index import PrefixView
-from cluster.policies.sessions import Affinity, sticky_decode
+from cluster.policies.sessions import Affinity, prestage_delay, sticky_decode
 from cluster.policies.snapshot import DecodeInstanceState, PrefillInstanceState, RequestInfo
 from engine.sampling_params import SamplingParams
 from engine.session import SessionHint
@@ -88,7 +91,7 @@ async def _session_scenario(monkeypatch) -> None:
         d0, d1 = (next(r for r in c.registry.records if r.url == u) for u in DECODES)
         session = SessionHint("agent-7", priority=3)
         # The last turn ran on d1 (both are idle: the balancer alone would pick d0).
-        c.sessions.placed(session.session_id, Affinity(), prefill, d1)
+        c.sessions.placed(session.session_id, Affinity(), prefill, d1, 0.0)
         await _turn(c, "turn-2", session)
         sent = [(url, path, body) for url, path, body in instances.calls if body.get("request_id") == "turn-2"]
         assert [(url, path) for url, path, _ in sent] == [
@@ -108,5 +111,62 @@ async def _session_scenario(monkeypatch) -> None:
         # 4 turns: the one the test placed by hand, then 3 that each followed one.
         assert (stats["sessions"], stats["session_turns"], stats["session_turns_followed"]) == (1, 4, 3)
         assert stats["session_turns_kept"] == 3  # the prefill instance: the only one, kept each turn
+    finally:
+        await c.shutdown()
+
+
+def test_prestaging_waits_half_the_shortest_recent_think():
+    assert prestage_delay([]) is None
+    assert prestage_delay([8.0, 3.0, 5.0]) == 1.5
+
+
+class _PooledInstances(Instances):
+    """The scripted instances, in a KVCache pool, answering pre-stagings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prestaged: list[dict] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/instance/info":
+            r = await super().__call__(request)
+            info = r.json()
+            info["pool"] = {"namespace": "ns", "blocks_per_object": 1}
+            return httpx.Response(200, json=info)
+        if request.url.path == "/instance/prestage":
+            self.prestaged.append(json.loads(request.content))
+            return httpx.Response(200, json={"promoted": 2})
+        return await super().__call__(request)
+
+
+class _NoPool:
+    def lookup(self, keys) -> list:
+        return []
+
+
+def test_a_sessions_next_turn_is_pre_staged_after_half_its_shortest_think_unless_it_comes_first(monkeypatch):
+    asyncio.run(_prestage_scenario(monkeypatch))
+
+
+async def _prestage_scenario(monkeypatch) -> None:
+    instances = _PooledInstances()
+    c = await _conductor(instances, monkeypatch, session_prestage=True)
+    c._pool = _NoPool()
+    try:
+        session = SessionHint("thinker")
+        await _turn(c, "t1", session)
+        await asyncio.sleep(0.4)  # it thinks 0.4 s: its next turn is pre-staged 0.2 s after it ends
+        await _turn(c, "t2", session)
+        assert not instances.prestaged
+        await asyncio.sleep(0.5)
+        (asked,) = instances.prestaged
+        # Its prompt and the output that has KV (the prefill's token and the decode's first one).
+        assert asked == {"token_ids": PROMPT + [PROMPT[-1] + 1, PROMPT[-1] + 2],
+                         "session": {"session_id": "thinker", "priority": 0}}
+        assert (c.stats()["session_prestages"], c.stats()["session_prestaged_objects"]) == (1, 2)
+        await _turn(c, "t3", session)  # now it comes back quickly: before its pre-staging
+        await _turn(c, "t4", session)
+        await asyncio.sleep(0.3)
+        assert len(instances.prestaged) == 1 + 1  # t4's (t3's was overtaken by t4)
     finally:
         await c.shutdown()

@@ -26,7 +26,7 @@ import httpx
 from cluster.protocol import (
     CONTROL, EPOCH_HEADER, INSTANCE, AnswerAuthError, ControlAuth, Fence, check_answer, check_line, derive_key)
 from cluster.protocol import (
-    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, ForgedAnswer, GenerateRequest, InstanceFailed,
+    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, PrestageReply, PrestageRequest, ForgedAnswer, GenerateRequest, InstanceFailed,
     InstanceInfo,
     InstanceState, InstanceUnavailable, KVWriteFailed, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
     RenewReply, RenewRequest, ReserveReply, ReserveRequest, SwitchRoleReply, SwitchRoleRequest, TimedOut, Unreachable,
@@ -38,7 +38,7 @@ from engine.session import SessionHint
 
 T = TypeVar("T")
 R = TypeVar("R", ReserveReply, RenewReply, AbortReply, PushReply, AdoptReply, PrefillReply, InstanceInfo,
-            InstanceState)
+            InstanceState, PrestageReply)
 
 
 def _error(r: httpx.Response, what: str) -> ProtocolError:
@@ -180,6 +180,11 @@ class InstanceClient:
     async def adopt(self, url: str, request_id: str, ok: bool) -> int:
         data = await self._post(url, "/instance/adopt", AdoptRequest(request_id, ok).to_dict())
         return _reply(AdoptReply, data, "/instance/adopt").adopted
+
+    async def prestage(self, url: str, token_ids: list[int], session: SessionHint) -> int:
+        """Ask the instance to bring a session's last turn up from the pool's SSD tiers."""
+        data = await self._post(url, "/instance/prestage", PrestageRequest(token_ids, session).to_dict())
+        return _reply(PrestageReply, data, "/instance/prestage").promoted
 
     # -- elastic roles ------------------------------------------------------------------------------
     async def switch_role(self, url: str, role: str, drain_s: float) -> SwitchRoleReply:

@@ -53,13 +53,13 @@ from cluster.metadata.membership import LeasedKey
 from cluster.policies.cost_model import DecodeStepModel, InstanceProfile
 from cluster.policies.early_rejection import SLO, request_tbt
 from cluster.policies.elastic_roles import ElasticConfig
-from cluster.policies.sessions import Affinity
+from cluster.policies.sessions import Affinity, prestage_delay
 from cluster.policies.snapshot import RequestInfo
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
 from cluster.metadata import MetadataStore
 from cluster.pool.objects import object_keys
 from cluster.protocol import INSTANCE, MEMBERSHIP, ControlVerifier, derive_key, verify_request
-from cluster.protocol import BadRequest, Fence, RegisterReply, RegisterRequest, Unauthorized
+from cluster.protocol import BadRequest, Fence, ProtocolError, RegisterReply, RegisterRequest, Unauthorized
 from engine.default_model import default_model_name
 from engine.model_config import ModelConfig
 from engine.default_model import resolve_model
@@ -72,6 +72,8 @@ from engine.tokenizer import Tokenizer
 from paged_kv.prefix_keys import reusable_keys
 
 log = logging.getLogger(__name__)
+
+MAX_PRESTAGING = 1024
 
 @dataclass(frozen=True)
 class ConductorConfig:
@@ -103,6 +105,8 @@ class ConductorConfig:
     elastic_drain_s: float = 60.0
     # The indexer API's /register (``indexer.py``): off unless the server takes an API key.
     indexer_registrations: bool = False
+    # Pre-stage a session's KV from the pool's SSD tiers before its next turn (issue 42 item 4).
+    session_prestage: bool = False
 
     def __post_init__(self) -> None:
         if len(self.secret) < 16:
@@ -147,6 +151,7 @@ class Conductor(EngineClient):
         self.ttft_correction = TTFTCorrection()
         self.probes = AdmissionProbes(config.placement.probe_share)
         self.sessions = SessionTable()
+        self._prestaging = 0  # pre-stagings waiting or under way
         self.registry = Registry(self.client, config.poll_interval_s, config.poll_timeout_s,
                                  on_new_incarnation=self.ledger.forget)
         for url in config.instances:
@@ -363,9 +368,11 @@ class Conductor(EngineClient):
                     async for out in outs:
                         streamed.extend(out.new_token_ids)
                         yield attempt.as_seen_by_client(out)
-                # What its instances now hold, for the indexer's queries by hash (the last
-                # sampled token never ran through the model: it has no KV).
+                # What its instances now hold (the last sampled token never ran through the
+                # model: it has no KV), for the indexer's queries by hash and a session's next turn.
                 self.indexer.learn(ids + streamed[:-1])
+                if session is not None:
+                    self._turn_ended(session, ids + streamed[:-1])
                 return
             except EngineOverloaded as e:
                 if not moves:
@@ -392,6 +399,37 @@ class Conductor(EngineClient):
                 log.warning("request %s lost its %s instance after %d token(s); placing it again (move %d): %s",
                             request_id, e.role, len(streamed), moves, e)
 
+    def _turn_ended(self, session: SessionHint, tokens: list[int]) -> None:
+        """A session's turn ended. With pre-staging (``session_prestage``), its KV is brought up
+        from the pool's SSD tiers when its next turn is likely near (``prestage_delay``)."""
+        now = time.monotonic()
+        delay = prestage_delay(self.sessions.ended(session.session_id, now))
+        if not self.config.session_prestage or self._pool is None or delay is None:
+            return
+        if self._prestaging >= MAX_PRESTAGING:
+            return  # each holds a turn's tokens while it waits: bounded
+        self._prestaging += 1
+        self._spawn(self._prestage(session, tokens, now, delay))
+
+    async def _prestage(self, session: SessionHint, tokens: list[int], ended_at: float, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+            if self.sessions.idle_since(session.session_id) != ended_at:
+                return  # its next turn came first
+            # The instance its next turn likely prefills on (any that reads the pool can ask).
+            up = [r for r in self.registry.up("prefill", "both") if r.info.pool is not None]
+            rec = next((r for r in up if r.url == self.sessions.last_prefill(session.session_id)), None) or \
+                (up[0] if up else None)
+            if rec is None:
+                return
+            promoted = await self.client.prestage(rec.url, tokens, session)
+            self.sessions.prestages += 1
+            self.sessions.prestaged_objects += promoted
+        except ProtocolError as e:
+            log.info("pre-staging session %s failed: %s", session.session_id, e)
+        finally:
+            self._prestaging -= 1
+
     async def _serve(self, attempt: _Attempt) -> AsyncIterator[RequestOutput]:
         """One placement of ``attempt`` and its run through the instances."""
         request_id, ids, params = attempt.request_id, attempt.prompt, attempt.params
@@ -413,7 +451,7 @@ class Conductor(EngineClient):
         if session is not None:
             ran_on = decodes[placement.local.instance] if placement.local is not None else prefill
             self.sessions.placed(session.session_id, affinity, ran_on,
-                                 decodes[placement.decode_order[0]] if decodes else None)
+                                 decodes[placement.decode_order[0]] if decodes else None, time.monotonic())
         now = time.monotonic()
         if placement.local is not None:
             # Prefilled on its decode instance (cluster/policies/local_prefill.py): the whole

@@ -69,31 +69,27 @@ class Ours:
 
 class HashIndex:
     """Sequence hashes (the convention's) -> our prefix keys, for the blocks of what the
-    Conductor served lately (bounded: the oldest go first)."""
+    Conductor served lately (bounded: the oldest go first). Used on the event loop only."""
 
     def __init__(self, capacity: int = 1 << 20) -> None:
         self.capacity = capacity
         self._keys: OrderedDict[int, PrefixKey] = OrderedDict()
-        self._lock = threading.Lock()
 
     def learn(self, token_ids: Sequence[int], block_size: int) -> None:
-        pairs = zip(sequence_hashes(token_ids, block_size), chain_keys(token_ids, block_size))
-        with self._lock:
-            for h, key in pairs:
-                self._keys[h] = key
-                self._keys.move_to_end(h)
-            while len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
+        for h, key in zip(sequence_hashes(token_ids, block_size), chain_keys(token_ids, block_size)):
+            self._keys[h] = key
+            self._keys.move_to_end(h)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
 
     def keys(self, hashes: Sequence[int]) -> list[PrefixKey]:
         """Our keys of the leading run of ``hashes`` known here."""
         out = []
-        with self._lock:
-            for h in hashes:
-                key = self._keys.get(h)
-                if key is None:
-                    break
-                out.append(key)
+        for h in hashes:
+            key = self._keys.get(h)
+            if key is None:
+                break
+            out.append(key)
         return out
 
 

@@ -334,6 +334,16 @@ class PoolIO:
             await self._run(self.pool.touch, keys, where, session.priority)
         return len(stored)
 
+    async def prestage(self, token_ids: list[int], session: SessionHint) -> int:
+        """Bring the pool objects of ``token_ids`` (a session's last turn, prompt and output) up
+        from the SSD tiers to DRAM ahead of its next turn, and retain them again; returns how
+        many came up."""
+        keys = self.geometry.object_keys(token_ids, len(token_ids))
+        if not keys:
+            return 0
+        holders, _ = await self._index(lambda: (self.pool.holders(keys), self.pool.segments()))
+        return await self._run(self.pool.touch, keys, holders, session.priority, True)
+
     async def _put_missing(self, token_ids: list[int], keys: list[str], holders: list[list[str]]) -> dict[int, str]:
         """Put the objects no segment holds; returns where each one put went (by its index)."""
         g = self.geometry

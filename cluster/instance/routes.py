@@ -60,7 +60,7 @@ from cluster.protocol import (
     verify_request)
 from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
-    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
+    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, PrestageReply, PrestageRequest, GenerateRequest, InstanceBusy, InstanceFailed,
     InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply,
     PushRequest, RenewReply, RenewRequest, RequestFailed, ReserveReply, ReserveRequest, StageJoin, StageSpecReply,
     SwitchRoleRequest, stream_line)
@@ -276,6 +276,12 @@ class InstanceRoutes:
         self.s.receiver.check_owner(r.request_id, _fence(request))
         return JSONResponse(AdoptReply(await self.s.replicator.adopt(r.request_id, r.ok)).to_dict())
 
+    async def prestage(self, request: Request) -> Response:
+        r = PrestageRequest.from_dict(await _body(request))
+        if self.s.pool is None:
+            raise BadRequest("this instance has no KVCache pool")
+        return JSONResponse(PrestageReply(await self.s.pool.prestage(r.token_ids, r.session)).to_dict())
+
     async def switch_role(self, request: Request) -> Response:
         r = SwitchRoleRequest.from_dict(await _body(request))
         return JSONResponse(self.s.switch_role(r.role, _fence(request), r.drain_s).to_dict())
@@ -330,6 +336,7 @@ class InstanceRoutes:
             Route("/instance/abort", c(needs_ready=False)(self.abort), methods=["POST"]),
             Route("/instance/push", c(("prefill", "both"), max_body=PROMPT_BODY)(self.push), methods=["POST"]),
             Route("/instance/adopt", c()(self.adopt), methods=["POST"]),
+            Route("/instance/prestage", c(max_body=PROMPT_BODY)(self.prestage), methods=["POST"]),
             Route("/instance/role", c(("prefill", "decode"))(self.switch_role), methods=["POST"]),
             Route("/instance/stage/join", c(("prefill",), needs_ready=False, verifier=self._stage_verifier)(
                 self.stage_join), methods=["POST"]),

@@ -50,3 +50,12 @@ def sticky_decode(order: Sequence[int], sticky: int | None, tbt_with: Callable[[
         return order
     order.remove(sticky)
     return [sticky, *order]
+
+
+def prestage_delay(thinks: Sequence[float], lead: float = 0.5) -> float | None:
+    """How long after a session's turn ends to pre-stage its KV for the next one (issue 42
+    item 4): ``lead`` of its shortest recent think time, when the think so far is still below
+    every recent one and its next turn likely near; None before it has thought once."""
+    if not thinks:
+        return None
+    return lead * min(thinks)

@@ -44,7 +44,7 @@ from cluster.messenger.wire import Status
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex, SegmentInfo
 from cluster.pool.messages import (
     AbortRequest, AllocReply, AllocRequest, Grant, LeaseReply, LeaseRequest, NewObjectSize, PoolRequest,
-    ReleaseRequest, SealReply, SealRequest, TouchRequest,
+    ReleaseRequest, SealReply, SealRequest, TouchReply, TouchRequest,
 )
 from cluster.metadata import MetadataStore
 from cluster.protocol import BadRequest
@@ -230,11 +230,13 @@ class PoolClient(PoolIndex):
             except TransferError:
                 pass
 
-    def touch(self, keys: Sequence[str], holders: Sequence[Sequence[str]], retain: int | None = None) -> None:
+    def touch(self, keys: Sequence[str], holders: Sequence[Sequence[str]], retain: int | None = None,
+              promote: bool = False) -> int:
         """Tell the segments holding ``keys`` (a prefix, in order; ``holders[i]``: the replicas
         of ``keys[i]``) that it was used now, as a read would (their LRU order); ``retain``: a
-        session's, to keep at this priority (``Segment.touch``). Best effort: a segment that
-        does not answer misses it."""
+        session's, to keep at this priority; ``promote``: bring those on an SSD tier up to DRAM
+        (``Segment.touch``). Returns how many came up. Best effort: a segment that does not
+        answer misses it."""
         if self._transfer is None:
             raise RuntimeError("this pool client has no transfer engine")
         segments = self._answering(self.segments())
@@ -242,11 +244,14 @@ class PoolClient(PoolIndex):
         for key, where in zip(keys, holders):
             for s in where:
                 by_segment.setdefault(s, []).append(key)
+        promoted = 0
         for s, held in by_segment.items():
             try:
-                self._call_segment(segments[s], TouchRequest(held, retain), None)
+                answer = self._call_segment(segments[s], TouchRequest(held, retain, promote), TouchReply)
+                promoted += 0 if answer is None else answer.promoted
             except (TransferError, KeyError) as exc:
                 log.info("pool: touch on segment %s failed: %s", s, exc)
+        return promoted
 
     # -- writing ------------------------------------------------------------------------------------
     def put(self, key: str, src: RegionHandle, offset: int, nbytes: int, part_bytes: int, checksums: list[int],

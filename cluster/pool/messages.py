@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from cluster.protocol import BadRequest
-from cluster.protocol.fields import _field, _int, _naturals, _strings
+from cluster.protocol.fields import _field, _flag, _int, _naturals, _strings
 
 
 def _list(data: Any, name: str) -> list[Any]:
@@ -123,22 +123,39 @@ class LeaseReply:
 class TouchRequest:
     """The objects ``keys`` (a prefix, in order) were used now, as a read would have: the
     segment's LRU order follows. Keys it does not hold are ignored. ``retain``: they are a
-    session's, retained at this priority (``Segment.touch``)."""
+    session's, retained at this priority; ``promote``: those on the SSD tier come up to DRAM
+    (``Segment.touch``)."""
 
     OP: ClassVar[str] = "touch"
     keys: list[str]
     retain: int | None = None
+    promote: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"op": self.OP, "keys": self.keys}
         if self.retain is not None:
             d["retain"] = self.retain
+        if self.promote:
+            d["promote"] = True
         return d
 
     @classmethod
     def from_dict(cls, data: Any) -> TouchRequest:
         retain = data.get("retain") if isinstance(data, dict) else None
-        return cls(_strings(data, "keys"), None if retain is None else _int(data, "retain"))
+        promote = isinstance(data, dict) and data.get("promote") is not None and _flag(data, "promote")
+        return cls(_strings(data, "keys"), None if retain is None else _int(data, "retain"), promote)
+
+
+@dataclass(frozen=True)
+class TouchReply:
+    promoted: int  # objects brought up from the SSD tier
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"promoted": self.promoted}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> TouchReply:
+        return cls(_int(data, "promoted", 0))
 
 
 @dataclass(frozen=True)

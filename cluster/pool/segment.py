@@ -194,27 +194,7 @@ class Segment:
     def lease(self, keys: list[str], ttl_s: float | None = None) -> list[Grant | None]:
         """Leases on the objects present (promoted from SSD if needed), None for the others."""
         grants: list[Grant | None] = []
-        with self._lock:  # what must come up from the SSD, read and checked below without the lock
-            wanted = [(key, o.nbytes, o.part_bytes, o.checksums) for key in keys
-                      if (o := self._objects.get(key)) is not None and o.sealed and o.range is None
-                      and o.spill is None]
-        read: dict[str, bytearray | None] = {}
-        for key, nbytes, part_bytes, checksums in wanted:
-            data = bytearray(nbytes)
-            try:
-                self.ssd.read_into(key, memoryview(data))
-                read[key] = data
-            except OSError as exc:
-                log.warning("pool: SSD object %s unreadable (%s); dropped", key, exc)
-                read[key] = None
-                continue
-            # A disk can return other bytes than were written (bit rot, a file changed under us):
-            # such a copy never reaches DRAM, where readers would take it for the object.
-            if part_checksums(memoryview(data), part_bytes) != checksums:
-                log.warning("pool: SSD object %s does not match its checksums; dropped", key)
-                read[key] = None
-                with self._lock:
-                    self.counters["corrupt_ssd_reads"] += 1
+        read = self._read_from_ssd(keys)
         spills: list[tuple[str, _Object, bytes]] = []
         try:
             with self._lock:
@@ -242,20 +222,60 @@ class Segment:
             self._spill(spills)
         return grants
 
-    def touch(self, keys: list[str], retain: int | None = None) -> None:
+    def _read_from_ssd(self, keys: list[str]) -> dict[str, bytearray | None]:
+        """The bytes of those ``keys`` on the SSD tier, read and checked without the lock (None:
+        unreadable, or not what was written)."""
+        with self._lock:
+            wanted = [(key, o.nbytes, o.part_bytes, o.checksums) for key in keys
+                      if (o := self._objects.get(key)) is not None and o.sealed and o.range is None
+                      and o.spill is None]
+        read: dict[str, bytearray | None] = {}
+        for key, nbytes, part_bytes, checksums in wanted:
+            data = bytearray(nbytes)
+            try:
+                self.ssd.read_into(key, memoryview(data))
+                read[key] = data
+            except OSError as exc:
+                log.warning("pool: SSD object %s unreadable (%s); dropped", key, exc)
+                read[key] = None
+                continue
+            # A disk can return other bytes than were written (bit rot, a file changed under us):
+            # such a copy never reaches DRAM, where readers would take it for the object.
+            if part_checksums(memoryview(data), part_bytes) != checksums:
+                log.warning("pool: SSD object %s does not match its checksums; dropped", key)
+                read[key] = None
+                with self._lock:
+                    self.counters["corrupt_ssd_reads"] += 1
+        return read
+
+    def touch(self, keys: list[str], retain: int | None = None, promote: bool = False) -> int:
         """Mark the objects of a prefix (in order) used now: a prefix a reader found elsewhere
         (its own cache) is as recently used as one it loaded. ``retain``: they are a session's,
-        kept ahead of cold objects at this priority for ``session_retention_s``."""
+        kept ahead of cold objects at this priority for ``session_retention_s``. ``promote``:
+        those on the SSD tier come up to DRAM now, as a read would bring them (a session's
+        pre-staging); returns how many did."""
+        read = self._read_from_ssd(keys) if promote else {}
+        spills: list[tuple[str, _Object, bytes]] = []
+        try:
+            return self._touch(keys, retain, read, spills)
+        finally:
+            self._spill(spills)
+
+    def _touch(self, keys: list[str], retain: int | None, read: dict[str, bytearray | None], spills: list) -> int:
         with self._lock:
+            now = self._clock()
+            promoted = sum(self._promote(k, o, read, now, spills) for k in read
+                           if (o := self._objects.get(k)) is not None and o.sealed and o.range is None)
             held = [k for k in keys if k in self._objects and self._objects[k].sealed]
             self._refresh(held)
             if retain is not None and self.config.session_retention_s:
-                until = self._clock() + self.config.session_retention_s
+                until = now + self.config.session_retention_s
                 for key in reversed(held):  # tail first: of one chain, the tail goes first
                     obj = self._objects[key]
                     if obj.range is not None:
                         obj.retain = (retain, until, next(self._retain_order))
                 self._cap_retained()
+            return promoted
 
     def _cap_retained(self) -> None:
         retained = sorted((o.retain, o) for o in self._objects.values() if o.retain is not None)

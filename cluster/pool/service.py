@@ -35,7 +35,7 @@ from cluster.pool.client import PoolClient
 from cluster.pool.index import SEGMENTS, object_entry
 from cluster.pool.messages import (
     OPS, AbortRequest, AllocReply, AllocRequest, LeaseReply, LeaseRequest, ReleaseRequest, SealReply, SealRequest,
-    TouchRequest, request_from_dict,
+    TouchReply, TouchRequest, request_from_dict,
 )
 from cluster.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 from cluster.pool.segment import PoolFull, Segment
@@ -138,8 +138,8 @@ class SegmentService:
         match request_from_dict(request):
             case LeaseRequest(keys=keys):
                 return Status.OK, LeaseReply(seg.lease(keys)).to_dict()
-            case TouchRequest(keys=keys, retain=retain):
-                seg.touch(keys, retain)
+            case TouchRequest(keys=keys, retain=retain, promote=promote):
+                return Status.OK, TouchReply(seg.touch(keys, retain, promote)).to_dict()
             case ReleaseRequest(leases=leases):
                 for key, lease in leases:
                     seg.release(key, lease)

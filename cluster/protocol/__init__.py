@@ -97,7 +97,8 @@ from cluster.protocol.fields import (
 )
 from cluster.protocol.messages import (
     AbortReply, AbortRequest, AdoptReply, AdoptRequest, CacheDelta, ConductorWork, GenerateRequest, InstanceInfo,
-    InstanceState, PoolNaming, PrefillReply, PrefillRequest, Prefilled, PushReply, PushRequest,
+    InstanceState, PoolNaming, PrefillReply, PrefillRequest, Prefilled, PrestageReply, PrestageRequest, PushReply,
+    PushRequest,
     RegisterReply, RegisterRequest, RenewReply, RenewRequest, ReserveReply, ReserveRequest, SWITCHABLE_ROLES,
     SwitchRoleReply, SwitchRoleRequest,
     output_from_dict, output_to_dict, read_stream_line, stream_line
@@ -120,7 +121,7 @@ __all__ = [
     "ERRORS", "Fence", "ForgedAnswer", "GenerateRequest", "INSTANCE", "InstanceBusy", "InstanceFailed", "InstanceInfo",
     "InstanceNotReady", "InstanceState", "InstanceUnavailable", "KVWriteFailed", "MAX_CONDUCTOR_ID", "MAX_EPOCH",
     "MEMBERSHIP", "MESSENGER", "NONCE_HEADER", "NO_BODY", "NoKVRoom", "NotOwner", "PROMPT_BODY", "PoolNaming",
-    "PrefillReply", "PrefillRequest", "Prefilled", "PrefixNotCached", "ProtocolError", "PushReply", "PushRequest",
+    "PrefillReply", "PrefillRequest", "Prefilled", "PrefixNotCached", "PrestageReply", "PrestageRequest", "ProtocolError", "PushReply", "PushRequest",
     "RegisterReply", "RegisterRequest", "RenewReply", "RenewRequest", "RequestError", "RequestFailed", "ReserveReply",
     "ReserveRequest", "SIGNATURE_HEADER", "SMALL_BODY", "SWITCHABLE_ROLES", "SwitchRoleReply", "SwitchRoleRequest",
     "StageExpect", "StageFinish", "StageFinishReply",

@@ -312,6 +312,37 @@ class AdoptReply:
         return cls(_int(data, "adopted"))
 
 
+@dataclass(frozen=True)
+class PrestageRequest:
+    """``POST /instance/prestage``: bring a session's last turn (its prompt and output) up from
+    the pool's SSD tiers to DRAM before its next turn (``PoolIO.prestage``)."""
+
+    token_ids: list[int]
+    session: SessionHint
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "session": self.session.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PrestageRequest:
+        session = _session(data)
+        if session is None:
+            raise BadRequest("session is required")
+        return cls(token_ids(_field(data, "token_ids")), session)
+
+
+@dataclass(frozen=True)
+class PrestageReply:
+    promoted: int  # pool objects brought up to DRAM
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"promoted": self.promoted}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PrestageReply:
+        return cls(_int(data, "promoted"))
+
+
 # -- polls and registration -------------------------------------------------------------------------
 
 _ROLES = ("prefill", "decode", "both")
