@@ -159,7 +159,9 @@ def run_config(name: str, args: argparse.Namespace, trace: AgenticTrace, logs: P
         pool = stats.get("pool", {})
         row.update(config=NAMES[name], session_turns_kept=stats.get("session_turns_kept"),
                    pool_evictions=pool.get("evictions"), pool_retained_evictions=pool.get("retained_evictions"),
-                   pool_promotions=pool.get("promotions"), session_prestaged_objects=stats.get("session_prestaged_objects"))
+                   pool_promotions=pool.get("promotions"), pool_demotions=pool.get("demotions"),
+                   session_prestages=stats.get("session_prestages"),
+                   session_prestaged_objects=stats.get("session_prestaged_objects"))
         _progress(f"{name}: {row}")
         return row
     finally:

@@ -7,6 +7,7 @@
     python -m bench.simulate switch_cost  # issue 32: elastic roles under 2x load against the cost of a switch
     python -m bench.simulate cpp          # arXiv §5.1: long prompts' TTFT with chunked pipeline parallel groups
     python -m bench.simulate local_prefill  # issue 39: prefill on the decode instance, request by request
+    python -m bench.simulate sessions     # issue 42: an agentic trace under LRU, sticky, retention, Belady
 
 Each prints a table beside the paper's numbers and writes ``NAME.json`` and PNG plots to
 ``--out`` (default ``out/simulate/NAME``). ``--trace FILE`` replays another trace in the
