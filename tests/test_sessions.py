@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 
 import httpx
 
@@ -75,8 +76,12 @@ def test_sticky_decode_without_an_slo_or_a_known_instance_keeps_the_order():
 
 
 async def _turn(c, rid: str, session: SessionHint | None) -> None:
-    outs = [o async for o in c.generate(rid, list(PROMPT), SamplingParams(temperature=0, max_tokens=3), session)]
-    assert outs[-1].finished
+    """One request, its stream closed at its last output, as the HTTP layer does."""
+    async with aclosing(c.generate(rid, list(PROMPT), SamplingParams(temperature=0, max_tokens=3), session)) as outs:
+        async for out in outs:
+            if out.finished:
+                return
+    raise AssertionError("the stream ended without a finished output")
 
 
 def test_a_session_is_carried_to_its_instances_kept_there_and_moved_when_its_instance_dies(monkeypatch):

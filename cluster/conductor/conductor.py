@@ -367,12 +367,11 @@ class Conductor(EngineClient):
                 async with aclosing(self._serve(attempt)) as outs:
                     async for out in outs:
                         streamed.extend(out.new_token_ids)
+                        if out.finished:
+                            # Before the last output goes: a client that has it closes the stream
+                            # (the HTTP layer does), and no code after this loop would run.
+                            self._finished(ids + streamed, session)
                         yield attempt.as_seen_by_client(out)
-                # What its instances now hold (the last sampled token never ran through the
-                # model: it has no KV), for the indexer's queries by hash and a session's next turn.
-                self.indexer.learn(ids + streamed[:-1])
-                if session is not None:
-                    self._turn_ended(session, ids + streamed[:-1])
                 return
             except EngineOverloaded as e:
                 if not moves:
@@ -398,6 +397,14 @@ class Conductor(EngineClient):
                 self.counters.moved += 1
                 log.warning("request %s lost its %s instance after %d token(s); placing it again (move %d): %s",
                             request_id, e.role, len(streamed), moves, e)
+
+    def _finished(self, tokens: list[int], session: SessionHint | None) -> None:
+        """A request ended with ``tokens`` (its prompt and output). What its instances now hold
+        (the last sampled token never ran through the model: it has no KV) is noted for the
+        indexer's queries by hash, and for a session's next turn."""
+        self.indexer.learn(tokens[:-1])
+        if session is not None:
+            self._turn_ended(session, tokens[:-1])
 
     def _turn_ended(self, session: SessionHint, tokens: list[int]) -> None:
         """A session's turn ended. With pre-staging (``session_prestage``), its KV is brought up
