@@ -605,7 +605,7 @@ def test_a_prefill_whose_caller_hangs_up_is_cancelled_at_once():
     connection close and ends the prefill, instead of computing a prompt nobody will take."""
     started, cancelled = threading.Event(), threading.Event()
 
-    async def prefill(request_id, token_ids, params, dest):
+    async def prefill(request_id, token_ids, params, dest, session):
         started.set()
         try:
             await asyncio.sleep(60)  # a long prompt being computed
