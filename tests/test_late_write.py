@@ -313,7 +313,7 @@ def test_an_abort_that_comes_while_the_pool_is_asked_releases_the_pool_load(deco
         async def prepare_load(self, request_id, token_ids):
             return SimpleNamespace(close=lambda used: closed.append(used))
 
-        def start(self, request_id, token_ids, params, load):
+        def start(self, request_id, token_ids, params, load, session):
             return lambda engine: None  # never run: the engine is never reached
 
         async def plan_store(self, request_id, token_ids):

@@ -191,7 +191,7 @@ def test_a_metadata_that_is_down_costs_the_store_and_the_load_not_the_prompt(eng
         assert await io.plan_store("r1", PROMPT) is False  # was: MetadataUnavailable, a 500
         added: list[str] = []
         async with pool_prefix(io, "r1", PROMPT, SamplingParams(max_tokens=1)) as start:
-            start(SimpleNamespace(add_request=lambda *args, request_id: added.append(request_id)))
+            start(SimpleNamespace(add_request=lambda *args, request_id, session: added.append(request_id)))
         assert added == ["r1"], "nothing to load: the prompt enters the engine plainly"
         io.store_later(PROMPT, len(PROMPT))  # in the background, quietly
         await asyncio.gather(*io._stores)
