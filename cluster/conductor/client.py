@@ -26,9 +26,10 @@ import httpx
 from cluster.protocol import (
     CONTROL, EPOCH_HEADER, INSTANCE, AnswerAuthError, ControlAuth, Fence, check_answer, check_line, derive_key)
 from cluster.protocol import (
-    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, PrestageReply, PrestageRequest, ForgedAnswer, GenerateRequest, InstanceFailed,
+    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, ForgedAnswer, GenerateRequest, InstanceFailed,
     InstanceInfo,
-    InstanceState, InstanceUnavailable, KVWriteFailed, PrefillReply, PrefillRequest, ProtocolError, PushReply, PushRequest,
+    InstanceState, InstanceUnavailable, KVWriteFailed, PrefillReply, PrefillRequest, PrestageReply, PrestageRequest,
+    ProtocolError, PushReply, PushRequest,
     RenewReply, RenewRequest, ReserveReply, ReserveRequest, SwitchRoleReply, SwitchRoleRequest, TimedOut, Unreachable,
     error_from, read_stream_line)
 from engine.engine_client import EngineNotReady

@@ -60,8 +60,9 @@ from cluster.protocol import (
     verify_request)
 from cluster.protocol import NO_BODY, PROMPT_BODY, SMALL_BODY
 from cluster.protocol import (
-    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, PrestageReply, PrestageRequest, GenerateRequest, InstanceBusy, InstanceFailed,
-    InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, ProtocolError, PushReply,
+    AbortReply, AbortRequest, AdoptReply, AdoptRequest, BadRequest, GenerateRequest, InstanceBusy, InstanceFailed,
+    InstanceNotReady, KVWriteFailed, NoKVRoom, PrefillReply, PrefillRequest, PrestageReply, PrestageRequest,
+    ProtocolError, PushReply,
     PushRequest, RenewReply, RenewRequest, RequestFailed, ReserveReply, ReserveRequest, StageJoin, StageSpecReply,
     SwitchRoleRequest, stream_line)
 from engine.disaggregation import KVCapacityError

@@ -328,8 +328,9 @@ class InstanceService:
         if pc.dram_bytes:
             ssd = SsdTier(pc.ssd_dir, pc.ssd_bytes) if pc.ssd_dir else None
             # The node's sessions are retained in its segment as in its prefix cache.
-            segment = Segment(transfer, SegmentConfig(pc.dram_bytes, session_retention_s=self.config.engine.session_retention_s,
-                                                      retained_share=self.config.engine.session_retention_share), ssd)
+            engine = self.config.engine
+            segment = Segment(transfer, SegmentConfig(pc.dram_bytes, session_retention_s=engine.session_retention_s,
+                                                      retained_share=engine.session_retention_share), ssd)
             self.pool_service = SegmentService(
                 segment, transfer, metadata, client, f"{self.config.role}-{self.instance_id}",
                 lease_ttl_s=pc.lease_ttl_s)
