@@ -1,8 +1,10 @@
-"""Where each hinted session's last turn ran, for sticky placement (issue 42).
+"""Where each hinted session's last turn ran, for sticky placement, and how long it thinks,
+for pre-staging (issue 42).
 
 The Conductor notes, per ``session_id`` a request carried (``engine.session.SessionHint``), the
-instances its turn was placed on and when it ended; the next turn's placement reads them as an
-``Affinity`` (``cluster/policies/sessions.py``). An instance that is down is not in the lists a
+instances its turn was placed on, when it ended and its last few think times; the next turn's
+placement reads the instances as an ``Affinity`` (``cluster/policies/sessions.py``), and
+pre-staging waits by the think times (``prestage_delay``). An instance that is down is not in the lists a
 placement sees, so a session whose instance died has no affinity and is placed like any request
 (its KV comes from the pool where it is there). Bounded: the least recently used sessions are
 forgotten beyond ``capacity``. Each Conductor keeps its own table: behind a balancer that does
