@@ -80,7 +80,9 @@ def test_query_answers_per_instance_and_tier_and_refuses_bad_input():
             assert r.json() == {"instances": {"p0": _entry(8, 12)}}
             for body, status in [({"model_name": "other", "token_ids": PROMPT}, 404), ({"token_ids": PROMPT}, 400),
                                  ({"model_name": MODEL, "token_ids": [1, -2]}, 400),
-                                 ({"model_name": MODEL, "token_ids": "1 2"}, 400)]:
+                                 ({"model_name": MODEL, "token_ids": "1 2"}, 400),
+                                 ({"model_name": MODEL, "token_ids": PROMPT, "lora_name": "sql-adapter"}, 400),
+                                 ({"model_name": MODEL, "token_ids": PROMPT, "cache_salt": "w8a8"}, 400)]:
                 assert (await http.post("/query", json=body)).status_code == status, body
             assert (await http.post("/query", content=b"[not json")).status_code == 400
     asyncio.run(scenario())

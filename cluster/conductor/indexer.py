@@ -249,8 +249,6 @@ class Indexer:
 
     async def _query_hashes(self, body: dict) -> dict:
         self._check_model(body)
-        if "cache_salt" in body:
-            raise IndexerError("'cache_salt' is not supported with block hashes")
         size = body.get("block_size")
         ours = self._ours()
         if size is not None and ours and size != ours[0].block_size:
@@ -301,6 +299,12 @@ class Indexer:
             raise IndexerError("'model_name' is required")
         if model != self.model_name:
             raise IndexerError(f"this Conductor serves '{self.model_name}', not {model!r}", 404)
+        # No adapters and no salted caches here: an answer computed without them would be wrong.
+        # (``tenant_id`` / ``routing_group`` are ignored: one cluster is one tenant.)
+        for name in ("lora_name", "cache_salt", "additional_salt", "additionalsalt"):
+            if body.get(name):
+                raise IndexerError(f"'{name}' is not supported: this cluster serves no LoRA adapters and no "
+                                   "salted caches")
 
     def close(self) -> None:
         for engine in self.external.values():
