@@ -188,6 +188,7 @@ class SessionPolicy:
     sticky: bool = False
     retention: bool = False
     belady: bool = False
+    slack_s: float | None = None  # the sticky rule's TTFT slack; None: SessionSimConfig's (the shipped one)
 
 
 POLICIES = (
@@ -196,6 +197,7 @@ POLICIES = (
     SessionPolicy("sticky routing, no retention", sticky=True),
     SessionPolicy("retention, not sticky", retention=True),
     SessionPolicy("sticky + retention (hints, shipped)", sticky=True, retention=True),
+    SessionPolicy("sticky up to the SLO (no slack) + retention", sticky=True, retention=True, slack_s=math.inf),
     SessionPolicy("Belady's optimum, sticky (ceiling)", sticky=True, belady=True),
 )
 
@@ -315,8 +317,8 @@ def simulate_sessions(trace: AgenticTrace, policy: SessionPolicy,
         plan = scheduler.select(info, states)
         sticky_on = last_on.get(ident) if s is not None and policy.sticky and k > 0 else None
         if sticky_on is not None:
-            plan = sticky_prefill(plan, scheduler.select(info, [states[sticky_on]]), config.ttft_slo_s,
-                                  config.sticky_slack_s)
+            slack = config.sticky_slack_s if policy.slack_s is None else policy.slack_s
+            plan = sticky_prefill(plan, scheduler.select(info, [states[sticky_on]]), config.ttft_slo_s, slack)
         i = plan.instance
         first = now + plan.ttft_s  # the scheduler predicts with the true model here
 

@@ -74,8 +74,8 @@ class PlacementConfig:
     probe_share: float = 0.02
     # Sticky sessions (issue 42): a session's next turn stays on the instance its last ran on
     # while that costs at most this much predicted TTFT over the scheduler's choice (and meets
-    # the SLO). Unbounded up to the SLO, the simulator's agentic trace lost 40-80% TTFT p50 for
-    # 1 point of hit rate (bench/README.md); None: sessions are not sticky.
+    # the SLO). Bounded by the SLO alone, the simulator's agentic trace took 35-79% more TTFT p50
+    # for at most 1% more goodput (bench/README.md); None: sessions are not sticky.
     session_slack_s: float | None = 0.1
 
     def __post_init__(self) -> None:
