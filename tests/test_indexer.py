@@ -10,12 +10,12 @@ import time
 
 import httpx
 import msgpack
-import pytest
 import zmq
 from starlette.applications import Starlette
 from starlette.routing import Route
 
 from cluster.conductor.indexer import ExternalEngine, Indexer, Ours
+from cluster.policies.prefix_index import match_len
 from paged_kv.block_hashes import local_hash, sequence_hashes
 from paged_kv.prefix_keys import chain_keys
 
@@ -41,10 +41,7 @@ class _Cache:
         self.keys = set(keys)
 
     def match_len(self, keys) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.keys:
-            n += 1
-        return n
+        return match_len(keys, self.keys)
 
 
 PROMPT = list(range(100, 124))  # 6 blocks of 4

@@ -31,6 +31,7 @@ import numpy as np
 from bench.sim.config import SimConfig
 from bench.sim.simulator import make_scheduler
 from cluster.conductor.placement import PlacementConfig
+from cluster.policies.prefix_index import match_len
 from cluster.policies.sessions import sticky_prefill
 from cluster.policies.snapshot import PrefillInstanceState, RequestInfo
 from paged_kv.block_pool import BlockPool, Retention
@@ -163,12 +164,7 @@ class Belady:
         self._keys: set[Key] = set()
 
     def match_len(self, keys: Sequence[Key]) -> int:
-        n = 0
-        for k in keys:
-            if k not in self._keys:
-                break
-            n += 1
-        return n
+        return match_len(keys, self._keys)
 
     def store(self, keys: Sequence[Key], now: float, session: bool) -> None:
         self._keys.update(keys)

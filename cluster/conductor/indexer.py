@@ -39,6 +39,7 @@ import zmq
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from cluster.policies.prefix_index import match_len
 from paged_kv.block_hashes import sequence_hashes
 from paged_kv.prefix_keys import PrefixKey, chain_keys
 
@@ -84,13 +85,7 @@ class HashIndex:
 
     def keys(self, hashes: Sequence[int]) -> list[PrefixKey]:
         """Our keys of the leading run of ``hashes`` known here."""
-        out = []
-        for h in hashes:
-            key = self._keys.get(h)
-            if key is None:
-                break
-            out.append(key)
-        return out
+        return [self._keys[h] for h in hashes[:match_len(hashes, self._keys)]]
 
 
 @dataclass
@@ -174,10 +169,7 @@ class ExternalEngine:
         with self._lock:
             for tier in TIERS:
                 held |= self.blocks[tier]
-                n = 0
-                while n < len(seqs) and seqs[n] in held:
-                    n += 1
-                out[tier] = n * self.block_size
+                out[tier] = match_len(seqs, held) * self.block_size
         return out
 
 
