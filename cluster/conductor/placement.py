@@ -215,7 +215,7 @@ class Placer:
                                   self.config.session_slack_s)
         if not decodes:
             return Placement(plan, [])
-        admission = self.admission(request)
+        admission = _admission(self.config, slo, self._decode_step)
         balanced = DecodeLoadBalancer(admission.step).select(request, decodes)
         decision = admission.on_arrival(now, request, plan, balanced, decodes)
         order = sorted(range(len(decodes)),
@@ -227,16 +227,12 @@ class Placer:
         if self.local is not None:
             chosen = self.local.choose(request, plan, decodes[order[0]])
             local = chosen if chosen.local else None
-        slo = None if isinstance(admission, AcceptAll) else admission.slo
-        placement = Placement(plan, [decodes[i].index for i in order], local, slo)
+        judged_by = None if isinstance(admission, AcceptAll) else slo
+        placement = Placement(plan, [decodes[i].index for i in order], local, judged_by)
         if admit and not decision.accept:
             return Refusal(f"overloaded: predicted prefill load {decision.prefill_load:.2f}, decode load "
                            f"{decision.decode_load:.2f} (1.0 = at the SLO)", plan.queue_s, placement)
         return placement
-
-    def admission(self, request: RequestInfo) -> AdmissionPolicy:
-        """The admission policy ``request`` is judged by (with decode instances only)."""
-        return _admission(self.config, self.slo(request), self._decode_step)
 
     def slo(self, request: RequestInfo) -> SLO | None:
         """The SLOs ``request`` is held to: the operator's, else its default ones where a decode
