@@ -20,7 +20,7 @@ from jinja2.exceptions import TemplateError
 from engine.outputs import RequestOutput
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
-from engine.session import MAX_SESSION_ID_CHARS, PRIORITY_RANGE, SessionHint
+from engine.session import PRIORITY_RANGE, SessionHint
 from engine.tokenizer import Tokenizer
 
 MAX_N = 16  # choices per prompt
@@ -164,19 +164,18 @@ class ParsedRequest:
         """The request's session hint: ``session_id`` in the body (``extra_body`` of OpenAI's
         clients) or the ``X-Session-Id`` header (for proxies; the two must agree), with the
         body's ``priority``. None without either: the request is served as any other."""
-        if header is not None:
-            if not 0 < len(header) <= MAX_SESSION_ID_CHARS:
-                raise ProtocolError(f"the X-Session-Id header must be 1 to {MAX_SESSION_ID_CHARS} characters",
-                                    "session_id")
-            if self.session_id is not None and self.session_id != header:
-                raise ProtocolError("'session_id' and the X-Session-Id header name different sessions", "session_id")
+        if header is not None and self.session_id is not None and self.session_id != header:
+            raise ProtocolError("'session_id' and the X-Session-Id header name different sessions", "session_id")
         session_id = self.session_id if self.session_id is not None else header
         if session_id is None:
             if self.priority:
                 raise ProtocolError("'priority' needs a session: give 'session_id' or the X-Session-Id header",
                                     "priority")
             return None
-        return SessionHint(session_id, self.priority)
+        try:
+            return SessionHint(session_id, self.priority)
+        except ValueError as e:  # its id (the priority was checked with the body): the body's or the header's
+            raise ProtocolError(str(e), "session_id") from None
 
 
 @dataclass
@@ -201,12 +200,9 @@ def check_model(body: dict, served: str) -> str:
 
 
 def _session(body: dict) -> dict[str, Any]:
-    """The body's session hint fields, validated (``ParsedRequest.session_hint`` combines them)."""
-    session_id = _string(body, "session_id")
-    if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
-        raise ProtocolError(f"'session_id' must be 1 to {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}",
-                            "session_id")
-    return {"session_id": session_id, "priority": _integer(body, "priority", 0, *PRIORITY_RANGE)}
+    """The body's session hint fields, their types and the priority's range checked (the id's
+    length is ``SessionHint``'s to check: ``ParsedRequest.session_hint``)."""
+    return {"session_id": _string(body, "session_id"), "priority": _integer(body, "priority", 0, *PRIORITY_RANGE)}
 
 
 def _common(body: dict, kind: str) -> tuple[dict[str, Any], int, bool, bool]:
