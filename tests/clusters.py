@@ -38,14 +38,18 @@ INSTANCE_FLAGS = tuple("--threads" if f == "--instance-threads" else f for f in 
 # The environment of every process a test starts: the cluster secret, and one OpenMP thread per
 # process (on 2 shared cores a second one that gets descheduled stalls every parallel region).
 PROCESS_ENV = {"MOONCAKE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
-TRANSFER_TIMEOUT_S = 30.0  # the shipped default
+TRANSFER_TIMEOUT_S, LEASE_S = 30.0, 10.0  # the shipped defaults
 if os.environ.get("MOONCAKE_TEST_SHIPPED_TIMEOUTS") != "1":
-    TRANSFER_TIMEOUT_S = 3.0
+    TRANSFER_TIMEOUT_S, LEASE_S = 3.0, 30.0
     TEST_FLAGS += ("--transfer-timeout-s", "3", "--reservation-lease-s", "30")
 # An abandoned request's receive staging is reused only after twice the transfer timeout (a
 # write approved just before its reservation ended may still be copying): what a test waits for
 # "nothing held" after a request was cut off.
 RELEASE_S = 15.0 + 2 * TRANSFER_TIMEOUT_S
+# A reservation whose release never reached its instance (e.g. a call held up by a partition that
+# TCP delivers once the link is back) is released when its lease lapses, and its staging two
+# transfer timeouts later: what a test waits for "nothing held" after a partition.
+LAPSED_S = 10.0 + LEASE_S + 2 * TRANSFER_TIMEOUT_S
 
 
 def words(tag: str, n: int) -> str:

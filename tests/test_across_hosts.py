@@ -35,7 +35,7 @@ import httpx
 import pytest
 
 from bench.harness import ServerProcess, sse_events, start_etcd, start_server, until
-from clusters import INSTANCE_FLAGS, PROCESS_ENV, RELEASE_S, STARTUP_S, TEST_FLAGS, words
+from clusters import INSTANCE_FLAGS, LAPSED_S, PROCESS_ENV, RELEASE_S, STARTUP_S, TEST_FLAGS, words
 from engine import LLM, SamplingParams
 from engine.default_model import resolve_model
 from netns import Hosts, NetnsUnavailable, probe
@@ -254,7 +254,7 @@ def test_a_partitioned_decode_instance_loses_its_request_to_the_other(cluster: A
     out = cluster.http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
                                                       "temperature": 0})
     assert out.status_code == 200 and out.json()["choices"][0]["text"].startswith(" Paris"), out.text
-    cluster.procs["conductor"].assert_clean(30.0)
+    cluster.procs["conductor"].assert_clean(LAPSED_S)
 
 
 def test_the_embedded_metadata_server_is_reached_from_another_host(cluster: AcrossHosts):

@@ -185,17 +185,24 @@ def test_early_rejection_answers_429_and_costs_no_prefill(cluster, admission):
     cluster.assert_clean()
 
 
+def _conductors_fence(cluster: Cluster) -> dict[str, str]:
+    """The cluster's Conductor's own id and epoch, as a header. Under its own id a reservation
+    made behind its back is one its ledger does not know of, and not one the instance's polled
+    report shows as another Conductor's work (which the Conductor would route around at once)."""
+    stats = cluster.http.get("/stats").json()
+    return {"X-Conductor-Epoch": f"{stats['conductor_id']}/{stats['epoch']}"}
+
+
 def _reserve_directly(cluster: Cluster, url: str, rid: str, n_tokens: int) -> httpx.Response:
-    """A reservation made as a Conductor would, which the cluster's Conductor does not know of."""
-    epoch = str(cluster.http.get("/stats").json()["epoch"])
+    """A reservation made as the cluster's Conductor would, which it does not know of."""
     return httpx.post(url + "/instance/reserve", timeout=30,
-                      auth=CONTROL_AUTH, headers={"X-Conductor-Epoch": epoch},
+                      auth=CONTROL_AUTH, headers=_conductors_fence(cluster),
                       json={"request_id": rid, "prompt_token_ids": [(i * 7) % 5000 + 10 for i in range(n_tokens)],
                             "params": {"max_tokens": 1}})
 
 
-def _release_directly(url: str, rid: str) -> None:
-    r = httpx.post(url + "/instance/abort", timeout=30, auth=CONTROL_AUTH,
+def _release_directly(cluster: Cluster, url: str, rid: str) -> None:
+    r = httpx.post(url + "/instance/abort", timeout=30, auth=CONTROL_AUTH, headers=_conductors_fence(cluster),
                    json={"request_id": rid, "writes_done": True})
     assert r.status_code == 200
 
@@ -218,8 +225,8 @@ def test_a_full_decode_instance_is_skipped_then_all_full_is_429(cluster):
     assert _reserve_directly(cluster, decodes[1]["url"], "filler-1", filler).status_code == 200
     r = cluster.http.post("/v1/completions", json={"prompt": prompt + " more", "max_tokens": 4})
     assert r.status_code == 429 and "room for the KV" in r.json()["error"]["message"]
-    _release_directly(decodes[0]["url"], "filler-0")
-    _release_directly(decodes[1]["url"], "filler-1")
+    _release_directly(cluster, decodes[0]["url"], "filler-0")
+    _release_directly(cluster, decodes[1]["url"], "filler-1")
     cluster.assert_clean()
 
 
