@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -25,6 +26,8 @@ from bench.chaos.report import build_report
 from bench.chaos.traffic import Outcome, choice_text, request_body, send
 from bench.harness import INSTANCE_HELD
 from bench.serving import arrival_times
+
+SLOW_CLIENT_RETRIES = 3  # how many times a byte-by-byte client tries again after a 429
 
 
 class Run:
@@ -227,14 +230,24 @@ class Run:
         async def byte_by_byte(prompt: int) -> dict[str, Any]:
             path = PROMPTS[prompt][0]
             data = http_request(path, json.dumps(request_body(prompt, False, self.cfg.max_tokens)).encode())
-            out = await raw_request(port, f"byte by byte ({path})", data, byte_gap_s=self.cfg.slow_request_s / len(data),
-                                    deadline_s=self.cfg.deadline_s)
+            # The steady traffic and what is left of the burst go on meanwhile: a 429 is a right
+            # answer to a slow client too, and it does what a client should (waits Retry-After, tries
+            # again), a bounded number of times.
+            refused = 0
+            while True:
+                out = await raw_request(port, f"byte by byte ({path})", data,
+                                        byte_gap_s=self.cfg.slow_request_s / len(data), deadline_s=self.cfg.deadline_s)
+                retry_after = re.search(r"(?im)^retry-after:\s*(\d+)", out.detail) if out.status == 429 else None
+                if retry_after is None or refused >= SLOW_CLIENT_RETRIES:
+                    break
+                refused += 1
+                await asyncio.sleep(min(int(retry_after.group(1)), 10))
             body = out.detail.split("\r\n\r\n", 1)[-1] if out.status == 200 else ""
             try:
                 text = choice_text(json.loads(body), path) if body else None
             except ValueError:
                 text = None
-            return {**asdict(out), "text_as_expected": text == self.expected[prompt]}
+            return {**asdict(out), "text_as_expected": text == self.expected[prompt], "refused_429": refused}
 
         slow = list(await asyncio.gather(*(byte_by_byte(prompt) for prompt in (0, 4))))  # one per API, side by side
         body = json.dumps(request_body(0, False, 2)).encode()
