@@ -251,6 +251,36 @@ def test_an_abort_before_the_prefill_is_remembered(decode):
     asyncio.run(scenario())
 
 
+def test_a_release_cancelled_while_the_engine_drops_still_frees_blocks_and_staging(decode):
+    """A release whose caller is cancelled while the engine thread is busy (the drop waits for
+    the step) must still drop the blocks and free the receive staging: the lease is gone, so
+    nothing else ever would."""
+    d = decode
+    gate = asyncio.Event()
+
+    class BusyEngine:  # the engine thread in a long step: a call waits for the gate
+        async def call(self, fn):
+            await gate.wait()
+            return await d.client.call(fn)
+
+    async def scenario():
+        gate.set()
+        r = Receiver(BusyEngine(), d.handoff, d.staging, d.transfer.address, 30.0, 0.1)
+        await r.reserve("cancelled-release", PROMPT, PARAMS, Fence("c", 1))
+        assert d.staging.num_allocated == 1
+        gate.clear()
+        releasing = asyncio.ensure_future(r.release("cancelled-release", settled=True, fence=Fence("c", 1)))
+        await asyncio.sleep(0.05)
+        releasing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        assert d.staging.num_allocated == 0  # settled: freed at once
+        gate.set()  # the step ends: the drop runs after all
+        await _nothing_held(d, r)
+
+    asyncio.run(scenario())
+
+
 # -- the engine thread's writes hold no lock the event loop takes ----------------------------------------
 
 def test_expect_and_finish_do_not_wait_for_a_stuck_layer_write():
@@ -296,6 +326,55 @@ def test_expect_and_finish_do_not_wait_for_a_stuck_layer_write():
                 await finishing
             await asyncio.to_thread(engine.join, 5)
             assert send.num_allocated == 0
+
+        asyncio.run(scenario())
+    finally:
+        transfer.close()
+
+
+def test_a_finish_cancelled_while_a_layer_write_is_stuck_frees_the_staging_after_it():
+    """The Conductor hangs up (the prefill is cancelled) while ``finish`` waits for a layer the
+    engine thread is still handing to a dead peer: the send staging is freed once that write
+    gives up, not held for good."""
+    transfer = Messenger(MessengerConfig(secret=SECRET, transport="tcp"))
+    try:
+        layout = KVLayout(2, 1, 4, 8, "float32")
+        send = StagingArea(transfer, 1 << 16)
+        sender = KVSender(transfer, send, layout)
+        stuck, entered = threading.Event(), threading.Event()
+
+        def write(peer, entries, **kw):  # a reconnect to a dead peer: blocks until released
+            entered.set()
+            stuck.wait(10)
+            from cluster.messenger import Batch, PeerError
+            b = Batch()
+            b.fail(PeerError("cannot connect"))
+            return b
+
+        transfer.write = write
+        dest = KVDestination("127.0.0.1:9", send.handle, 0, 0, 1)
+
+        async def scenario():
+            sender.expect("hung-up", dest)
+            engine = threading.Thread(target=sender.layer_done, args=(
+                0, torch.randn(layout.shape(4)), [PromptChunk("hung-up", [0], 0, 3, 3)]))
+            engine.start()
+            try:
+                assert await asyncio.to_thread(entered.wait, 5)
+                finishing = asyncio.ensure_future(sender.finish("hung-up", 5.0))
+                await asyncio.sleep(0.1)
+                finishing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await finishing
+                assert send.num_allocated == 1  # the engine thread may still pack into it
+            finally:
+                stuck.set()
+            await asyncio.to_thread(engine.join, 5)
+            deadline = time.monotonic() + 5
+            while send.num_allocated and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert send.num_allocated == 0 and not sender._out
+            send.check()
 
         asyncio.run(scenario())
     finally:

@@ -163,9 +163,11 @@ class Receiver:
             if not (aborted or stale):
                 self._leases[request_id] = _Lease(staging, n, fence, time.monotonic() + self.lease_s, token_ids)
         if aborted or stale:
-            await self._client.call(lambda _: self._handoff.drop(request_id))
-            if staging is not None:
-                self.staging.release(staging)  # nothing was told where it is: nobody writes there
+            try:
+                await asyncio.shield(self._client.call(lambda _: self._handoff.drop(request_id)))
+            finally:
+                if staging is not None:
+                    self.staging.release(staging)  # nothing was told where it is: nobody writes there
             if stale:
                 raise WrongEpoch(f"Conductor {fence.conductor!r}'s epoch {fence.epoch} was replaced by "
                                  f"{self.epochs[fence.conductor]} while reserving")
@@ -273,11 +275,15 @@ class Receiver:
             return False
         if lease.staging is not None:
             self.staging.revoke(lease.staging)  # a write for it still on its way is refused
-        await self._client.call(lambda _: self._handoff.drop(request_id))
-        if lease.staging is not None:
-            if settled:
+        try:
+            # Shielded: a cancelled caller must not leave the blocks reserved (the engine thread
+            # skips a call whose caller gave up).
+            await asyncio.shield(self._client.call(lambda _: self._handoff.drop(request_id)))
+        finally:
+            # Popped, the lease is this call's alone to free, even if the call is cancelled.
+            if lease.staging is not None and settled:
                 self.staging.release(lease.staging)
-            else:
+            elif lease.staging is not None:
                 # A prefill that was cut off (but maybe not dead) could still be writing into it: a
                 # sender starts no write later than one transfer timeout after it was told where
                 # (``KVSender.write_window_s``), and a write fails after one more.

@@ -110,6 +110,7 @@ class KVSender:
         self._out: dict[str, _Outgoing] = {}
         # Where the last finished request's KV went: the target of the ``kv.stale_write`` failpoint.
         self._last_finished: KVDestination | None = None
+        self._closing: set[asyncio.Future] = set()  # ``finish``'s waits, held until they end
 
     def _nbytes(self, dest: KVDestination) -> int:
         kv = len(self.layers) * self.layout.layer_bytes(dest.num_blocks)
@@ -246,7 +247,8 @@ class KVSender:
     async def finish(self, request_id: str, timeout_s: float) -> SendReport:
         """Wait for every write of the request, then free its staging. Raises ``TransferError``
         if a write failed or the KV was never fully sent (unless nothing was to be sent); a
-        write the decode instance refused because the reservation is gone raises ``StaleWrite``."""
+        write the decode instance refused because the reservation is gone raises ``StaleWrite``.
+        Cancelled, it still frees the staging once no write can read it."""
         with self._lock:
             out = self._out.pop(request_id, None)
             if out is not None:
@@ -255,6 +257,23 @@ class KVSender:
                     out.idle.set()
         if out is None:
             return SendReport(0, 0)
+        # Popped, the request is this call's alone to free. Its waits run as a task of their own
+        # under a shield: a caller cancelled meanwhile (the Conductor hung up while the last
+        # writes were landing) would otherwise leave the range held for good.
+        closing = asyncio.ensure_future(self._close(out, timeout_s))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        await asyncio.shield(closing)
+        if out.error is not None:
+            raise TransferError(out.error)
+        expected = out.dest.num_blocks * self.layout.layer_bytes(1) * len(self.layers)
+        if out.staging is not None and out.bytes_sent != expected:
+            raise TransferError(f"only {out.bytes_sent} of the prompt's {expected} KV bytes were sent")
+        return SendReport(out.bytes_sent, out.in_flight_at_end or 0)
+
+    async def _close(self, out: _Outgoing, timeout_s: float) -> None:
+        """Wait until no layer of ``out`` is being packed and each of its writes has ended (at
+        most ``timeout_s``), then free its staging; raises the first write's failure."""
         loop = asyncio.get_running_loop()
         if not out.idle.is_set():
             # A layer of it is being packed or handed to the Messenger on the engine thread (a
@@ -276,12 +295,6 @@ class KVSender:
                 self.staging.release(out.staging)
         if out.staging is not None and out.dest.generation is not None:
             self._last_finished = out.dest
-        if out.error is not None:
-            raise TransferError(out.error)
-        expected = out.dest.num_blocks * self.layout.layer_bytes(1) * len(self.layers)
-        if out.staging is not None and out.bytes_sent != expected:
-            raise TransferError(f"only {out.bytes_sent} of the prompt's {expected} KV bytes were sent")
-        return SendReport(out.bytes_sent, out.in_flight_at_end or 0)
 
 
 class DecodeStream(PrefillSink):
