@@ -33,7 +33,7 @@ import httpx
 from cluster.conductor.supervisor import free_port
 
 __all__ = ["HOST", "INSTANCE_HELD", "DONE", "EtcdProcess", "ServerProcess", "SSEStream", "free_port",
-           "launch_server", "sse_data", "sse_events", "start_etcd", "start_server", "until"]
+           "launch_server", "sse_data", "sse_events", "staging_holders", "start_etcd", "start_server", "until"]
 
 HOST = "127.0.0.1"
 DONE = "[DONE]"
@@ -41,6 +41,13 @@ DONE = "[DONE]"
 # cached for prefix reuse are free, not used).
 INSTANCE_HELD = ("num_used_blocks", "num_reservations", "num_running", "num_waiting",
                  "staging_send_ranges", "staging_recv_ranges", "staging_pool_ranges")
+
+
+def staging_holders(stats: dict[str, Any]) -> dict[str, list]:
+    """An instance's ``/stats``' named holders of its staging ranges (owner, seconds held), the
+    areas that hold any: what a report of held staging adds, to name the request behind it."""
+    return {k: stats[k] for k in ("staging_send_holders", "staging_recv_holders", "staging_pool_holders")
+            if stats.get(k)}
 
 T = TypeVar("T")
 
@@ -164,7 +171,8 @@ class ServerProcess:
         try:
             until(clean, within_s, "the instances to release everything")
         except TimeoutError:
-            raise AssertionError(f"still held after {within_s:g} s: {last}") from None
+            holders = {url: h for url in last if url != "conductor" and (h := staging_holders(self.instance_stats(url)))}
+            raise AssertionError(f"still held after {within_s:g} s: {last}; staging held by {holders}") from None
 
     # -- waits ---------------------------------------------------------------------------------------
     def _check_running(self) -> None:

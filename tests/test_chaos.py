@@ -94,16 +94,18 @@ def test_the_report_counts_what_must_be_zero(tmp_path):
     stale = {"instance": "http://d1", "calls": {"the same poll replayed": 200}, "accepted": 1}
     report = chaos.build_report(chaos.ChaosConfig.quick(log_path=tmp_path / "none.log"), run,
                                 {"fuzz": fuzz, "huge_body": huge, "stale_epoch": stale},
-                                {"held": {"http://x": {"num_used_blocks": 3}}, "down": {}})
+                                {"held": {"http://x": {"num_used_blocks": 3, "staging_send_ranges": 1}}, "down": {},
+                                 "holders": {"http://x": {"staging_send_holders": [["cmpl-7", 61.5]]}}})
     must = report["must_be_zero"]
     assert (must["completed with a different text"], must["hung requests"], must["requests with no clear answer"],
-            must["5xx answers to malformed input"], must["resources held at the end"]) == (2, 1, 1, 1, 3)
+            must["5xx answers to malformed input"], must["resources held at the end"]) == (2, 1, 1, 1, 4)
     assert (must[chaos.LOST], must[chaos.MARKED_DOWN], must[chaos.HUGE], must[chaos.STALE]) == (2, 1, 1, 1)
     assert report["lost_by_phase"] == {"SIGSTOP decode": 2}
     assert (report["fuzz"]["unavailable"], report["fuzz"]["engine_failed"]) == (1, 1)
     assert not report["ok"]
     table = chaos.format_table(report)
     assert "<-- FAIL" in table and "RESULT: FAIL" in table and "lone surrogate" in table
+    assert "staging held by (owner, seconds held) on http://x: {'staging_send_holders': [['cmpl-7', 61.5]]}" in table
 
 
 def test_the_rows_of_issue_31s_scenarios_count_what_they_measured(tmp_path):
@@ -245,7 +247,8 @@ def test_slow_clients_are_served_and_do_not_block_others(report):
 @pytest.mark.processes
 def test_nothing_is_held_once_the_cluster_is_quiet(report):
     assert report["must_be_zero"]["instances not up at the end"] == 0, report["down_at_end"]
-    assert report["must_be_zero"]["resources held at the end"] == 0, report["held_at_end"]
+    assert report["must_be_zero"]["resources held at the end"] == 0, (report["held_at_end"],
+                                                                      report["staging_holders_at_end"])
     assert report["must_be_zero"]["scenarios that failed to run"] == 0, report["scenario_errors"]
 
 

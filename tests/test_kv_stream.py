@@ -204,11 +204,14 @@ def test_reserve_without_room_raises_and_leaks_nothing(pair, model):
 def test_staging_allocator_first_fit_merges_and_refuses():
     with Messenger(MessengerConfig(secret=SECRET, transport="tcp")) as te:
         area = StagingArea(te, 1024)
-        a, b, c = area.allocate(100), area.allocate(200), area.allocate(300)
+        a, b, c = area.allocate(100, owner="a"), area.allocate(200, owner="b"), area.allocate(300)
         assert (a.offset, b.offset, c.offset) == (0, 128, 384)
+        assert [owner for owner, _ in area.holders()] == ["a", "b", ""]  # oldest first
+        assert all(0 <= held_s < 60 for _, held_s in area.holders())
         with pytest.raises(StagingFull):
             area.allocate(400)
         area.release(b)
+        assert [owner for owner, _ in area.holders()] == ["a", ""]
         assert area.allocate(150).offset == 128  # first fit reuses the hole
         area.release(a)
         with pytest.raises(ValueError):

@@ -138,6 +138,7 @@ def build_report(cfg: ChaosConfig, run: Run, extra: dict[str, Any], end: dict[st
         "corrupt_ssd": ssd,
         "overload": overloaded,
         "held_at_end": held,
+        "staging_holders_at_end": end.get("holders", {}),
         "down_at_end": end.get("down", {}),
         "server_log": scan_log(cfg.log_path),
         "conductor": {k: stats.get(k) for k in ("requests_accepted", "requests_rejected", "requests_failed",
@@ -302,6 +303,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"down at the end: {label}: {why}")
     for label, per in report["held_at_end"].items():
         lines.append(f"held at the end by {label}: {per}")
+    for label, per in report["staging_holders_at_end"].items():
+        lines.append(f"  staging held by (owner, seconds held) on {label}: {per}")
     for f in report["fuzz"]["failures"][:10]:
         lines.append(f"fuzz failure: {f['label']} -> {f['status'] or f['result']}: POST {f['path']} "
                      f"{f['body'][:300]}")

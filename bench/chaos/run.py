@@ -24,7 +24,7 @@ from bench.chaos.config import (COMPLETED, COMPLETIONS, CONDUCTOR_HELD, FAMILIES
 from bench.chaos.fuzz import FuzzCase, FuzzOutcome, RawOutcome, framing_cases, http_request, raw_request, send_fuzz
 from bench.chaos.report import build_report
 from bench.chaos.traffic import Outcome, choice_text, request_body, send
-from bench.harness import INSTANCE_HELD
+from bench.harness import INSTANCE_HELD, staging_holders
 from bench.serving import arrival_times
 
 SLOW_CLIENT_RETRIES = 3  # how many times a byte-by-byte client tries again after a 429
@@ -277,7 +277,8 @@ class Run:
     async def held(self) -> dict[str, Any]:
         """What the cluster holds now: ``held`` (by instance URL, the Conductor's books about it and
         what the instance itself counts, non-zero figures only), ``down`` (instances not up),
-        ``instance_stats`` (each up instance's ``/stats``) and the Conductor's ``stats``; only
+        ``instance_stats`` (each up instance's ``/stats``), ``holders`` (by URL, who holds the
+        staging ranges counted in ``held``, ``staging_holders``) and the Conductor's ``stats``; only
         ``conductor_stats`` when the Conductor does not answer."""
         stats = await conductor_stats(self.client, self.cluster)
         if not stats:
@@ -296,7 +297,8 @@ class Run:
                     own = {f"stats error: {type(e).__name__}": 1}
             if books or own:
                 held[inst["url"]] = {**books, **own}
-        return {"held": held, "down": down, "instance_stats": own_stats, "stats": stats}
+        holders = {url: h for url, s in own_stats.items() if (h := staging_holders(s))}
+        return {"held": held, "down": down, "instance_stats": own_stats, "holders": holders, "stats": stats}
 
     async def held_at_end(self) -> dict[str, Any]:
         """Poll until nothing is held anywhere or ``drain_s`` passes; the last observation."""

@@ -133,6 +133,11 @@ class PoolIO:
         """Loads and stores holding this instance's pool staging now."""
         return self._area.num_allocated
 
+    @property
+    def staging_holders(self) -> list[tuple[str, float]]:
+        """What holds each of them, and for how long (``StagingArea.holders``)."""
+        return self._area.holders()
+
     async def prepare_load(self, request_id: str, token_ids: list[int]) -> PoolLoad | None:
         """Lease the pool's part of ``token_ids``'s prefix past the local cache and start reading
         it, every layer at once in layer order, into this instance's pool staging. None when
@@ -153,7 +158,7 @@ class PoolIO:
         if not run:
             self.pool.count("misses", len(wanted))
             return None
-        r = await when_free(lambda: self._area.allocate(len(run) * size), self._timeout_s)
+        r = await when_free(lambda: self._area.allocate(len(run) * size, owner=f"load {request_id}"), self._timeout_s)
         offsets = [r.offset + i * size for i in range(len(run))]
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(self._io, lambda: self.pool.open_read(
@@ -219,7 +224,7 @@ class PoolIO:
         if not missing:
             return False
         try:
-            r = self._area.allocate(len(missing) * size)
+            r = self._area.allocate(len(missing) * size, owner=f"store {request_id}")
         except StagingFull:
             self._skipped()
             return False
@@ -351,7 +356,7 @@ class PoolIO:
         missing = [i for i, h in enumerate(holders) if not h][: self._area.nbytes // g.nbytes]
         if not missing:
             return {}
-        r = await when_free(lambda: self._area.allocate(len(missing) * g.nbytes), self._timeout_s)
+        r = await when_free(lambda: self._area.allocate(len(missing) * g.nbytes, owner="pool put"), self._timeout_s)
         try:
             layout = g.layout
             outs = [self._area.view(StagingRange(r.offset + j * g.nbytes, g.nbytes), layout.torch_dtype,

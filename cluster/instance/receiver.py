@@ -151,7 +151,7 @@ class Receiver:
         staging = None
         if n:
             try:
-                staging = self.staging.allocate(self._nbytes(n))
+                staging = self.staging.allocate(self._nbytes(n), owner=request_id)
             except (StagingFull, ValueError) as e:
                 await self._client.call(lambda _: self._handoff.drop(request_id))
                 raise KVCapacityError(f"receive staging: {e}") from None

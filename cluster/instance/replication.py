@@ -47,7 +47,7 @@ class Replicator:
         send = self._send
         kv_bytes = layout.nbytes(dest.num_blocks)
         nbytes = kv_bytes + (sums_bytes(layout.num_layers) if dest.sums else 0)
-        staging = await when_free(lambda: send.allocate(nbytes), self._timeout_s)
+        staging = await when_free(lambda: send.allocate(nbytes, owner=f"push {request_id}"), self._timeout_s)
         batch = None
         exported = False
         try:

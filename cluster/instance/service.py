@@ -439,10 +439,12 @@ class InstanceService:
                 s[f"staging_{name}_free_bytes"] = area.num_free_bytes
                 s[f"staging_{name}_bytes"] = area.nbytes
                 s[f"staging_{name}_ranges"] = area.num_allocated
+                s[f"staging_{name}_holders"] = area.holders()
         if self.pool is not None:
             s["pool_client"] = dict(self.pool.pool.counters, stores_skipped=self.pool.stores_skipped,
                                     stored_layerwise=self.pool.stored_layerwise)
             s["staging_pool_ranges"] = self.pool.staging_ranges
+            s["staging_pool_holders"] = self.pool.staging_holders
         if self.pool_service is not None:
             s["pool_segment"] = self.pool_service.segment.stats()
         return s

@@ -118,7 +118,7 @@ class KVSender:
 
     def expect(self, request_id: str, dest: KVDestination) -> None:
         """Stream this request's prompt KV to ``dest`` when it is computed (raises StagingFull)."""
-        staging = self.staging.allocate(self._nbytes(dest)) if dest.num_blocks else None
+        staging = self.staging.allocate(self._nbytes(dest), owner=request_id) if dest.num_blocks else None
         with self._lock:
             taken = request_id in self._out
             if not taken:

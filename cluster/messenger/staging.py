@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -57,6 +58,7 @@ class StagingArea:
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, length)
         self._used: dict[int, int] = {}  # offset -> rounded length
+        self._holders: dict[int, tuple[str, float]] = {}  # offset -> (owner, monotonic time allocated)
 
     def guard(self) -> None:
         """Peers write into this area only into allocated ranges, naming their generation (the
@@ -64,8 +66,9 @@ class StagingArea:
         self._engine.guard(self.handle)
         self.guarded = True
 
-    def allocate(self, nbytes: int) -> StagingRange:
-        """A range of at least ``nbytes``; raises ``StagingFull`` (or ValueError if it can never fit)."""
+    def allocate(self, nbytes: int, owner: str = "") -> StagingRange:
+        """A range of at least ``nbytes``; raises ``StagingFull`` (or ValueError if it can never fit).
+        ``owner``: what the range is for (a request id), as ``holders`` names it."""
         if nbytes <= 0:
             raise ValueError(f"nbytes must be positive, got {nbytes}")
         size = -(-nbytes // _ALIGN) * _ALIGN
@@ -79,6 +82,7 @@ class StagingArea:
                     else:
                         self._free[i] = (off + size, length - size)
                     self._used[off] = size
+                    self._holders[off] = (owner, time.monotonic())
                     break
             else:
                 raise StagingFull(f"no free staging range of {nbytes} bytes ({self._free_bytes()} free, fragmented)")
@@ -97,6 +101,7 @@ class StagingArea:
             size = self._used.pop(r.offset, None)
             if size is None:
                 raise ValueError(f"staging range at {r.offset} is not allocated")
+            del self._holders[r.offset]
             i = bisect.bisect(self._free, (r.offset, 0))
             off, length = r.offset, size
             if i < len(self._free) and self._free[i][0] == off + length:  # merge with the next
@@ -130,6 +135,14 @@ class StagingArea:
     def num_allocated(self) -> int:
         with self._lock:
             return len(self._used)
+
+    def holders(self) -> list[tuple[str, float]]:
+        """Each allocated range's owner and how long it has been held (seconds), oldest first:
+        what names the culprit when a range stays held after its request has ended."""
+        now = time.monotonic()
+        with self._lock:
+            held = sorted(self._holders.values(), key=lambda h: h[1])
+        return [(owner, round(now - since, 1)) for owner, since in held]
 
     def check(self) -> None:
         """Free and allocated ranges tile the region with no gap or overlap."""
