@@ -171,8 +171,18 @@ class ServerProcess:
         try:
             until(clean, within_s, "the instances to release everything")
         except TimeoutError:
-            holders = {url: h for url in last if url != "conductor" and (h := staging_holders(self.instance_stats(url)))}
-            raise AssertionError(f"still held after {within_s:g} s: {last}; staging held by {holders}") from None
+            raise AssertionError(f"still held after {within_s:g} s: {last}; staging held by {self._holders(last)}") from None
+
+    def _holders(self, held: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Who holds the staging of the instances in ``held`` (``staging_holders``), for a message."""
+        holders: dict[str, Any] = {}
+        for url in held.keys() - {"conductor"}:
+            try:
+                if h := staging_holders(self.instance_stats(url)):
+                    holders[url] = h
+            except (httpx.HTTPError, ValueError) as e:  # it went down meanwhile: say so, keep the message
+                holders[url] = f"/stats: {type(e).__name__}"
+        return holders
 
     # -- waits ---------------------------------------------------------------------------------------
     def _check_running(self) -> None:

@@ -62,3 +62,40 @@ def test_sse_events():
         sse_events(["data: [DONE]", 'data: {"choices": []}'])
     with pytest.raises(ValueError):
         sse_events(["data: {not json"])
+
+
+def test_held_staging_is_reported_with_its_holder(tmp_path):
+    """``assert_clean``'s message names who holds a staging range, from the instance's /stats."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench.harness import ServerProcess
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    answers = {"/stats": {"instances": [{"url": url + "/i", "up": True}]},
+               "/i/stats": {"staging_send_ranges": 1, "staging_send_holders": [["cmpl-42", 80.5]],
+                            "staging_recv_holders": []}}
+
+    class Stats(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(answers[self.path]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Stats)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        sp = ServerProcess("fake", [], None, tmp_path / "f.log", url)
+        with pytest.raises(AssertionError) as e:
+            sp.assert_clean(0.3)
+        assert str(e.value) == (f"still held after 0.3 s: {{'{url}/i': {{'staging_send_ranges': 1}}}}; "
+                                f"staging held by {{'{url}/i': {{'staging_send_holders': [['cmpl-42', 80.5]]}}}}")
+    finally:
+        server.shutdown()

@@ -257,9 +257,10 @@ class KVSender:
                     out.idle.set()
         if out is None:
             return SendReport(0, 0)
-        # Popped, the request is this call's alone to free. Its waits run as a task of their own
-        # under a shield: a caller cancelled meanwhile (the Conductor hung up while the last
-        # writes were landing) would otherwise leave the range held for good.
+        # Popped, the request is this call's alone to free. Its waits and the freeing run as a
+        # task of their own under a shield: a cancelled caller (the Conductor hung up) returns at
+        # once, and no cancellation, during the wait for a layer being packed or a second one
+        # during the writes' settling, can skip the freeing and leave the range held for good.
         closing = asyncio.ensure_future(self._close(out, timeout_s))
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
