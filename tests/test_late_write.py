@@ -16,8 +16,10 @@ event loop takes (issue 23 §3), without processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -283,15 +285,18 @@ def test_a_release_cancelled_while_the_engine_drops_still_frees_blocks_and_stagi
 
 # -- the engine thread's writes hold no lock the event loop takes ----------------------------------------
 
-def test_expect_and_finish_do_not_wait_for_a_stuck_layer_write():
+@contextlib.contextmanager
+def _stuck_writes() -> Iterator[SimpleNamespace]:
+    """A ``KVSender`` (``sender``, over ``send`` staging, ``layout``) whose Messenger writes block,
+    as a reconnect to a dead peer does, until ``stuck`` is set, then fail; ``entered`` is set once
+    a write has started."""
     transfer = Messenger(MessengerConfig(secret=SECRET, transport="tcp"))
     try:
         layout = KVLayout(2, 1, 4, 8, "float32")
         send = StagingArea(transfer, 1 << 16)
-        sender = KVSender(transfer, send, layout)
         stuck, entered = threading.Event(), threading.Event()
 
-        def write(peer, entries, **kw):  # a reconnect to a dead peer: blocks for the timeout
+        def write(peer, entries, **kw):
             entered.set()
             stuck.wait(10)
             from cluster.messenger import Batch, PeerError
@@ -300,16 +305,25 @@ def test_expect_and_finish_do_not_wait_for_a_stuck_layer_write():
             return b
 
         transfer.write = write
+        yield SimpleNamespace(sender=KVSender(transfer, send, layout), send=send, layout=layout,
+                              stuck=stuck, entered=entered)
+    finally:
+        transfer.close()
+
+
+def test_expect_and_finish_do_not_wait_for_a_stuck_layer_write():
+    with _stuck_writes() as w:
+        sender, send = w.sender, w.send
         region = send.handle
         dest = KVDestination("127.0.0.1:9", region, 0, 0, 1)
-        kv_cache = torch.randn(layout.shape(4))
+        kv_cache = torch.randn(w.layout.shape(4))
 
         async def scenario():
             sender.expect("stuck", dest)
             engine = threading.Thread(target=sender.layer_done, args=(
                 0, kv_cache, [PromptChunk("stuck", [0], 0, 3, 3)]))
             engine.start()
-            assert await asyncio.to_thread(entered.wait, 5)
+            assert await asyncio.to_thread(w.entered.wait, 5)
             try:
                 start = time.monotonic()
                 sender.expect("other", KVDestination("127.0.0.1:9", region, 0, 1, 0))  # all cached there
@@ -321,46 +335,30 @@ def test_expect_and_finish_do_not_wait_for_a_stuck_layer_write():
                 await asyncio.sleep(0.1)
                 assert not finishing.done()
             finally:
-                stuck.set()
+                w.stuck.set()
             with pytest.raises(Exception, match="cannot connect|KV write failed|only"):
                 await finishing
             await asyncio.to_thread(engine.join, 5)
             assert send.num_allocated == 0
 
         asyncio.run(scenario())
-    finally:
-        transfer.close()
 
 
 def test_a_finish_cancelled_while_a_layer_write_is_stuck_frees_the_staging_after_it():
     """The Conductor hangs up (the prefill is cancelled) while ``finish`` waits for a layer the
     engine thread is still handing to a dead peer: the send staging is freed once that write
     gives up, not held for good."""
-    transfer = Messenger(MessengerConfig(secret=SECRET, transport="tcp"))
-    try:
-        layout = KVLayout(2, 1, 4, 8, "float32")
-        send = StagingArea(transfer, 1 << 16)
-        sender = KVSender(transfer, send, layout)
-        stuck, entered = threading.Event(), threading.Event()
-
-        def write(peer, entries, **kw):  # a reconnect to a dead peer: blocks until released
-            entered.set()
-            stuck.wait(10)
-            from cluster.messenger import Batch, PeerError
-            b = Batch()
-            b.fail(PeerError("cannot connect"))
-            return b
-
-        transfer.write = write
+    with _stuck_writes() as w:
+        sender, send = w.sender, w.send
         dest = KVDestination("127.0.0.1:9", send.handle, 0, 0, 1)
 
         async def scenario():
             sender.expect("hung-up", dest)
             engine = threading.Thread(target=sender.layer_done, args=(
-                0, torch.randn(layout.shape(4)), [PromptChunk("hung-up", [0], 0, 3, 3)]))
+                0, torch.randn(w.layout.shape(4)), [PromptChunk("hung-up", [0], 0, 3, 3)]))
             engine.start()
             try:
-                assert await asyncio.to_thread(entered.wait, 5)
+                assert await asyncio.to_thread(w.entered.wait, 5)
                 finishing = asyncio.ensure_future(sender.finish("hung-up", 5.0))
                 await asyncio.sleep(0.1)
                 finishing.cancel()
@@ -368,7 +366,7 @@ def test_a_finish_cancelled_while_a_layer_write_is_stuck_frees_the_staging_after
                     await finishing
                 assert [owner for owner, _ in send.holders()] == ["hung-up"]  # the engine thread may still pack into it
             finally:
-                stuck.set()
+                w.stuck.set()
             await asyncio.to_thread(engine.join, 5)
             deadline = time.monotonic() + 5
             while send.num_allocated and time.monotonic() < deadline:
@@ -377,8 +375,6 @@ def test_a_finish_cancelled_while_a_layer_write_is_stuck_frees_the_staging_after
             send.check()
 
         asyncio.run(scenario())
-    finally:
-        transfer.close()
 
 
 def test_an_abort_that_comes_while_the_pool_is_asked_releases_the_pool_load(decode):
