@@ -153,7 +153,7 @@ class Receiver:
             try:
                 staging = self.staging.allocate(self._nbytes(n), owner=request_id)
             except (StagingFull, ValueError) as e:
-                await self._client.call(lambda _: self._handoff.drop(request_id))
+                await self._drop(request_id)
                 raise KVCapacityError(f"receive staging: {e}") from None
         with self._lock:
             # While the engine thread was reserving, the request may have been aborted or a newer
@@ -164,7 +164,7 @@ class Receiver:
                 self._leases[request_id] = _Lease(staging, n, fence, time.monotonic() + self.lease_s, token_ids)
         if aborted or stale:
             try:
-                await asyncio.shield(self._client.call(lambda _: self._handoff.drop(request_id)))
+                await self._drop(request_id)
             finally:
                 if staging is not None:
                     self.staging.release(staging)  # nothing was told where it is: nobody writes there
@@ -276,9 +276,7 @@ class Receiver:
         if lease.staging is not None:
             self.staging.revoke(lease.staging)  # a write for it still on its way is refused
         try:
-            # Shielded: a cancelled caller must not leave the blocks reserved (the engine thread
-            # skips a call whose caller gave up).
-            await asyncio.shield(self._client.call(lambda _: self._handoff.drop(request_id)))
+            await self._drop(request_id)
         finally:
             # Popped, the lease is this call's alone to free, even if the call is cancelled.
             if lease.staging is not None and settled:
@@ -289,6 +287,11 @@ class Receiver:
                 # (``KVSender.write_window_s``), and a write fails after one more.
                 asyncio.get_running_loop().call_later(2 * self._transfer_timeout_s, self.staging.release, lease.staging)
         return True
+
+    async def _drop(self, request_id: str) -> None:
+        """Let go of the request's blocks on the engine thread. Shielded: a cancelled caller must
+        not leave them reserved (the engine thread skips a call whose caller gave up)."""
+        await asyncio.shield(self._client.call(lambda _: self._handoff.drop(request_id)))
 
     async def expire_forever(self) -> None:
         while True:
