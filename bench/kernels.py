@@ -36,7 +36,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench import cpu_kernels
+from bench import cpu_kernels, isa
 
 from mooncake_kernels.activation import silu_and_mul_triton
 from mooncake_kernels.decode_attention import decode_attention_triton
@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         # No GPU: the native CPU kernels against this machine's roofline (bench/cpu_kernels.py).
+        isa.apply(args)
         return cpu_kernels.run(args)
     torch.manual_seed(0)
     copy_bw = measure_copy(args)

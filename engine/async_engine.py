@@ -502,6 +502,7 @@ class AsyncLLMEngine(EngineClient):
         self._stats = {
             "model": self._model_name,
             "kernels": engine.runner.kernels,
+            "projections": engine.runner.linear_path,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "num_reserved": s.num_reserved,

@@ -88,10 +88,11 @@ class EngineConfig:
     kv_cache_dtype: str | None = None
     # One answer per request, whatever the path (docs/engine.md#deterministic-mode): every token of
     # every step, prompt or decode, runs the native decode layers as a row of its own, with the
-    # integer kernels at any number of rows, so greedy output does not depend on what else the step
-    # holds, on how the prompt was chunked, or on how much of it came from a cache. Costs prefill
-    # speed (bench.quality and docs say how much); CPU with int4 projections only.
-    deterministic: bool = False
+    # integer GEMM at any number of rows, so greedy output does not depend on what else the step
+    # holds, on how the prompt was chunked, or on how much of it came from a cache. CPU with int4
+    # projections only. None: on wherever that runs (CPU, int4, the native kernels); False lets
+    # the rows of large steps go to a dense matmul where one measured faster (engine.kernel_choice).
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -140,6 +141,8 @@ class EngineConfig:
             if self.dtype not in ("float32", "bfloat16"):
                 raise ValueError(f"{self.quantization} weight-only quantization runs with dtype float32 or "
                                  f"bfloat16, got {self.dtype!r}")
+        if self.deterministic is None:
+            self.deterministic = self.device == "cpu" and self.quantization == "int4" and kernels.native_cpu()
         if self.deterministic and (self.device != "cpu" or self.quantization != "int4"):
             raise ValueError(f"the deterministic mode runs on CPU with int4 projections (the native integer "
                              f"kernels); got device {self.device!r}, quantization {self.quantization!r}")

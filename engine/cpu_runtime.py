@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -120,6 +121,15 @@ class HeapBound:
             self._floor = self._resident() or rss
 
 
+def avx2_limit() -> bool:
+    """Whether this process runs as an AVX2-only machine would: torch's own kernels limited with
+    ``ATEN_CPU_CAPABILITY=avx2`` (oneDNN's with ``ONEDNN_MAX_CPU_ISA=AVX2``) or the native ones
+    built with ``MOONCAKE_ISA=avx2``. Then no bfloat16 units and no AMX count as present, so the
+    defaults are an AVX2 machine's, measurable on any machine (``--isa avx2`` of the benchmarks)."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" or \
+        os.environ.get("MOONCAKE_ISA") == "avx2"
+
+
 def fast_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX).
 
@@ -127,6 +137,8 @@ def fast_bfloat16() -> bool:
     slower than in float32, so the CPU default precision depends on this
     (``engine.config.EngineConfig``). torch exposes the check only as a private function.
     """
+    if avx2_limit():
+        return False
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
@@ -137,6 +149,8 @@ def amx_granted() -> bool:
     ``_init_amx`` asks for). A CPU can list AMX in /proc/cpuinfo while its VM refuses the state:
     a process that runs a tile instruction without the grant dies of SIGILL (llama.cpp's AMX
     path did on one of our Xeons). oneDNN asks for the grant itself and uses AMX only with it;
-    this says whether its bfloat16 matmuls run on tiles here, which moves the crossovers of
-    :mod:`engine.quantization`."""
+    this says whether its bfloat16 matmuls run on tiles here (the benchmarks print it beside the
+    kernels they measured)."""
+    if avx2_limit():
+        return False
     return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())

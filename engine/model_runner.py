@@ -18,7 +18,8 @@ from engine.hooks import PromptChunk, StageLoad
 from engine.kv_layout import KVLayout
 from engine.loader import load_model
 from engine.model import AttentionMetadata, stage_layers
-from engine.quantization import make_batch_invariant, model_bytes, pack_model, prefill_copy_bytes, quantize_model
+from engine.kernel_choice import integer_rows
+from engine.quantization import check_batch_invariant, model_bytes, pack_model, prefill_copy_bytes, quantize_model
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
@@ -107,13 +108,17 @@ class ModelRunner:
         self.native = self.device.type == "cpu" and kernels.native_cpu()
         if self.native:
             kernels.load_native()
+        # With the native kernels the integer GEMM takes every row count, unless the mode that is
+        # not deterministic measured a dense matmul faster past some rows here (engine.kernel_choice).
+        int_rows = None
         if config.quantization != "none":
-            quantize_model(self.model, config.quantization)
+            if self.native and not config.deterministic:
+                int_rows = integer_rows(config.torch_dtype)
+            quantize_model(self.model, config.quantization, int_rows)
         # A float model's matmuls through oneDNN on weights packed once (kernels/dense_linear.py).
         packed = config.quantization == "none" and pack_model(self.model)
         if config.deterministic:
-            # Before the layers are built: they take the integer kernels' row limit from the weights.
-            make_batch_invariant(self.model)
+            check_batch_invariant(self.model)
         native_layers = self.native and self.model.enable_native_decode(
             DETERMINISTIC_SPAN_TOKENS if config.deterministic else 0)
         if config.deterministic:
@@ -121,6 +126,11 @@ class ModelRunner:
                 raise ValueError("the deterministic mode needs the native decode layers: int4 projections "
                                  "(--quantization int4, the default on CPU) and the native CPU kernels")
             self.model.batch_invariant = True
+        # Which kernel multiplies which rows of the projections, as the start log and /stats say.
+        self.linear_path = (None if config.quantization == "none" or not self.native else
+                            f"integer GEMM ({kernels.load_native().int_gemm_path()}) "
+                            + ("at every row count" if int_rows is None else
+                               f"up to {int_rows} rows, oneDNN {config.dtype} past them"))
         self.model_config = self.model.cfg
         weight_bytes = model_bytes(self.model)
         self.num_blocks = num_kv_blocks(self.model_config, config)
@@ -144,7 +154,7 @@ class ModelRunner:
         )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); weights %.2f GiB (%s), "
-            "their dense copy for prefill %.2f GiB; kernels: %s%s",
+            "their dense copy %.2f GiB; kernels: %s%s%s",
             self.num_blocks, config.block_size, self.num_blocks * config.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / _GIB, config.kv_cache_dtype,
             weight_bytes / _GIB, config.quantization if config.quantization != "none" else config.dtype,
@@ -152,6 +162,7 @@ class ModelRunner:
             self.kernels if not self.native else
             f"{self.kernels} (decode layers: {self._native_layers_said() if native_layers else 'eager'})",
             "; projections packed for oneDNN" if packed else "",
+            f"; projections: {self.linear_path}" if self.linear_path else "",
         )
 
     def _native_layers_said(self) -> str:

@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import mooncake_kernels as kernels
-from engine.cpu_runtime import amx_granted
 from engine.model_config import QUANTIZATIONS
 
 INT4_GROUP = 32
@@ -57,54 +56,63 @@ INT4_GROUP = 32
 class QuantizedWeight:
     """A ``[out, in]`` linear weight in a weight-only format: ``kernel`` for up to ``max_rows``
     rows of activations, a matmul on ``dense`` (the dequantized weight, in the model's dtype)
-    above. ``native``: the native CPU kernel (float32 activations) or torch's (bfloat16 ones)."""
+    above. ``native``: the native CPU kernel (float32 activations) or torch's (bfloat16 ones).
 
-    # Where the kernel and the dense matmul cross over, by the dense copy's dtype (measured from
-    # memory, 2 threads). A float32 matmul is the slower per row on a CPU with bfloat16 units, a
-    # bfloat16 one is far slower still on a CPU without them (AVX2: 7x a float32 matmul), which
-    # is why a model whose dtype is float32 keeps a float32 copy and crosses over later.
+    The native kernel is a GEMM whose rows cost only their multiply-adds and whose sums run in
+    one order whatever the rows (:mod:`kernels.quant_linear`): ``int_rows`` None gives it every
+    row count and keeps no dense copy (the deterministic mode's weights); a number hands the
+    rows past it to oneDNN on a dense copy (``engine.kernel_choice`` measures where that pays)."""
+
+    # torch's kernels are matrix-vector kernels, whose time grows with every row: where they and
+    # the dense matmul cross over, by the dense copy's dtype (measured from memory, 2 threads). A
+    # float32 matmul is the slower per row on a CPU with bfloat16 units, a bfloat16 one is far
+    # slower still on a CPU without them (AVX2: 7x a float32 matmul).
     crossover_rows: dict[torch.dtype, int]
-    native_crossover_rows: dict[torch.dtype, int]
-    # The native kernels' crossover to a bfloat16 dense copy where oneDNN runs it on AMX tiles
-    # (``engine.cpu_runtime.amx_granted``): there the dense matmul of a few rows costs about what
-    # one row does.
-    amx_crossover_rows: int
 
-    def __init__(self, dense: torch.Tensor, dense_dtype: torch.dtype, native: bool) -> None:
+    def __init__(self, dense: torch.Tensor, dense_dtype: torch.dtype, native: bool,
+                 int_rows: int | None = None) -> None:
         if dense_dtype not in self.crossover_rows:
             raise ValueError(f"a dequantized copy in {dense_dtype} is not supported "
                              f"(supported: {sorted(str(d) for d in self.crossover_rows)})")
         self.native = native
-        # With the native kernels, the dense copy is kept only packed for oneDNN.
-        self._dense_copy: torch.Tensor | PackedWeight = dense.to(dense_dtype).contiguous()
-        if native and kernels.dense_native_available(dense_dtype):
-            self._dense_copy = PackedWeight(self._dense_copy)
-        self.max_rows = (self.native_crossover_rows if native else self.crossover_rows)[dense_dtype]
-        if native and dense_dtype == torch.bfloat16 and amx_granted():
-            self.max_rows = min(self.max_rows, self.amx_crossover_rows)
+        self.out_features = dense.shape[0]
+        self.dense_dtype = dense_dtype
+        if native:
+            self.max_rows = sys.maxsize if int_rows is None else int_rows
+        else:
+            self.max_rows = self.crossover_rows[dense_dtype]
+        self._dense_copy: torch.Tensor | PackedWeight | None = None
+        if self.max_rows < sys.maxsize:
+            self._dense_copy = dense.to(dense_dtype).contiguous()
+            # With the native kernels, the dense copy is kept only packed for oneDNN.
+            if native and kernels.dense_native_available(dense_dtype):
+                self._dense_copy = PackedWeight(self._dense_copy)
+        self.shape = dense.shape
         self.kernel_dtype = torch.float32 if native else torch.bfloat16
 
     @property
-    def dense(self) -> torch.Tensor:
-        """The dequantized copy, plain (a new tensor when it is kept packed)."""
+    def dense(self) -> torch.Tensor | None:
+        """The dequantized copy, plain (a new tensor when it is kept packed); None when no path
+        needs one."""
         c = self._dense_copy
         return c.packed.to_dense() if isinstance(c, PackedWeight) else c
 
     @property
     def packed_dense(self) -> torch.Tensor | None:
         """The dense copy in oneDNN's packed layout (:func:`kernels.pack_dense`), None when it is
-        kept plain."""
+        kept plain or not kept."""
         c = self._dense_copy
         return c.packed if isinstance(c, PackedWeight) else None
 
-    @property
-    def shape(self) -> torch.Size:
-        return self._dense_copy.shape
-
     def dense_bytes(self) -> int:
-        return self._dense_copy.numel() * self._dense_copy.element_size()
+        c = self._dense_copy
+        return 0 if c is None else c.numel() * c.element_size()
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights the kernel multiplies by, float32 ``[out, in]``."""
         raise NotImplementedError
 
     def stored_bytes(self) -> int:
@@ -118,7 +126,7 @@ class QuantizedWeight:
             want = self.kernel_dtype
             run = self.kernel
         else:
-            want = self._dense_copy.dtype
+            want = self.dense_dtype
             run = self._dense
         if flat.dtype != want:
             flat = flat.to(want)
@@ -158,33 +166,40 @@ class Int8Weight(QuantizedWeight):
     """int8 rows and one scale per row."""
 
     # torch's kernel: bfloat16 6 with avx512_bf16; float32 64 on AVX2 (1 row 17.5 ms against 60
-    # in float32, 64 rows 263 against 294, all the default model's projections). The native one
-    # reads the same bytes; as an LM head (49152x576, 2 threads) it matched torch's: 0.80 ms at 1
-    # row (memory bound), 2.93 against 2.96 at 4.
+    # in float32, 64 rows 263 against 294, all the default model's projections).
     crossover_rows = {torch.bfloat16: 6, torch.float32: 64}
-    native_crossover_rows = {torch.bfloat16: 8, torch.float32: 64}
-    # The LM head on a Xeon with AMX (2 threads): the native kernel 761 us at 1 row, 1,375 at 2;
-    # the packed bfloat16 copy 1,277-1,379 us at 1 to 8 rows.
-    amx_crossover_rows = 1
 
     def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, int_rows: int | None = None) -> None:
         w = weight.detach().float()
         self.scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
         self.q = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-        self._scale = self.scale.to(torch.bfloat16)
-        super().__init__(self.dequantize(), dense_dtype, kernels.native_cpu() if native is None else native)
+        native = kernels.native_cpu() if native is None else native
+        if native:
+            # The GEMM's layout (kernels.pack_q8); the plain codes are kept for dequantize only.
+            self.packed, self._panel_scale = kernels.pack_q8(self.q, self.scale)
+        else:
+            self._scale = self.scale.to(torch.bfloat16)
+        dense = self.q.float() * self.scale[:, None]
+        if native:
+            del self.q
+        super().__init__(dense, dense_dtype, native, int_rows)
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes ``[out, in]`` (unpacked from the GEMM's layout with the native kernel)."""
+        return kernels.unpack_q8(self.packed, self.out_features) if self.native else self.q
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
+        return self.codes().float() * self.scale[:, None]
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return kernels.quant_linear_native(x, self.q, self.scale)
+            return kernels.quant_linear_native(x, self.packed, self.out_features, self._panel_scale)
         return torch._weight_int8pack_mm(x, self.q, self._scale)
 
     def stored_bytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        codes = self.packed if self.native else self.q
+        return codes.numel() + self.scale.numel() * self.scale.element_size()
 
 
 class Int4Weight(QuantizedWeight):
@@ -192,21 +207,11 @@ class Int4Weight(QuantizedWeight):
     minimum, in the chosen kernel's packed layout."""
 
     # torch's kernel: bfloat16 16 with avx512_bf16; float32 64 on AVX2 (1 row 11.2 ms against 60
-    # in float32, 64 rows 257 against 294, 128 rows 594 against 372). The native one against a
-    # dense 3072x576 matmul (2 threads, avx512 EPYC): 114 us against bfloat16's 116 at 4 rows, 213
-    # against 150 at 8; 1,083 against float32's 1,146 at 32. A step of decodes up to these rows
-    # runs each layer as one native call, which spares the eager layer's ~200 ATen calls; past
-    # 4 (bfloat16) or 32 (float32) rows that is worth less than the dense matmul's lead. The
-    # crossovers were set with one activation level and not retuned for two: issue 30's note.
+    # in float32, 64 rows 257 against 294, 128 rows 594 against 372).
     crossover_rows = {torch.bfloat16: 16, torch.float32: 64}
-    native_crossover_rows = {torch.bfloat16: 8, torch.float32: 64}
-    # Whole decode steps on a Xeon with AMX (2 threads, 300-token contexts), int kernels / dense,
-    # ms: 10.4 / 10.3 at 1 row, 13.4 / 19.6 at 2, 20.4 / 23.7 at 4, 28.3 / 26.4 at 6, 35.1 / 30.6
-    # at 8.
-    amx_crossover_rows = 4
 
     def __init__(self, weight: torch.Tensor, dense_dtype: torch.dtype = torch.bfloat16,
-                 group: int = INT4_GROUP, native: bool | None = None) -> None:
+                 group: int = INT4_GROUP, native: bool | None = None, int_rows: int | None = None) -> None:
         out_features, in_features = weight.shape
         if in_features % group:
             raise ValueError(f"int4 needs input features divisible by {group}; this weight is {tuple(weight.shape)} "
@@ -231,11 +236,17 @@ class Int4Weight(QuantizedWeight):
             # [groups, out, 2]: each group's (scale, zero) for every output row.
             self._scales_zeros = torch.stack((d, zero), dim=-1).transpose(0, 1).contiguous()
             dense = (q - 8) * d[..., None].float() + zero[..., None].float()
-        super().__init__(dense.view(out_features, in_features), dense_dtype, native)
+        super().__init__(dense.view(out_features, in_features), dense_dtype, native, int_rows)
+
+    def dequantize(self) -> torch.Tensor:
+        if not self.native:
+            return self.dense.float()
+        q, d, m = kernels.unpack_q4(self.packed, self.out_features)
+        return (q.float().view(q.shape[0], -1, self.group) * d.float()[..., None] + m.float()[..., None]).view(q.shape)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return kernels.quant_linear_native(x, self.packed)
+            return kernels.quant_linear_native(x, self.packed, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self._scales_zeros)
 
     def stored_bytes(self) -> int:
@@ -305,8 +316,10 @@ def _projections(model: nn.Module):
         yield model, "lm_head", model.embed if model.lm_head is None else model.lm_head
 
 
-def quantize_model(model: nn.Module, method: str) -> None:
-    """Quantize the projections of every decoder layer and the LM head in place."""
+def quantize_model(model: nn.Module, method: str, int_rows: int | None = None) -> None:
+    """Quantize the projections of every decoder layer and the LM head in place. With the native
+    kernels, ``int_rows``: the most rows the integer GEMM takes before a dense copy does (None:
+    every row count, no dense copy; see :class:`QuantizedWeight`)."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; expected one of {QUANTIZATIONS}")
     if next(model.parameters()).device.type != "cpu":
@@ -316,20 +329,19 @@ def quantize_model(model: nn.Module, method: str) -> None:
         # 4-bit files keep their output tensor at 6 or 8 bits (the default model's is Q8_0).
         kind = "int8" if name == "lm_head" and method == "int4" else method
         # The dequantized copy is in the weight's own dtype, the model's.
-        _replace(module, name, _KINDS[kind](weight, weight.dtype))
+        _replace(module, name, _KINDS[kind](weight, weight.dtype, int_rows=int_rows))
 
 
-def make_batch_invariant(model: nn.Module) -> None:
-    """Every projection and the LM head multiply by their native integer kernel at any number of
-    rows, never by the dense copy: the kernel sums each row's products in one fixed order (exact
-    integer dot products per block, then the blocks in turn), so a row's result is the same bits
-    whether it is alone or one of 500, while oneDNN picks its blocking, and with it the order of
-    the sums, by the number of rows. Raises ValueError where a weight has no native kernel."""
+def check_batch_invariant(model: nn.Module) -> None:
+    """Raises ValueError unless every projection and the LM head multiply by their native integer
+    GEMM at any number of rows, never by a dense copy: the GEMM sums each row's products in one
+    fixed order (exact integer dot products per block, then the blocks in turn), so a row's
+    result is the same bits whether it is alone or one of 500, while oneDNN picks its blocking,
+    and with it the order of the sums, by the number of rows."""
     for _, name, weight in _projections(model):
-        if not (isinstance(weight, QuantizedWeight) and weight.native):
+        if not (isinstance(weight, QuantizedWeight) and weight.native and weight.max_rows == sys.maxsize):
             raise ValueError(f"the deterministic mode multiplies every projection with the native integer kernels; "
                              f"{name} is {type(weight).__name__} (needs --quantization int4 and the native CPU kernels)")
-        weight.max_rows = sys.maxsize
 
 
 def pack_model(model: nn.Module) -> bool:

@@ -1,9 +1,13 @@
-"""Build, cache and load the native CPU decode kernels (``kernels/csrc/cpu_decode.cpp``).
+"""Build, cache and load the native CPU decode kernels (``kernels/csrc/cpu_decode.cpp`` and the
+integer GEMM it includes, ``int_gemm.h``).
 
 The source is compiled once per machine kind with ``-march=native`` (integer dot products on
 AVX2, VNNI where the CPU has it) by torch's C++ extension builder, into
-``<cache root>/cpu-kernels/<key>``, where the key hashes what the binary depends on: the source,
-torch's version and the CPU's instruction-set flags. A first start pays the compile (~30 s on 2
+``<cache root>/cpu-kernels/<key>``, where the key hashes what the binary depends on: the sources,
+torch's version, the CPU's instruction-set flags and the compiler flags. ``MOONCAKE_ISA=avx2``
+builds for this CPU with AVX-512 and AMX left out (its own key, so its own folder): the kernels an
+AVX2-only machine runs, measurable on any machine (with ``ATEN_CPU_CAPABILITY=avx2`` and
+``ONEDNN_MAX_CPU_ISA=AVX2`` for torch's own kernels; ``engine.cpu_runtime.isa_limit`` reads them). A first start pays the compile (~30 s on 2
 cores); a later one loads the cached library in well under a second. Processes that start
 together (a cluster's instances) share the build: torch's builder holds a lock in its folder.
 
@@ -31,7 +35,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+HEADERS = (SOURCE.with_name("int_gemm.h"),)
+ISAS = ("native", "avx2")
+# What MOONCAKE_ISA=avx2 takes out of -march=native: every AVX-512 subset (they all need avx512f),
+# the VEX-encoded VNNI of newer cores, and AMX.
+_AVX2_ONLY = ["-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
 # How long a start waits for another process's build of the same key (one build takes ~30 s of
 # CPU; on 2 busy cores, minutes).
 BUILD_WAIT_S = 900.0
@@ -56,9 +64,23 @@ def cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
+def isa() -> str:
+    """The instruction sets the native kernels are built for: ``$MOONCAKE_ISA``, ``native`` (all
+    this CPU has) unless set."""
+    value = os.environ.get("MOONCAKE_ISA", "native")
+    if value not in ISAS:
+        raise ValueError(f"MOONCAKE_ISA={value!r}; expected one of {ISAS}")
+    return value
+
+
+def cflags() -> list[str]:
+    return ["-O3", "-march=native", "-fopenmp", *(_AVX2_ONLY if isa() == "avx2" else [])]
+
+
 def build_key() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_flags().encode(), " ".join(_CFLAGS).encode()):
+    sources = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
+    for part in (sources, torch.__version__.encode(), cpu_flags().encode(), " ".join(cflags()).encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -119,7 +141,7 @@ def load() -> ModuleType:
                            f"{BUILD_WAIT_S:.0f} s; set MOONCAKE_KERNELS=torch to start without them") from None
     try:
         (folder / "lock").unlink(missing_ok=True)
-        _ext = cpp_extension.load(folder.name, [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+        _ext = cpp_extension.load(folder.name, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=["-fopenmp"],
                                   build_directory=str(folder), verbose=False)
     except (RuntimeError, OSError, ImportError) as e:
         raise RuntimeError(

@@ -22,7 +22,9 @@ from .extend_attention import extend_attention_torch, extend_attention_triton
 from .kv_transfer import LayerSel, gather_kv_torch, gather_kv_triton, scatter_kv_torch, scatter_kv_triton
 from .norms import rms_norm_torch, rms_norm_triton
 from .paged import DecodeContext
-from .quant_linear import BLOCK as QUANT_BLOCK, pack_q4, quant_linear_native, quant_linear_torch
+from .quant_linear import (
+    BLOCK as QUANT_BLOCK, pack_q4, pack_q8, quant_linear_native, quant_linear_torch, unpack_q4, unpack_q8,
+)
 from .rope import rotary_embedding_torch, rotary_embedding_triton
 from .store_kv import CacheSlots, store_kv_torch, store_kv_triton
 from torch import Tensor
@@ -130,8 +132,11 @@ __all__ = [
     "native_decode_layer",
     "pack_dense",
     "pack_q4",
+    "pack_q8",
     "quant_linear_native",
     "quant_linear_torch",
+    "unpack_q4",
+    "unpack_q8",
     "rms_norm",
     "rotary_embedding",
     "scatter_kv",

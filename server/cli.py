@@ -112,10 +112,11 @@ def _engine_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
     passed_on(p.add_argument("--quantization", choices=["none", *QUANTIZATIONS], default=None,
                              help="weight-only quantization of the linear layers and the LM head (CPU); default: int4 on "
                                   "CPU unless --dtype is given, none on CUDA (bench.quality measures what it costs)"))
-    passed_on(p.add_argument("--deterministic", action="store_true",
+    passed_on(p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                              help="one answer per request whatever the path: greedy output does not depend on the "
-                                  "batch, the chunking or the prefix cache (CPU, int4; prefill is slower: "
-                                  "docs/engine.md#deterministic-mode)"))
+                                  "batch, the chunking or the prefix cache (CPU, int4). Default: on where the native "
+                                  "CPU kernels run int4 projections; --no-deterministic lets a measured faster dense "
+                                  "matmul take large batches (docs/engine.md#deterministic-mode)"))
     passed_on(p.add_argument("--max-num-seqs", type=_positive_int, default=256,
                              help="most sequences in one batch"))
     passed_on(p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512,
@@ -386,6 +387,8 @@ def instance_args(args: argparse.Namespace) -> list[str]:
             out += ["--recalibrate-after", repr(time.time())] if value else []
         elif args.no_pool and action.dest.startswith("pool_"):
             continue  # no pool: nothing of it to configure
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            out += [] if value is None else [flag if value else action.option_strings[1]]
         elif isinstance(value, bool):
             out += [flag] if value else []
         elif value is not None:

@@ -50,12 +50,15 @@ def test_report_renders_and_marks_targets():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_main_without_cuda_measures_the_cpu_kernels(capsys):
     """Without CUDA the bench measures the native CPU kernels against the roofline: every table,
-    the native and eager steps side by side, and the batch-1 bandwidth target."""
-    args = ["--rows", "1", "3", "--context", "40", "--attn-seqs", "2", "--repeats", "1", "--threads", "1"]
+    the default (deterministic) and --no-deterministic steps side by side, and the targets."""
+    args = ["--rows", "1", "16", "--context", "40", "--attn-seqs", "2", "--repeats", "1", "--threads", "1"]
     assert bk.main(args) == 0
     out = capsys.readouterr().out
-    assert "roofline: read " in out and "GFLOP/s float32" in out
-    assert "int4 3072x576" in out and "2 x 40 tokens, bfloat16" in out
-    for rows in (1, 3):
-        assert f"rows {rows}: native " in out
+    assert "roofline: read " in out and "GFLOP/s float32" in out and "G int8 multiply-adds/s" in out
+    assert "native GEMM " in out and "ATen " in out
+    assert "3072x576" in out and "49152x576" in out and "a step's linears" in out and "2 x 40 tokens, bfloat16" in out
+    steps = [line.split() for line in out.splitlines() if line.lstrip().startswith(("default ", "--no-deterministic "))]
+    assert {(s[0], s[1]) for s in steps if s[1] in ("1", "16")} == {
+        (name, rows) for name in ("default", "--no-deterministic") for rows in ("1", "16")}
+    assert "target: a step's linears at 16 rows >= 1.3x the float32 matmul: " in out
     assert "target: 1 row >= 50% of read bandwidth: " in out

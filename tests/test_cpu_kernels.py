@@ -1,8 +1,10 @@
 """The native CPU kernels (``kernels/csrc/cpu_decode.cpp``) against the twins that specify them.
 
-* the q4 and q8 block-quantized linears against :func:`quant_linear_torch` (which
-  quantizes the activations per block as the kernel does and sums in float): equal within
-  float32 rounding, for ragged shapes (an odd last block, 1-9 rows: every row-blocking path);
+* the q4 and q8 block-quantized linears (the integer GEMM, ``kernels/csrc/int_gemm.h``) against
+  :func:`quant_linear_torch` (which quantizes the activations per block as the kernel does and
+  sums in float): equal within float32 rounding, for ragged shapes (an odd block count, a last
+  panel part empty, 1-9 and 70 rows: every row tile and row chunk), and their packing both ways;
+* the GEMM built for AVX2 alone (``MOONCAKE_ISA=avx2``) gives the same bits as this CPU's build;
 * paged decode attention against :func:`decode_attention_torch`, float32 and bfloat16
   caches, GQA groups 1-4, block sizes 1-32, ragged lengths, shuffled block tables;
 * a whole native decode layer against the eager layer, over real steps of a tiny Llama, Qwen2
@@ -19,11 +21,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cpu_runtime import return_freed_memory, rss_anon_bytes
-from engine.quantization import Int4Weight
 from mooncake_kernels import cpu_ext
 from mooncake_kernels.decode_attention import decode_attention_native, decode_attention_torch
 from mooncake_kernels.dense_linear import dense_linear_native, dense_linear_torch, pack_dense
-from mooncake_kernels.quant_linear import pack_q4, quant_linear_native, quant_linear_torch, unpack_q4
+from mooncake_kernels.quant_linear import (
+    pack_q4, pack_q8, quant_linear_native, quant_linear_torch, unpack_q4, unpack_q8,
+)
 from tiny_models import make_tiny_model
 
 torch.set_num_threads(2)
@@ -41,32 +44,74 @@ def test_q4_pack_round_trips(n, k):
     g = torch.Generator().manual_seed(n * k)
     q = torch.randint(0, 16, (n, k), generator=g)
     d, m = torch.rand(n, k // 32, generator=g), torch.randn(n, k // 32, generator=g)
-    q2, d2, m2 = unpack_q4(pack_q4(q, d, m))
+    packed = pack_q4(q, d, m)
+    assert packed.shape == (-(-n // 16), k // 32, 320)
+    q2, d2, m2 = unpack_q4(packed, n)
     assert torch.equal(q2.long(), q) and torch.equal(d2, d.half()) and torch.equal(m2, m.half())
+    # The layout itself: column 0's first block, inputs 0..3 in the low nibbles of group 0's first
+    # 4 bytes, inputs 4..7 in their high nibbles; column 1's in the next 4 bytes.
+    first = packed[0, 0, :8].long()
+    assert torch.equal(first[:4] & 15, q[0, :4]) and torch.equal(first[:4] >> 4, q[0, 4:8])
+    assert torch.equal(first[4:] & 15, q[1, :4])
+    w8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    p8, s8 = pack_q8(w8, torch.rand(n, generator=g))
+    assert p8.shape == (-(-n // 16), k // 32, 512) and s8.numel() == p8.shape[0] * 16
+    assert torch.equal(unpack_q8(p8, n), w8) and torch.equal(p8[0, 0, :4].long() - 128, w8[0, :4].long())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])
 @pytest.mark.parametrize("n,k", [(96, 64), (40, 96), (130, 288)])
 def test_quantized_linears_equal_their_twin(rows, n, k):
     g = torch.Generator().manual_seed(rows * 1000 + n)
     x = torch.randn(rows, k, generator=g) * 3
     x[0, :32] = 0  # an all-zero block: scale 0, codes 0
     packed = _q4_weight(g, n, k)
-    want = quant_linear_torch(x, packed)
-    got = quant_linear_native(x, packed)
+    want = quant_linear_torch(x, packed, n)
+    got = quant_linear_native(x, packed, n)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     # The twin is the float product with the activations on their 8-bit grid: close to x @ W.T.
-    q, d, m = unpack_q4(packed)
+    q, d, m = unpack_q4(packed, n)
     w = q.float() * d.float().repeat_interleave(32, 1) + m.float().repeat_interleave(32, 1)
     exact = x @ w.T
     assert (want - exact).abs().max() < 0.02 * exact.abs().max()
 
     w8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, generator=g) * 0.01
-    want = quant_linear_torch(x, w8, scale)
-    got = quant_linear_native(x, w8, scale)
+    p8, scale = pack_q8(w8, torch.rand(n, generator=g) * 0.01)
+    want = quant_linear_torch(x, p8, n, scale)
+    got = quant_linear_native(x, p8, n, scale)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_avx2_build_gives_the_same_bits_as_this_cpus():
+    """The GEMM's order of sums is one on every instruction set: the build without AVX-512
+    (MOONCAKE_ISA=avx2, its own cache folder) computes the same q4 and q8 products to the bit. On
+    an AVX2-only CPU both builds are the AVX2 path and the test still holds."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from mooncake_kernels import cpu_ext; "
+            "from mooncake_kernels.quant_linear import pack_q4, pack_q8, quant_linear_native; "
+            "g = torch.Generator().manual_seed(7); n, k = 72, 160; "
+            "p4 = pack_q4(torch.randint(0, 16, (n, k), generator=g), torch.rand(n, 5, generator=g) * .02, "
+            "-torch.rand(n, 5, generator=g) * .1); "
+            "p8, s8 = pack_q8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g)); "
+            "x = torch.randn(11, k, generator=g) * 3; "
+            "torch.save((cpu_ext.load().int_gemm_path(), quant_linear_native(x, p4, n), "
+            "quant_linear_native(x, p8, n, s8)), sys.argv[1])")
+    results = []
+    for isa in ("native", "avx2"):
+        out = cpu_ext.cache_root() / f"gemm-bits-{isa}-{os.getpid()}.pt"
+        env = {**os.environ, "MOONCAKE_ISA": isa}
+        done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=600,
+                              env=env)
+        assert done.returncode == 0, done.stderr
+        results.append(torch.load(out))
+        out.unlink()
+    (native_path, *native), (avx2_path, *avx2) = results
+    assert avx2_path == "avx2", avx2_path
+    print(f"{native_path} against {avx2_path}")
+    assert all(torch.equal(a, b) for a, b in zip(native, avx2))
 
 
 def _paged_case(g, lens, hkv, group, bs, d, dtype):
@@ -144,10 +189,13 @@ def test_pack_dense_refuses_what_onednn_cannot_take():
 def test_native_decode_layers_equal_the_eager_layers(tmp_path, monkeypatch, arch, quantization, int_rows):
     """Every step of decodes runs both ways from the same KV cache: the native layers, then the
     eager ones (the same weights through the same linear kernels, op by op)."""
-    if int_rows is not None:
-        monkeypatch.setitem(Int4Weight.native_crossover_rows, torch.float32, int_rows)
+    import engine.model_runner
+
+    if int_rows is not None:  # the mode that is not deterministic, with this crossover measured
+        monkeypatch.setattr(engine.model_runner, "integer_rows", lambda dtype: int_rows)
     folder = make_tiny_model(tmp_path / "m", arch, tie=False, seed=5)
-    llm = LLM(str(folder), threads=2, kv_cache_gib=0.01, dtype="float32", quantization=quantization)
+    llm = LLM(str(folder), threads=2, kv_cache_gib=0.01, dtype="float32", quantization=quantization,
+              deterministic=False)
     model = llm.engine.runner.model
     assert model.native_rows >= 4 and len(model.native_layers) == len(model.layers)
     forward = model.forward

@@ -22,7 +22,6 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.cpu_runtime import amx_granted
 from engine.quantization import (
     Int4Weight, Int8Weight, PackedWeight, QuantizedWeight, linear, model_bytes, quantize_model,
 )
@@ -53,7 +52,7 @@ def test_int8_weights_round_to_their_row_scale(native):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g) * torch.linspace(0.01, 3.0, 96)[:, None]  # rows of every scale
     q = Int8Weight(w, native=native)
-    assert q.q.dtype == torch.int8 and q.shape == w.shape
+    assert q.codes().dtype == torch.int8 and q.shape == w.shape
     assert ((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-7).all()
     x = torch.randn(5, 64, generator=g)
     want = torch.nn.functional.linear(x.bfloat16().float(), q.dequantize())
@@ -69,14 +68,16 @@ def test_int4_weights_round_to_their_group_grid(native):
     # 4 bits a weight, and the native layout's fp16 scale and minimum per 32 (5 bits a weight).
     assert q.packed.dtype == torch.uint8 and q.packed.numel() == w.numel() * (20 if native else 16) // 32
     assert q.shape == w.shape
+    # The native GEMM takes every row count unless told a crossover: no dense copy is kept.
+    assert (q.dense is None) == native and q.dense_bytes() == (0 if native else w.numel() * 2)
     groups = w.view(128, 3, 32)
     step = (groups.amax(-1) - groups.amin(-1)) / 15  # one code of each group's grid
-    err = (q.dense.float() - w).view(128, 3, 32).abs()
+    err = (q.dequantize() - w).view(128, 3, 32).abs()
     # Half a code of rounding, plus bfloat16's (torch's) or fp16's (native) rounding of the scale,
     # zero and the copy.
     assert (err <= step[..., None] * 0.6 + w.abs().view(128, 3, 32) * 2**-7).all()
     x = torch.randn(3, 96, generator=g)
-    want = torch.nn.functional.linear(x.bfloat16().float(), q.dense.float())
+    want = torch.nn.functional.linear(x.bfloat16().float(), q.dequantize())
     assert torch.allclose(linear(x, q), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
@@ -91,7 +92,7 @@ def test_a_model_from_4_bit_blocks_comes_back_to_its_grid(native):
     m = -8 * d
     w = (codes * d + m).view(64, 128)
     q = Int4Weight(w, native=native)
-    assert torch.allclose(q.dense.float(), w, atol=float(d.max()) * 0.1)
+    assert torch.allclose(q.dequantize(), w, atol=float(d.max()) * 0.1)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -181,12 +182,9 @@ def test_the_default_model_quantized_stays_within_the_stated_tolerance(precision
     assert kind in KINDS
     assert model_bytes(llm.engine.runner.model) < {"int8": 0.5, "int4": 0.4}[kind] * float32_bytes
     params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, logprobs=0)
-    # Four prompts at a time: every decode step has at most 4 rows, which the int4 kernels take
-    # (more rows would multiply by the dequantized copy, as prefill does; so does the int8 LM head
-    # past one row where oneDNN runs bfloat16 on AMX tiles).
-    assert 4 <= min(min(rows.values()) for cls in (Int8Weight, Int4Weight)
-                    for rows in (cls.crossover_rows, cls.native_crossover_rows))
-    assert Int4Weight.amx_crossover_rows >= 4
+    # Four prompts at a time: every decode step has at most 4 rows, which torch's int kernels take
+    # too (more rows would multiply by their dequantized copy); the native GEMM takes every row.
+    assert 4 <= min(min(cls.crossover_rows.values()) for cls in (Int8Weight, Int4Weight))
     runs = [r for i in range(0, len(PROMPTS), 4) for r in llm.generate(PROMPTS[i : i + 4], params)]
 
     prompt_diffs = [abs(a.logprob - b.logprob) for ra, rb in zip(ref, runs)
@@ -223,12 +221,12 @@ def test_quantization_is_refused_where_it_cannot_run():
 @pytest.mark.parametrize("dense_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_many_rows_take_the_dequantized_matmul_and_agree(kind, dense_dtype, native):
+    """torch's kernels hand the rows past their crossover to a dense copy; the native GEMM only
+    where it is given one (the mode that is not deterministic, engine.kernel_choice)."""
     cls: type[QuantizedWeight] = KINDS[kind]
     g = torch.Generator().manual_seed(1)
-    q = cls(torch.randn(64, 64, generator=g), dense_dtype, native=native)
-    rows = (cls.native_crossover_rows if native else cls.crossover_rows)[dense_dtype]
-    if native and dense_dtype == torch.bfloat16 and amx_granted():
-        rows = min(rows, cls.amx_crossover_rows)
+    q = cls(torch.randn(64, 64, generator=g), dense_dtype, native=native, int_rows=4 if native else None)
+    rows = 4 if native else cls.crossover_rows[dense_dtype]
     assert q.dense.dtype == dense_dtype and q.max_rows == rows
     x = torch.randn(q.max_rows + 8, 64, generator=g, dtype=dense_dtype)
     few, many = linear(x[: q.max_rows], q), linear(x, q)  # one way each
@@ -269,8 +267,6 @@ def test_amx_is_used_only_where_the_os_grants_it(monkeypatch):
     rt.amx_granted.cache_clear()
     try:
         assert rt.amx_granted() is False
-        q = Int4Weight(torch.randn(64, 64), torch.bfloat16, native=True)
-        assert q.max_rows == Int4Weight.native_crossover_rows[torch.bfloat16]
     finally:
         rt.amx_granted.cache_clear()
     monkeypatch.undo()

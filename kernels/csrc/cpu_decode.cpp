@@ -1,22 +1,13 @@
-// CPU decode kernels: block-quantized matrix-vector products, paged decode attention, and a whole
-// decoder layer for a step of decodes in one call. Built at first use by kernels/cpu_ext.py
-// (-O3 -march=native -fopenmp); each op is pinned to its torch twin by tests/test_cpu_kernels.py.
+// CPU decode kernels: the quantized linears (the integer GEMM of int_gemm.h), paged decode attention,
+// and a whole decoder layer for a step of decodes in one call. Built at first use by
+// kernels/cpu_ext.py (-O3 -march=native -fopenmp, or an AVX2 build: MOONCAKE_ISA); each op is pinned
+// to its torch twin by tests/test_cpu_kernels.py.
 //
-// Why: a decode step at small batch reads every weight once for a few rows. torch's int4 kernel
-// dequantizes to float and is compute-bound on AVX2 (87 us per 3072x576 projection, ~5 GB/s of
-// int4), and the eager layer costs ~200 ATen calls. Here activations are quantized per block of
-// 32 in two 8-bit levels (with the block's exact float sum) and multiplied with integer dot
-// products, GGUF's Q4_1 x Q8_1 scheme with a second level for accuracy; and one call runs a layer
-// with the threads kept in one OpenMP region. The OpenMP runtime is torch's own (same soname, loaded first), so torch.set_num_threads
-// sets this code's threads too.
-//
-// Formats (packed by kernels/quant_linear.py):
-// * q4 weight [N, K/32 * 20] uint8: each row its blocks of 32 weights' codes, 16 bytes a block (a
-//   pair of blocks is 32 bytes: the first's codes in the low nibbles, the second's in the high; an
-//   odd last block has codes 0..15 low, 16..31 high), then the blocks' fp16 scales d, then their
-//   fp16 minimums m: w = q * d + m.
-// * q8 weight [N, K] int8 with a float scale per row: w = q * scale[n].
-// * activations, per row and block of 32: two levels of int8 codes, a scale, the float sum (Q8Row).
+// Why: a decode step reads every weight once for its rows, and the eager layer costs ~200 ATen
+// calls. The linears quantize activations per block of 32 in two 8-bit levels and multiply with
+// integer dot products (GGUF's Q4_1 x Q8_1 scheme with a second level for accuracy), and one call
+// runs a layer with the threads kept in one OpenMP region. The OpenMP runtime is torch's own (same
+// soname, loaded first), so torch.set_num_threads sets this code's threads too.
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -31,18 +22,12 @@
 #include <immintrin.h>
 #endif
 
+#include "int_gemm.h"
+
 namespace {
 
-constexpr int64_t QK = 32;
-constexpr int64_t Q4_BYTES = 20;
-
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
+using intgemm::PanelWeight;
+using intgemm::Q8Batch;
 
 // Ask for the cache lines of n values from p (one 64-byte line at a time).
 template <typename T>
@@ -57,65 +42,6 @@ inline const T* head_tile(const T* cache, int32_t block, int64_t hkv, int64_t kv
   return cache + (static_cast<int64_t>(block) * hkv + kvh) * bs * d;
 }
 
-// How many weight rows ahead the matrix-vector loops ask for: the hardware prefetcher alone left
-// the int4 kernel's memory reads and its arithmetic one after the other.
-constexpr int64_t PF_ROWS = 4;
-
-// One row of activations quantized per block of 32 in two 8-bit levels: x ~= d * (q + r / 256),
-// where r codes what q rounded off. 8 bits alone were too coarse for this model's activations
-// (outliers set a block's scale): mean |logprob error| of short prompts against float32 went
-// from 0.057 (bfloat16 activations) to 0.18; the second level costs one more integer dot product
-// per block and brings the activations to ~15 bits.
-struct Q8Row {
-  const int8_t* q;
-  const int8_t* r;
-  const float* d;  // the block's scale / 256: the two levels' integer sums combine as (q.w << 8) + r.w
-  const float* s;  // the block's exact float sum (for the weights' minimum term)
-};
-
-void quantize_row(const float* x, int64_t k, int8_t* q, int8_t* r, float* d, float* s) {
-  for (int64_t b = 0; b < k / QK; ++b) {
-    const float* xb = x + b * QK;
-    float amax = 0.f, sum = 0.f;
-    for (int i = 0; i < QK; ++i) {
-      amax = std::max(amax, std::fabs(xb[i]));
-      sum += xb[i];
-    }
-    const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
-    for (int i = 0; i < QK; ++i) {
-      const float v = xb[i] * inv;
-      const float c = std::nearbyint(v);
-      q[b * QK + i] = static_cast<int8_t>(c);
-      // |v - c| <= 0.5: the remainder's code is within +-128; 128 itself is clamped (an error of
-      // 1/256 of a code at most).
-      r[b * QK + i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint((v - c) * 256.f))));
-    }
-    d[b] = scale / 256.f;
-    s[b] = sum;
-  }
-}
-
-// Activations of M rows, quantized into buffers owned by the caller's scratch.
-struct Q8Batch {
-  std::vector<int8_t> q, r;
-  std::vector<float> d, s;
-  int64_t k = 0;
-  void resize(int64_t m, int64_t k_) {
-    k = k_;
-    q.resize(m * k);
-    r.resize(m * k);
-    d.resize(m * (k / QK));
-    s.resize(m * (k / QK));
-  }
-  void quantize(int64_t row, const float* x) {
-    quantize_row(x, k, q.data() + row * k, r.data() + row * k, d.data() + row * (k / QK), s.data() + row * (k / QK));
-  }
-  Q8Row row(int64_t i) const {
-    return {q.data() + i * k, r.data() + i * k, d.data() + i * (k / QK), s.data() + i * (k / QK)};
-  }
-};
-
 #if defined(__AVX2__)
 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -123,195 +49,33 @@ inline float hsum(__m256 v) {
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
 }
-
-// Sum of u8 x s8 products of 32 bytes, as 8 int32 lanes.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// Both activation levels against the same unsigned codes: (u.q << 8) + u.r, 8 int32 lanes.
-inline __m256i dot_two_levels(__m256i u, const int8_t* q, const int8_t* r) {
-  const __m256i hi = dot_u8s8(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  const __m256i lo = dot_u8s8(u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
-  return _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo);
-}
 #endif
 
-// Rows of q4 weights are at most this many blocks long (K <= 16384): the per-row scale products
-// live on the stack.
-constexpr int64_t MAX_BLOCKS = 512;
-
-// out[r] = sum_k w[k] x_r[k] for one q4 weight row and R activation rows r0..r0+R-1: the codes are
-// unpacked once and used for every activation row.
-template <int R>
-inline void dot_q4(const uint8_t* w, const Q8Batch& x, int64_t r0, int64_t nb, float* out, int64_t ldo) {
-  const uint16_t* dh = reinterpret_cast<const uint16_t*>(w + nb * 16);
-  const uint16_t* mh = dh + nb;
-  // sc[r][b] = d_w[b] * d_x[b]: one broadcast load per block in the loop below.
-  alignas(32) float sc[R][MAX_BLOCKS];
-  float mterm[R];
-  for (int r = 0; r < R; ++r) {
-    const Q8Row xr = x.row(r0 + r);
-    float mt = 0.f;
-    int64_t b = 0;
-#if defined(__AVX2__)
-    __m256 mv = _mm256_setzero_ps();
-    for (; b + 8 <= nb; b += 8) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b)));
-      const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + b)));
-      _mm256_store_ps(&sc[r][b], _mm256_mul_ps(d, _mm256_loadu_ps(xr.d + b)));
-      mv = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xr.s + b), mv);
-    }
-    mt = hsum(mv);
-#endif
-    for (; b < nb; ++b) {
-      sc[r][b] = half_to_float(dh[b]) * xr.d[b];
-      mt += half_to_float(mh[b]) * xr.s[b];
-    }
-    mterm[r] = mt;
+// A quantized weight as the GEMM reads it: q4 [panels, K/32, 320] uint8, or q8 [panels, K/32, 512]
+// uint8 with a float32 scale per column (padded to whole panels); n output columns.
+PanelWeight panel_weight(const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale, int64_t n,
+                         int64_t k) {
+  TORCH_CHECK(k % intgemm::QK == 0, "quantized weights need input features divisible by ", intgemm::QK, ", got ", k);
+  TORCH_CHECK(n >= 1, "a quantized weight has at least one output column");
+  const int64_t panels = (n + intgemm::NR - 1) / intgemm::NR;
+  const bool q4 = !scale.has_value();
+  const int64_t block = q4 ? intgemm::Q4_BLOCK : intgemm::Q8_BLOCK;
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == panels && packed.size(1) == k / intgemm::QK && packed.size(2) == block,
+              q4 ? "q4" : "q8", " weight of ", n, "x", k, ": uint8 [", panels, ", ", k / intgemm::QK, ", ", block,
+              "] expected, got ", packed.scalar_type(), " ", packed.sizes());
+  PanelWeight w;
+  w.data = packed.data_ptr<uint8_t>();
+  w.n = n;
+  w.k = k;
+  w.q4 = q4;
+  if (!q4) {
+    TORCH_CHECK(scale->scalar_type() == torch::kFloat && scale->is_contiguous() &&
+                    scale->numel() == panels * intgemm::NR,
+                "q8 weight: a float32 scale per column, padded to ", panels * intgemm::NR);
+    w.scale = scale->data_ptr<float>();
   }
-#if defined(__AVX2__)
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  // A pair of blocks is 32 bytes: the low nibbles are the first block's codes, the high nibbles the
-  // second's, both in order, so one load, one shift and two ands unpack 64 codes. Two
-  // accumulators: consecutive FMAs do not wait on each other.
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
-    const __m256i c0 = _mm256_and_si256(v, low);
-    const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    for (int r = 0; r < R; ++r) {
-      const Q8Row xr = x.row(r0 + r);
-      const __m256i i0 = dot_two_levels(c0, xr.q + b * QK, xr.r + b * QK);
-      const __m256i i1 = dot_two_levels(c1, xr.q + (b + 1) * QK, xr.r + (b + 1) * QK);
-      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&sc[r][b]), acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&sc[r][b + 1]), acc1[r]);
-    }
-  }
-  if (b < nb) {  // an odd last block: 16 bytes, codes 0..15 in the low nibbles, 16..31 in the high
-    const __m128i p0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-    const __m256i c0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p0, 4), p0), low);
-    for (int r = 0; r < R; ++r) {
-      const Q8Row xr = x.row(r0 + r);
-      const __m256i i0 = dot_two_levels(c0, xr.q + b * QK, xr.r + b * QK);
-      acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&sc[r][b]), acc0[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * ldo] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + mterm[r];
-#else
-  for (int r = 0; r < R; ++r) {
-    const Q8Row xr = x.row(r0 + r);
-    float total = mterm[r];
-    for (int64_t b = 0; b < nb; ++b) {
-      int32_t isum = 0;
-      for (int i = 0; i < QK; ++i) {
-        int32_t code;
-        if (b % 2 == 0 && b + 1 < nb) {  // the first block of a pair: the low nibbles of 32 bytes
-          code = w[b * 16 + i] & 0x0F;
-        } else if (b % 2 == 1) {  // the second: their high nibbles
-          code = w[(b - 1) * 16 + i] >> 4;
-        } else {  // an odd last block
-          code = i < 16 ? (w[b * 16 + i] & 0x0F) : (w[b * 16 + i - 16] >> 4);
-        }
-        isum += code * ((xr.q[b * QK + i] << 8) + xr.r[b * QK + i]);
-      }
-      total += sc[r][b] * isum;
-    }
-    out[r * ldo] = total;
-  }
-#endif
-}
-
-#if defined(__AVX2__)
-// Signed weights against one level of activations: |x| as the unsigned side, the weight given x's
-// sign as the signed one.
-inline __m256i dot_s8s8(__m256i w, const int8_t* x) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return dot_u8s8(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv));
-}
-#endif
-
-// sum_k q[n, k] x[k] for one q8 row, before the row's scale.
-inline float dot_q8(const int8_t* w, const Q8Row& x, int64_t nb) {
-#if defined(__AVX2__)
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
-    const __m256i i = _mm256_add_epi32(_mm256_slli_epi32(dot_s8s8(wv, x.q + b * QK), 8), dot_s8s8(wv, x.r + b * QK));
-    if (b & 1) {
-      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(x.d[b]), acc1);
-    } else {
-      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(x.d[b]), acc0);
-    }
-  }
-  return hsum(_mm256_add_ps(acc0, acc1));
-#else
-  float total = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t isum = 0;
-    for (int i = 0; i < QK; ++i) isum += w[b * QK + i] * ((x.q[b * QK + i] << 8) + x.r[b * QK + i]);
-    total += x.d[b] * isum;
-  }
-  return total;
-#endif
-}
-
-// A weight of either format, as the matrix-vector loops read it.
-struct QWeight {
-  const uint8_t* data = nullptr;
-  const float* row_scale = nullptr;  // q8 only
-  int64_t n = 0, k = 0;
-  bool q4 = true;
-
-  static QWeight of(const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale, int64_t k) {
-    QWeight w;
-    w.data = static_cast<const uint8_t*>(packed.data_ptr());
-    w.n = packed.size(0);
-    w.k = k;
-    w.q4 = !scale.has_value();
-    if (!w.q4) w.row_scale = scale->data_ptr<float>();
-    return w;
-  }
-
-  // out[m * ldo + n] (+ bias[n]) for the rows n in [n0, n1) and every activation row m.
-  void rows(const Q8Batch& x, int64_t m, int64_t n0, int64_t n1, float* out, int64_t ldo, const float* bias) const {
-    const int64_t nb = k / QK;
-    for (int64_t n = n0; n < n1; ++n) {
-      if (q4) {
-        const uint8_t* wr = data + n * nb * Q4_BYTES;
-        if (n + PF_ROWS < n1) prefetch_tile(wr + PF_ROWS * nb * Q4_BYTES, nb * Q4_BYTES);
-        int64_t r = 0;
-        for (; r + 4 <= m; r += 4) dot_q4<4>(wr, x, r, nb, out + r * ldo + n, ldo);
-        for (; r + 2 <= m; r += 2) dot_q4<2>(wr, x, r, nb, out + r * ldo + n, ldo);
-        for (; r < m; ++r) dot_q4<1>(wr, x, r, nb, out + r * ldo + n, ldo);
-        if (bias) for (r = 0; r < m; ++r) out[r * ldo + n] += bias[n];
-      } else {
-        const int8_t* wr = reinterpret_cast<const int8_t*>(data) + n * k;
-        if (n + PF_ROWS < n1) prefetch_tile(wr + PF_ROWS * k, k);
-        for (int64_t r = 0; r < m; ++r) out[r * ldo + n] = dot_q8(wr, x.row(r), nb) * row_scale[n] + (bias ? bias[n] : 0.f);
-      }
-    }
-  }
-};
-
-void check_weight(const torch::Tensor& packed, const c10::optional<torch::Tensor>& scale, int64_t k) {
-  TORCH_CHECK(k % QK == 0, "quantized weights need input features divisible by ", QK, ", got ", k);
-  TORCH_CHECK(k / QK <= MAX_BLOCKS, "quantized weights have at most ", MAX_BLOCKS * QK, " input features, got ", k);
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 2, "a packed weight is a contiguous 2-D tensor");
-  if (scale.has_value()) {
-    TORCH_CHECK(packed.scalar_type() == torch::kInt8 && packed.size(1) == k, "q8 weight: int8 [N, K]");
-    TORCH_CHECK(scale->scalar_type() == torch::kFloat && scale->is_contiguous() && scale->numel() == packed.size(0),
-                "q8 weight: a float32 scale per row");
-  } else {
-    TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.size(1) == k / QK * Q4_BYTES,
-                "q4 weight: uint8 [N, K/32*20]");
-  }
+  return w;
 }
 
 // Split [0, n) evenly over the threads of the enclosing parallel region (or run it all outside one).
@@ -321,23 +85,24 @@ inline void my_share(int64_t n, int64_t* lo, int64_t* hi) {
   *hi = n * (t + 1) / nt;
 }
 
-// x [M, K] float32 times a quantized weight: [M, N] float32.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> scale) {
+// x [M, K] float32 times a quantized weight of n columns: [M, n] float32.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> scale, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x: float32 [M, K]");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
-  check_weight(packed, scale, k);
-  const QWeight w = QWeight::of(packed, scale, k);
-  auto out = torch::empty({m, w.n}, x.options());
+  const PanelWeight w = panel_weight(packed, scale, n, k);
+  auto out = torch::empty({m, n}, x.options());
   Q8Batch q;
   q.resize(m, k);
-  for (int64_t r = 0; r < m; ++r) q.quantize(r, x.data_ptr<float>() + r * k);
   float* o = out.data_ptr<float>();
+  const float* xin = x.data_ptr<float>();
 #pragma omp parallel
   {
+#pragma omp for
+    for (int64_t r = 0; r < m; ++r) q.quantize(r, xin + r * k);
     int64_t lo, hi;
-    my_share(w.n, &lo, &hi);
-    w.rows(q, m, lo, hi, o, w.n, nullptr);
+    my_share(w.panels(), &lo, &hi);
+    w.rows(q, m, lo, hi, o, n, nullptr);
   }
   return out;
 }
@@ -732,11 +497,7 @@ struct Projection {
              const char* name)
       : q4(std::move(q4_)), dense(std::move(dense_)), n(n_), k(k_) {
     TORCH_CHECK(q4.has_value() || dense.has_value(), "decoder layer: the ", name, " projection has no weight");
-    if (q4.has_value()) {
-      check_weight(*q4, c10::nullopt, k);
-      TORCH_CHECK(q4->size(0) == n, "decoder layer: the ", name, " projection's q4 weight has ", q4->size(0),
-                  " rows, expected ", n);
-    }
+    if (q4.has_value()) panel_weight(*q4, c10::nullopt, n, k);  // checks its shape
     if (dense.has_value()) {
       TORCH_CHECK(dense->dim() == 2 && dense->size(0) == n && dense->size(1) == k, "decoder layer: the ", name,
                   " projection's dense weight is ", dense->sizes(), ", expected [", n, ", ", k, "]");
@@ -745,7 +506,7 @@ struct Projection {
     }
   }
 
-  QWeight int_weight() const { return QWeight::of(*q4, c10::nullopt, k); }
+  PanelWeight int_weight() const { return panel_weight(*q4, c10::nullopt, n, k); }
 
   // out[r * ldo + j] = x_r . w_j (+ bias) for all m rows through oneDNN's matmul on the packed
   // weight (mkldnn::_linear_pointwise, what kernels.dense_linear calls from Python), outside any
@@ -902,24 +663,24 @@ class DecodeLayer {
     };
 
     if (integer) {
-      const QWeight wqkv = qkv_.int_weight(), wo = o_.int_weight(), wgu = gate_up_.int_weight(), wd = down_.int_weight();
+      const PanelWeight wqkv = qkv_.int_weight(), wo = o_.int_weight(), wgu = gate_up_.int_weight(), wd = down_.int_weight();
 #pragma omp parallel
       {
         int64_t lo, hi;
         input_norm();
-        my_share(nqkv, &lo, &hi);
+        my_share(wqkv.panels(), &lo, &hi);
         wqkv.rows(w.xq, m, lo, hi, w.qkv_out.data(), nqkv, bias);
 #pragma omp barrier
         attention();
-        my_share(hidden_, &lo, &hi);
+        my_share(wo.panels(), &lo, &hi);
         wo.rows(w.oq, m, lo, hi, o, hidden_, nullptr);
 #pragma omp barrier
         post_norm();
-        my_share(2 * inter_, &lo, &hi);
+        my_share(wgu.panels(), &lo, &hi);
         wgu.rows(w.xq, m, lo, hi, gu, 2 * inter_, nullptr);
 #pragma omp barrier
         silu_mul();
-        my_share(hidden_, &lo, &hi);
+        my_share(wd.panels(), &lo, &hi);
         wd.rows(w.aq, m, lo, hi, o, hidden_, nullptr);
       }
     } else {
@@ -981,7 +742,9 @@ class DecodeLayer {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "x [M, K] float32 times a q4 or q8 (with row scales) weight");
+  m.def("quant_linear", &quant_linear, "x [M, K] float32 times a q4 or q8 (with column scales) weight of n columns");
+  m.def("int_gemm_path", [] { return std::string(INTGEMM_PATH); }, "the instruction set the integer GEMM was built for");
+  m.def("int8_dot_rate", &intgemm::dot_rate, "int8 multiply-adds per second of the GEMM's dot instruction, all threads");
   m.def("decode_attention", &decode_attention, "paged decode attention");
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
       .def(pybind11::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
