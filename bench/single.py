@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench import isa
 from bench.precision import precision_kwargs
 from bench.transfer import format_table
 from engine import SamplingParams
@@ -156,16 +157,18 @@ def report(speeds: list[Speed], baseline: Speed) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.single", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default="float32,bfloat16,bfloat16:int8,default",
-                        help="ours, comma-separated: default, DTYPE or DTYPE:QUANT (float32,bfloat16,bfloat16:int8,default)")
+    parser.add_argument("--configs", default="float32,bfloat16,bfloat16:int8,default,nondeterministic",
+                        help="ours, comma-separated: default, nondeterministic, DTYPE or DTYPE:QUANT")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--decode-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per configuration, best kept (2)")
+    isa.add_argument(parser)
     args = parser.parse_args(argv)
+    isa.apply(args)
     torch.set_num_threads(args.threads)
-    print(f"batch 1, {args.prompt_len}-token prompt, {args.decode_len} greedy tokens, {args.threads} threads",
-          flush=True)
+    print(f"batch 1, {args.prompt_len}-token prompt, {args.decode_len} greedy tokens, {args.threads} threads; "
+          f"{isa.describe()}", flush=True)
     speeds = []
     reference = llama_cpp(args.prompt_len, args.decode_len, args.threads, args.rounds)
     if reference is None:

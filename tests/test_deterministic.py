@@ -1,5 +1,5 @@
-"""The deterministic mode (``EngineConfig.deterministic``, ``--deterministic``): one answer per
-request whatever the path.
+"""The deterministic mode (``EngineConfig.deterministic``, on by default where it runs;
+``--no-deterministic`` turns it off): one answer per request whatever the path.
 
 * the integer kernels and the native layer compute a row to the same bits whether it is alone or
   one of many, on 1 or 2 threads (the property the mode is built on);
@@ -7,7 +7,8 @@ request whatever the path.
   the cache, down to one token left to compute), chunked, batched with others, on 1 or 2 threads;
 * the README's chat question, cold and warm, on the default model: the same text (without the
   mode, on a CPU with bfloat16 units, the cold answer was another);
-* a configuration the mode cannot keep its promise in is refused at start, not served otherwise.
+* a configuration the mode cannot keep its promise in is refused at start, not served otherwise;
+* it is the default on CPU with int4 projections and the native kernels, and only there.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def test_greedy_output_is_the_same_bits_on_every_path(tiny):
 
 
 def test_the_readme_question_cold_and_warm_gets_one_answer():
-    llm = LLM(threads=2, kv_cache_gib=0.1, deterministic=True)
+    llm = LLM(threads=2, kv_cache_gib=0.1)  # the shipped defaults
+    assert llm.engine.config.deterministic
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     ids = llm.engine.tokenize(prompt)
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -114,7 +116,19 @@ def test_what_the_mode_cannot_keep_is_refused(tiny):
         kernels.set_mode(before)
 
 
+def test_it_is_the_default_where_it_runs(tiny, monkeypatch):
+    assert EngineConfig(model=str(tiny), device="cpu").deterministic is True
+    # A float model, int8 projections or no native kernels: the mode cannot run, so it is off.
+    assert EngineConfig(model=str(tiny), device="cpu", dtype="float32").deterministic is False
+    assert EngineConfig(model=str(tiny), device="cpu", quantization="int8").deterministic is False
+    monkeypatch.setattr(kernels, "native_cpu", lambda: False)
+    assert EngineConfig(model=str(tiny), device="cpu").deterministic is False
+
+
 def test_the_flag_reaches_every_instance():
     args = parse_args(["--deterministic"])
     assert args.deterministic and "--deterministic" in instance_args(args)
-    assert "--deterministic" not in instance_args(parse_args([]))
+    args = parse_args(["--no-deterministic"])
+    assert args.deterministic is False and "--no-deterministic" in instance_args(args)
+    # Unset: each instance takes its own default.
+    assert not {"--deterministic", "--no-deterministic"} & set(instance_args(parse_args([])))

@@ -276,3 +276,29 @@ def test_amx_is_used_only_where_the_os_grants_it(monkeypatch):
                 "print(float(torch.nn.functional.linear(x, w).float().abs().sum()) > 0)")
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr
+
+
+def test_the_kernel_choice_hands_rows_over_only_where_a_dense_matmul_keeps_winning():
+    from engine.kernel_choice import crossover
+
+    # (GEMM s, dense s) by rows: dense faster from 64 rows on -> the GEMM keeps up to 32.
+    times = {1: (1, 3), 8: (2, 3), 32: (4, 4), 64: (8, 5), 512: (60, 30)}
+    assert crossover(times) == 32
+    # A win that does not hold at larger rows hands nothing over; a tie within the margin neither.
+    assert crossover({1: (1, 3), 8: (4, 3), 64: (8, 9)}) is None
+    assert crossover({1: (1, 3), 64: (10, 9.8)}) is None
+    # Dense faster everywhere: the GEMM takes no rows.
+    assert crossover({1: (3, 1), 8: (6, 2)}) == 0
+
+
+def test_an_avx2_limit_makes_the_defaults_an_avx2_machines(monkeypatch):
+    import engine.cpu_runtime as rt
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    rt.amx_granted.cache_clear()
+    try:
+        assert rt.avx2_limit() and not rt.fast_bfloat16() and not rt.amx_granted()
+        assert EngineConfig(device="cpu").dtype == "float32"
+    finally:
+        monkeypatch.undo()
+        rt.amx_granted.cache_clear()

@@ -7,8 +7,8 @@
 // for every 4 activation rows, so a step's cost grew with every row (64 rows: 40x one row on
 // AVX2). Here a panel of 16 output columns is unpacked once in registers and multiplied against a
 // tile of activation rows, its lanes the output columns, so each row costs only its multiply-adds:
-// vpdpbusd (AVX-512 VNNI: 64 u8 x s8 products into 16 int32 lanes), vpmaddubsw + 16-bit adds
-// (AVX2: the 16-bit sums of a block cannot overflow, see q4_tile_avx2), or plain C++.
+// vpdpbusd (AVX-512 VNNI: 64 u8 x s8 products into 16 int32 lanes), vpmaddubsw + 16-bit adds or
+// vpmaddwd (AVX2, see its q4_tile and q8_tile), or plain C++.
 //
 // One order of sums, whatever the rows, the threads or the instruction set: a row's integer sums
 // per block are exact, and its float result is, per output column, the same sequence of IEEE
@@ -104,7 +104,9 @@ struct Q8Batch {
     const int64_t nb = k / QK;
     quantize_row(x, k, q.data() + row * k, r.data() + row * k, d.data() + row * nb, s.data() + row * nb,
                  t.data() + row * nb);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))  // only the AVX2 path's q8 reads them
     for (int64_t i = row * k; i < (row + 1) * k; ++i) x16[i] = static_cast<int16_t>(q[i] * 256 + r[i]);
+#endif
   }
 };
 
@@ -232,7 +234,7 @@ void q8_tile(const uint8_t* panel, const float* scale, int64_t nb, const Q8Batch
 
 #elif defined(__AVX2__)
 #define INTGEMM_PATH "avx2"
-constexpr int MR = 4;  // 16 registers: a row's 4 accumulators, 8 of weights, a broadcast
+constexpr int MR = 4;  // rows a tile: 4 measured ahead of 2 and 3 (the accumulators spill to L1, the codes are reused)
 
 inline void store_cols(float* out, __m256 v, int64_t cols) {
   if (cols >= 8) {
@@ -250,11 +252,12 @@ inline __m256i bcast_pair(const int16_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// Without VNNI, two 8-bit levels would cost two vpmaddubsw and two adds per product; instead both
-// levels go in as one 16-bit code (q * 256 + r, the same integer sums) against 16-bit weights:
-// vpmaddwd gives a column's two products in 32 bits, one vpaddd adds them up. The panel's 16
-// columns are two halves of 8 (bytes 0..31 and 32..63 of each group); a vpshufb puts each half's
-// bytes in pairs of inputs per column, and a zero-extension to 16 bits makes the pairs vpmaddwd takes.
+// q8's codes (+128) reach 255, where vpmaddubsw's 16-bit sums of two products could saturate; so on
+// AVX2 both activation levels go in as one 16-bit code (q * 256 + r: the same integer sums) against
+// the codes widened to 16 bits less 128: one vpmaddwd gives a column's two products in 32 bits, one
+// vpaddd adds them up. A panel's 16 columns are two halves of 8 (bytes 0..31 and 32..63 of a quad);
+// a vpshufb puts each half's bytes in pairs of inputs per column, a zero-extension makes the pairs
+// vpmaddwd takes:
 //   per 128-bit lane (4 columns x 4 inputs): [c0 i0 i1, c1 i0 i1, c2 .., c3 ..; c0 i2 i3, c1 i2 i3, ...]
 inline __m256i pair_shuffle() {
   return _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
@@ -266,10 +269,9 @@ inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); 
 // q4: the codes are at most 15 and the two levels within +-127, so vpmaddubsw's 16-bit sums of two
 // products are at most 2 * 15 * 127 = 3810 and a block's 8 of them add up in 16 bits (<= 30480)
 // before one vpmaddwd widens them: per 4 inputs x 8 columns a vpmaddubsw and a vpaddw for each level.
-// (Both levels as one 16-bit code against 16-bit weights, one vpmaddwd and one vpaddd a pair of
-// inputs, measured 0.6x this: the weights' unpacking to 16 bits served only 2 rows.) The two
-// halves of a panel go in the same pass so that each broadcast serves 16 columns; the float sums
-// wait in memory between blocks (16 registers: 8 accumulators for 2 rows, 4 of codes, broadcasts).
+// (q8's way, one 16-bit code against codes widened to 16 bits, measured 0.6x this for q4: the
+// widening served only 2 rows, all that 16 registers hold.) The two halves of a panel go in the
+// same pass so that each broadcast serves 16 columns; the float sums wait in memory between blocks.
 template <int R>
 void q4_tile(const uint8_t* panel, int64_t nb, const Q8Batch& x, int64_t r0, float* out, int64_t ldo, int64_t cols) {
   const Tile<R> t(x, r0);
