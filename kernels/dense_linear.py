@@ -15,6 +15,8 @@ differ by summation order only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -23,10 +25,20 @@ ROWS_HINT = 32
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+@functools.cache
 def dense_native_available(dtype: torch.dtype) -> bool:
-    """Whether this torch build can pack and multiply a CPU weight of ``dtype`` through oneDNN."""
-    return (dtype in DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether this torch build can pack and multiply a CPU weight of ``dtype`` through oneDNN on
+    this CPU: tried once on a small weight, since oneDNN refuses bfloat16 on a CPU (or under an
+    ``ONEDNN_MAX_CPU_ISA`` limit) without AVX-512 or AVX-NE-CONVERT only when asked."""
+    if not (dtype in DTYPES and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 32, dtype=dtype), ROWS_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 32, dtype=dtype), w, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_dense(weight: torch.Tensor, rows_hint: int = ROWS_HINT) -> torch.Tensor:

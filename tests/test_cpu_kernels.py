@@ -23,7 +23,7 @@ from engine import LLM, SamplingParams
 from engine.cpu_runtime import return_freed_memory, rss_anon_bytes
 from mooncake_kernels import cpu_ext
 from mooncake_kernels.decode_attention import decode_attention_native, decode_attention_torch
-from mooncake_kernels.dense_linear import dense_linear_native, dense_linear_torch, pack_dense
+from mooncake_kernels.dense_linear import dense_linear_native, dense_linear_torch, dense_native_available, pack_dense
 from mooncake_kernels.quant_linear import (
     pack_q4, pack_q8, quant_linear_native, quant_linear_torch, unpack_q4, unpack_q8,
 )
@@ -157,6 +157,10 @@ def test_native_decode_attention_refuses_bad_input():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 33, 300])
 def test_packed_dense_linear_equals_its_twin(dtype, rows):
+    if not dense_native_available(dtype):  # bfloat16 under an AVX2 limit (CI's second kernel run)
+        with pytest.raises(ValueError, match="oneDNN packs"):
+            pack_dense(torch.ones(16, 32, dtype=dtype))
+        pytest.skip(f"oneDNN cannot multiply {dtype} on this CPU (or under ONEDNN_MAX_CPU_ISA)")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=g).to(dtype)
     x = torch.randn(rows, 64, generator=g).to(dtype)

@@ -416,48 +416,47 @@ void q8_tile(const uint8_t* panel, const float* scale, int64_t nb, const Q8Batch
 // of 12 independent accumulators (more than latency / throughput on the cores we have), each step
 // one vpdpbusd (64 products) or, on AVX2, one vpmaddubsw + vpaddw (32). The two-level GEMM does
 // two of them a product, so its ceiling is half this rate.
+#define INTGEMM_TWELVE(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 inline double dot_rate(int64_t iters) {
   double macs = 0;
   const double t0 = omp_get_wtime();
 #pragma omp parallel reduction(+ : macs)
   {
+    // Twelve named accumulators, each pinned to a register by an empty asm: an array would live
+    // in memory and time its stores instead.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512i a[12];
     const __m512i u = _mm512_set1_epi8(static_cast<char>(3 + omp_get_thread_num())), v = _mm512_set1_epi8(5);
-    for (auto& x : a) x = _mm512_setzero_si512();
-    for (int64_t it = 0; it < iters; ++it)
-      for (auto& x : a) {
-        x = _mm512_dpbusd_epi32(x, u, v);
-        asm volatile("" : "+v"(x));
-      }
-    int32_t sink = 0;
-    for (auto& x : a) sink += _mm512_reduce_add_epi32(x);
-    macs += 64.0 * 12 * iters + (sink == 42 ? 1 : 0);
+#define INTGEMM_DECL(i) __m512i a##i = _mm512_setzero_si512();
+#define INTGEMM_STEP(i) a##i = _mm512_dpbusd_epi32(a##i, u, v); asm volatile("" : "+v"(a##i));
+#define INTGEMM_SUM(i) sink += _mm512_reduce_add_epi32(a##i);
+    constexpr double per_step = 64.0;
 #elif defined(__AVX2__)
-    __m256i a[12];
     const __m256i u = _mm256_set1_epi8(static_cast<char>(3 + omp_get_thread_num())), v = _mm256_set1_epi8(5);
-    for (auto& x : a) x = _mm256_setzero_si256();
-    for (int64_t it = 0; it < iters; ++it)
-      for (auto& x : a) {
-        x = _mm256_add_epi16(x, _mm256_maddubs_epi16(u, v));
-        asm volatile("" : "+x"(x));
-      }
-    int32_t sink = 0;
-    for (auto& x : a) sink += _mm256_extract_epi32(x, 0);
-    macs += 32.0 * 12 * iters + (sink == 42 ? 1 : 0);
+#define INTGEMM_DECL(i) __m256i a##i = _mm256_setzero_si256();
+#define INTGEMM_STEP(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(u, v)); asm volatile("" : "+x"(a##i));
+#define INTGEMM_SUM(i) sink += _mm256_extract_epi32(a##i, 0);
+    constexpr double per_step = 32.0;
 #else
-    int32_t a[12] = {};
-    const int8_t u = static_cast<int8_t>(3 + omp_get_thread_num());
-    for (int64_t it = 0; it < iters; ++it)
-      for (auto& x : a) {
-        x += u * 5;
-        asm volatile("" : "+r"(x));
-      }
-    macs += 12.0 * iters + (a[0] == 42 ? 1 : 0);
+    const int32_t u = 3 + omp_get_thread_num();
+#define INTGEMM_DECL(i) int32_t a##i = 0;
+#define INTGEMM_STEP(i) a##i += u * 5; asm volatile("" : "+r"(a##i));
+#define INTGEMM_SUM(i) sink += a##i;
+    constexpr double per_step = 1.0;
 #endif
+    INTGEMM_TWELVE(INTGEMM_DECL)
+    for (int64_t it = 0; it < iters; ++it) {
+      INTGEMM_TWELVE(INTGEMM_STEP)
+    }
+    int64_t sink = 0;
+    INTGEMM_TWELVE(INTGEMM_SUM)
+#undef INTGEMM_DECL
+#undef INTGEMM_STEP
+#undef INTGEMM_SUM
+    macs += per_step * 12 * iters + (sink == 42 ? 1 : 0);
   }
   return macs / (omp_get_wtime() - t0);
 }
+#undef INTGEMM_TWELVE
 
 // A weight of either format, as the GEMM reads it.
 struct PanelWeight {
