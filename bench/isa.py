@@ -18,7 +18,7 @@ import sys
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MOONCAKE_ISA": "avx2"}
 
 
-def add_argument(parser: argparse.ArgumentParser) -> None:
+def add_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument("--isa", choices=("native", "avx2"), default="native",
                         help="native: every instruction set this CPU has; avx2: torch, oneDNN and the native "
                              "kernels limited to AVX2 (an AVX2-only machine's kernels and defaults, on any CPU)")
