@@ -147,33 +147,44 @@ def step_bytes(engine, rows: int, context: int) -> int:
 
 
 def bench_steps(rows: list[int], context: int, threads: int, bandwidth: float, repeats: int) -> list[list]:
+    """The default engine (deterministic) and a ``--no-deterministic`` one side by side, their steps
+    timed alternately (this machine's noise moves both alike)."""
     from engine import SamplingParams
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    out, one = [], {}
-    for deterministic in (None, False):
-        engine = LLMEngine(EngineConfig(threads=threads, kv_cache_gib=1.0, max_num_batched_tokens=4096,
-                                        deterministic=deterministic))
-        name = "default" if deterministic is None else "--no-deterministic"
-        print(f"{name}: deterministic {engine.config.deterministic}; projections: {engine.runner.linear_path}")
-        g = torch.Generator().manual_seed(2)
-        vocab = engine.model_config.vocab_size
-        for n in rows:
+    engines = {}
+    for name, deterministic in (("default", None), ("--no-deterministic", False)):
+        engines[name] = LLMEngine(EngineConfig(threads=threads, kv_cache_gib=1.0, max_num_batched_tokens=4096,
+                                               deterministic=deterministic))
+        print(f"{name}: deterministic {engines[name].config.deterministic}; "
+              f"projections: {engines[name].runner.linear_path}")
+    times: dict[tuple[str, int], list[float]] = {}
+    for n in rows:
+        for name, engine in engines.items():
+            g = torch.Generator().manual_seed(2)
+            vocab = engine.model_config.vocab_size
             for i in range(n):
                 engine.add_request(torch.randint(100, vocab - 100, (context,), generator=g).tolist(),
-                                   SamplingParams(temperature=0, max_tokens=4 * repeats + 8, ignore_eos=True),
+                                   SamplingParams(temperature=0, max_tokens=8 * repeats + 8, ignore_eos=True),
                                    request_id=f"{n}-{i}")
             while any(s.num_output_tokens == 0 for s in engine.seqs.values()):
                 engine.step()  # the prompts' prefill
-            s = median_s(engine.step, repeats, 2)
+            engine.step()
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                times.setdefault((name, n), []).append(median_s(engine.step, 3, 2))
+        for engine in engines.values():
+            while engine.has_unfinished():
+                engine.step()
+    out, one = [], {}
+    for name, engine in engines.items():
+        for n in rows:
+            s = statistics.median(times[(name, n)])
             step_read = step_bytes(engine, n, context)
             one.setdefault(name, s)
             out.append([name, n, s * 1e3, f"{s / one[name]:.2f}x", step_read / 1e6,
                         f"{step_read / s / 1e9 / bandwidth:.0%}", n / s])
-            while engine.has_unfinished():
-                engine.step()
-        del engine
     return out
 
 
