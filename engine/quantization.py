@@ -13,30 +13,31 @@ bfloat16, 11.6 ms as int8 and 4.1-5.0 ms as int4 (2 threads, one row).
 
 Two kernels can multiply them, chosen when the weight is built (``native``):
 
-* the native ones (:mod:`kernels.quant_linear`, the default on CPU): activations quantized per
-  block of 32 in two 8-bit levels and integer dot products, float32 activations in and out; a
-  3072x576 int4 projection of one row took 74 us against torch's 78 (1 thread, avx512 EPYC):
-  about even alone, what they buy is accuracy and a decode layer in one native call
-  (:mod:`kernels.decode_layer`);
+* the native one (:mod:`kernels.quant_linear`, the default on CPU): an integer GEMM, activations
+  quantized per block of 32 in two 8-bit levels, float32 activations in and out, that takes every
+  row count (each row costs its multiply-adds only) in one order of sums, so a row's result does
+  not depend on its step; by default no dense copy is kept. Where a dense matmul measured faster
+  past some rows (``engine.kernel_choice``), the mode that is not deterministic hands those rows
+  to a dense copy;
 * torch's own (``MOONCAKE_KERNELS=torch``): ``torch._weight_int8pack_mm`` and
   ``torch._weight_int4pack_mm_for_cpu``, fast with bfloat16 activations only (int8 with float32
   ones was 9x slower than a float32 matmul here), so activations go in as bfloat16; torch's int4
-  layout wants a bfloat16 scale and a zero point, ``zero = m + 8 * d``.
+  layout wants a bfloat16 scale and a zero point, ``zero = m + 8 * d``. These are matrix-vector
+  kernels whose time grows with every row, so past ``crossover_rows`` (a prefill chunk, a large
+  decode batch) the step multiplies by the same weights dequantized once, at load, to the
+  model's dtype, at the cost of 2 (bfloat16) or 4 (float32) more bytes per weight in memory.
 
-Both are matrix-vector kernels: their time grows with every row of ``x``. So past ``max_rows``
-rows (a prefill chunk, a large decode batch) the step multiplies by the same quantized weights
-dequantized once, at load, to the model's dtype: prefill and decode compute with the same
-weights (up to that dtype's rounding), at the cost of 2 (bfloat16) or 4 (float32) more bytes
-per weight in memory. On a CPU without bfloat16 units (AVX2 only) a bfloat16 matmul is 7x
-slower than a float32 one, so there the CPU default is a float32 model
-(``engine.cpu_runtime.fast_bfloat16``) and its copy is float32. The embedding lookup keeps its
-float table (a tied LM head gets its own quantized copy, int8 under int4 too), as do the norms.
-``quantize_model`` replaces the weights after loading; ``linear`` is what the model calls for
-every projection, whichever kind of weight it holds.
+On a CPU without bfloat16 units (AVX2 only) a bfloat16 matmul is 7x slower than a float32 one,
+so there the CPU default is a float32 model (``engine.cpu_runtime.fast_bfloat16``) and any dense
+copy is float32. The embedding lookup keeps its float table (a tied LM head gets its own
+quantized copy, int8 under int4 too), as do the norms. ``quantize_model`` replaces the weights
+after loading; ``linear`` is what the model calls for every projection, whichever kind of weight
+it holds.
 
 With the native kernels on, every dense matmul on CPU is oneDNN's on a weight packed once
-(:class:`PackedWeight`, :mod:`kernels.dense_linear`): the quantized weights' dequantized copies,
-and, through ``pack_model``, every projection of a model that is not quantized.
+(:class:`PackedWeight`, :mod:`kernels.dense_linear`): the quantized weights' dequantized copies
+where they are kept, and, through ``pack_model``, every projection of a model that is not
+quantized.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ Its twin is the eager layer, ``engine.model.DecoderLayer.forward`` (the ops of t
 by one): input RMSNorm with the residual add, the fused q/k/v projection (+ bias), q/k RMSNorm
 where the model has it, rotary, K and V into the paged cache, paged decode attention, the
 output projection, post-attention RMSNorm with the residual add, gate/up, SiLU-and-mul, down.
-The native layer runs them over float32 activations: up to a few rows with the projections' int4
-weights in the layout of :mod:`kernels.quant_linear`, in one OpenMP region; past them with
-oneDNN's matmuls on the dense weights packed once (:mod:`kernels.dense_linear`), called from C++
-between four OpenMP regions that do everything else. At one decode row the eager layer is ~200
+The native layer runs them over float32 activations: up to ``int_rows`` rows (every row count
+by default) with the integer GEMM on the projections' int4 weights (:mod:`kernels.quant_linear`),
+in one OpenMP region; past them with oneDNN's matmuls on the dense weights packed once
+(:mod:`kernels.dense_linear`), called from C++ between four OpenMP regions that do everything else. At one decode row the eager layer is ~200
 ATen calls, most of a step's time once the matmuls are fast; at 64 rows its elementwise ops and
 their conversions were a third of the step.
 """
