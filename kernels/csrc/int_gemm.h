@@ -423,7 +423,8 @@ inline double dot_rate(int64_t iters) {
 #pragma omp parallel reduction(+ : macs)
   {
     // Twelve named accumulators, each pinned to a register by an empty asm: an array would live
-    // in memory and time its stores instead.
+    // in memory and time its stores instead. On AVX2 the asm also takes u, or the product of two
+    // loop constants would be hoisted and only the adds timed.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     const __m512i u = _mm512_set1_epi8(static_cast<char>(3 + omp_get_thread_num())), v = _mm512_set1_epi8(5);
 #define INTGEMM_DECL(i) __m512i a##i = _mm512_setzero_si512();
@@ -431,9 +432,10 @@ inline double dot_rate(int64_t iters) {
 #define INTGEMM_SUM(i) sink += _mm512_reduce_add_epi32(a##i);
     constexpr double per_step = 64.0;
 #elif defined(__AVX2__)
-    const __m256i u = _mm256_set1_epi8(static_cast<char>(3 + omp_get_thread_num())), v = _mm256_set1_epi8(5);
+    __m256i u = _mm256_set1_epi8(static_cast<char>(3 + omp_get_thread_num()));
+    const __m256i v = _mm256_set1_epi8(5);
 #define INTGEMM_DECL(i) __m256i a##i = _mm256_setzero_si256();
-#define INTGEMM_STEP(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(u, v)); asm volatile("" : "+x"(a##i));
+#define INTGEMM_STEP(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(u, v)); asm volatile("" : "+x"(a##i), "+x"(u));
 #define INTGEMM_SUM(i) sink += _mm256_extract_epi32(a##i, 0);
     constexpr double per_step = 32.0;
 #else
