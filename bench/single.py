@@ -2,8 +2,8 @@
 llama.cpp on the same GGUF file.
 
 Run with ``python -m bench.single`` (``--help`` for the flags). One prompt of ``--prompt-len``
-random tokens, then ``--decode-len`` greedy tokens (EOS ignored), each configuration in turn
-with ``--threads`` threads, the best of ``--rounds``:
+random tokens, then ``--decode-len`` greedy tokens (EOS ignored), with ``--threads`` threads, the
+best of ``--rounds``, the configurations' rounds taken in turn (one engine each, loaded first):
 
 * prefill tok/s: the prompt's tokens over the time to its first token;
 * decode tok/s: the tokens after the first over the time they took.
@@ -50,28 +50,34 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
 
 
-def ours(config: str, prompt_len: int, decode_len: int, threads: int, rounds: int, model: str | None = None) -> Speed:
-    engine_cfg = EngineConfig(**precision_kwargs(config), model=model, threads=threads, kv_cache_gib=0.25,
-                              max_num_batched_tokens=max(512, prompt_len))
-    engine = LLMEngine(engine_cfg)
-    if config == "default":
-        config = f"default ({engine_cfg.dtype}:{engine_cfg.quantization})"
-    best_prefill = best_decode = 0.0
+def ours(configs: list[str], prompt_len: int, decode_len: int, threads: int, rounds: int,
+         model: str | None = None) -> list[Speed]:
+    """Each configuration's best prefill and decode over ``rounds`` timed rounds (after one untimed),
+    the configurations' rounds taken in turn, so that a shared machine's slow spells fall on all
+    of them alike rather than on whichever ran then."""
+    engines = []
+    for config in configs:
+        engine_cfg = EngineConfig(**precision_kwargs(config), model=model, threads=threads, kv_cache_gib=0.25,
+                                  max_num_batched_tokens=max(512, prompt_len))
+        name = f"default ({engine_cfg.dtype}:{engine_cfg.quantization})" if config == "default" else config
+        engines.append((name, LLMEngine(engine_cfg)))
+    best = {name: [0.0, 0.0] for name, _ in engines}
     for r in range(rounds + 1):  # the first round warms up, untimed
-        prompt = _prompt(prompt_len, engine.model_config.vocab_size, seed=r)
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=decode_len + 1, ignore_eos=True),
-                           request_id=f"r{r}")
-        started = time.perf_counter()
-        first = None
-        while engine.has_unfinished():
-            engine.step()
-            if first is None:
-                first = time.perf_counter()
-        done = time.perf_counter()
-        if r:
-            best_prefill = max(best_prefill, prompt_len / (first - started))
-            best_decode = max(best_decode, decode_len / (done - first))
-    return Speed(config, best_prefill, best_decode, decode_profile(engine, prompt_len))
+        for name, engine in engines:
+            prompt = _prompt(prompt_len, engine.model_config.vocab_size, seed=r)
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=decode_len + 1, ignore_eos=True),
+                               request_id=f"r{r}")
+            started = time.perf_counter()
+            first = None
+            while engine.has_unfinished():
+                engine.step()
+                if first is None:
+                    first = time.perf_counter()
+            done = time.perf_counter()
+            if r:
+                best[name][0] = max(best[name][0], prompt_len / (first - started))
+                best[name][1] = max(best[name][1], decode_len / (done - first))
+    return [Speed(name, *best[name], decode_profile(engine, prompt_len)) for name, engine in engines]
 
 
 def decode_profile(engine: LLMEngine, prompt_len: int, steps: int = 32) -> str:
@@ -176,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         speeds.append(reference)
         print(f"  {reference.name}: {reference.prefill_tok_s:.0f} / {reference.decode_tok_s:.1f} tok/s", flush=True)
-    for config in args.configs.split(","):
-        speeds.append(ours(config, args.prompt_len, args.decode_len, args.threads, args.rounds))
-        print(f"  {config}: {speeds[-1].prefill_tok_s:.0f} / {speeds[-1].decode_tok_s:.1f} tok/s", flush=True)
+    for speed in ours(args.configs.split(","), args.prompt_len, args.decode_len, args.threads, args.rounds):
+        speeds.append(speed)
+        print(f"  {speed.name}: {speed.prefill_tok_s:.0f} / {speed.decode_tok_s:.1f} tok/s", flush=True)
     print(report(speeds, speeds[0]))
     for speed in speeds:
         if speed.profile:
