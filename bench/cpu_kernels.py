@@ -31,31 +31,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from bench import isa
 from bench.transfer import format_table
+from engine.kernel_choice import median_s
 
 LINEARS_OVER_FP32, BANDWIDTH_SHARE = 1.3, 0.5
 # The default model's projections (SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64,
 # intermediate 1536, 30 layers) and its LM head (vocab 49152, int8).
 LAYER_SHAPES = {"q/k/v": (960, 576), "output": (576, 576), "gate/up": (3072, 576), "down": (576, 1536)}
 HEAD_SHAPE, LAYERS = (49152, 576), 30
-
-
-def median_s(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
-    """Median seconds of one ``fn()`` over ``repeats`` timed batches of ``inner`` calls."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner)
-    return statistics.median(times)
 
 
 def read_bandwidth(repeats: int) -> float:

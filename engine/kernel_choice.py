@@ -21,6 +21,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,14 +50,16 @@ def _path(key: dict) -> Path:
     return cpu_ext.cache_root() / "kernel-choice" / f"{name}.json"
 
 
-def _median_s(fn, repeats: int = 5) -> float:
+def median_s(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
+    """Median seconds of one ``fn()`` over ``repeats`` timed batches of ``inner`` calls, after one
+    untimed call (also the CPU benchmarks' timer, :mod:`bench.cpu_kernels`)."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(_COPIES):
+        for _ in range(inner):
             fn()
-        times.append((time.perf_counter() - start) / _COPIES)
+        times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
 
 
@@ -73,8 +76,8 @@ def measure(dtype: torch.dtype) -> dict[int, tuple[float, float]]:
         x = torch.randn(rows, k, generator=g)
         xd = x.to(dtype)
         at = iter(range(1 << 40))
-        t_int = _median_s(lambda: kernels.quant_linear_native(x, q4[next(at) % _COPIES], n))
-        t_dense = _median_s(lambda: kernels.dense_linear_native(xd, dense[next(at) % _COPIES]))
+        t_int = median_s(lambda: kernels.quant_linear_native(x, q4[next(at) % _COPIES], n), 5, _COPIES)
+        t_dense = median_s(lambda: kernels.dense_linear_native(xd, dense[next(at) % _COPIES]), 5, _COPIES)
         times[rows] = (t_int, t_dense)
     return times
 
