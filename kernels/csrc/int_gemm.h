@@ -42,6 +42,13 @@
 #include <immintrin.h>
 #endif
 
+// The path this build takes, decided once here.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INTGEMM_VNNI 1
+#elif defined(__AVX2__)
+#define INTGEMM_AVX2 1
+#endif
+
 namespace intgemm {
 
 constexpr int64_t QK = 32;             // inputs a block
@@ -132,13 +139,15 @@ struct Q8Batch {
   std::vector<int8_t> q, r;
   std::vector<float> d, s;
   std::vector<int32_t> t;
-  std::vector<int16_t> x16;  // q * 256 + r: both levels in one 16-bit code (the AVX2 path's operand)
+  std::vector<int16_t> x16;  // q * 256 + r: both levels in one 16-bit code (the AVX2 path's q8 operand)
   int64_t k = 0;
   void resize(int64_t m, int64_t k_) {
     k = k_;
     q.resize(m * k);
     r.resize(m * k);
+#if defined(INTGEMM_AVX2)
     x16.resize(m * k);
+#endif
     d.resize(m * (k / QK));
     s.resize(m * (k / QK));
     t.resize(m * (k / QK));
@@ -147,7 +156,7 @@ struct Q8Batch {
     const int64_t nb = k / QK;
     quantize_row(x, k, q.data() + row * k, r.data() + row * k, d.data() + row * nb, s.data() + row * nb,
                  t.data() + row * nb);
-#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))  // only the AVX2 path's q8 reads them
+#if defined(INTGEMM_AVX2)
     for (int64_t i = row * k; i < (row + 1) * k; ++i) x16[i] = static_cast<int16_t>(q[i] * 256 + r[i]);
 #endif
   }
@@ -191,7 +200,7 @@ struct Tile {
       d[i] = x.d.data() + (r0 + i) * nb;
       s[i] = x.s.data() + (r0 + i) * nb;
       t[i] = x.t.data() + (r0 + i) * nb;
-      x16[i] = x.x16.data() + (r0 + i) * x.k;
+      x16[i] = x.x16.empty() ? nullptr : x.x16.data() + (r0 + i) * x.k;
     }
   }
 };
@@ -205,7 +214,7 @@ inline void q4_step(int32_t isum, float dw, float mw, float dx, float sx, float&
 
 // ---- the tiles: R activation rows x one panel, every block, into out[row * ldo + col] ----
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(INTGEMM_VNNI)
 #define INTGEMM_PATH "avx512-vnni"
 constexpr int MR = 4;  // activation rows a register tile holds: 4 accumulators a row of 32 registers
 
@@ -275,7 +284,7 @@ void q8_tile(const uint8_t* panel, const float* scale, int64_t nb, const Q8Batch
   for (int i = 0; i < R; ++i) store_cols(out + (r0 + i) * ldo, _mm512_mul_ps(acc[i], sc), cols);
 }
 
-#elif defined(__AVX2__)
+#elif defined(INTGEMM_AVX2)
 #define INTGEMM_PATH "avx2"
 constexpr int MR = 4;  // rows a tile: 4 measured ahead of 2 and 3 (the accumulators spill to L1, the codes are reused)
 
@@ -468,13 +477,13 @@ inline double dot_rate(int64_t iters) {
     // Twelve named accumulators, each pinned to a register by an empty asm: an array would live
     // in memory and time its stores instead. On AVX2 the asm also takes u, or the product of two
     // loop constants would be hoisted and only the adds timed.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(INTGEMM_VNNI)
     const __m512i u = _mm512_set1_epi8(static_cast<char>(3 + omp_get_thread_num())), v = _mm512_set1_epi8(5);
 #define INTGEMM_DECL(i) __m512i a##i = _mm512_setzero_si512();
 #define INTGEMM_STEP(i) a##i = _mm512_dpbusd_epi32(a##i, u, v); asm volatile("" : "+v"(a##i));
 #define INTGEMM_SUM(i) sink += _mm512_reduce_add_epi32(a##i);
     constexpr double per_step = 64.0;
-#elif defined(__AVX2__)
+#elif defined(INTGEMM_AVX2)
     __m256i u = _mm256_set1_epi8(static_cast<char>(3 + omp_get_thread_num()));
     const __m256i v = _mm256_set1_epi8(5);
 #define INTGEMM_DECL(i) __m256i a##i = _mm256_setzero_si256();
