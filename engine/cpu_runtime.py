@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from mooncake_kernels import cpu_ext
+
 log = logging.getLogger(__name__)
 
 # glibc mallopt parameters (malloc.h).
@@ -126,8 +128,7 @@ def avx2_limit() -> bool:
     ``ATEN_CPU_CAPABILITY=avx2`` (oneDNN's with ``ONEDNN_MAX_CPU_ISA=AVX2``) or the native ones
     built with ``MOONCAKE_ISA=avx2``. Then no bfloat16 units and no AMX count as present, so the
     defaults are an AVX2 machine's, measurable on any machine (``--isa avx2`` of the benchmarks)."""
-    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" or \
-        os.environ.get("MOONCAKE_ISA") == "avx2"
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" or cpu_ext.isa() == "avx2"
 
 
 def fast_bfloat16() -> bool:

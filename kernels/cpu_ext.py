@@ -6,10 +6,11 @@ AVX2, VNNI where the CPU has it) by torch's C++ extension builder, into
 ``<cache root>/cpu-kernels/<key>``, where the key hashes what the binary depends on: the sources,
 torch's version, the CPU's instruction-set flags and the compiler flags. ``MOONCAKE_ISA=avx2``
 builds for this CPU with AVX-512 and AMX left out (its own key, so its own folder): the kernels an
-AVX2-only machine runs, measurable on any machine (with ``ATEN_CPU_CAPABILITY=avx2`` and
-``ONEDNN_MAX_CPU_ISA=AVX2`` for torch's own kernels; ``engine.cpu_runtime.isa_limit`` reads them). A first start pays the compile (~30 s on 2
-cores); a later one loads the cached library in well under a second. Processes that start
-together (a cluster's instances) share the build: torch's builder holds a lock in its folder.
+AVX2-only machine runs, measurable on any machine (``ATEN_CPU_CAPABILITY=avx2`` and
+``ONEDNN_MAX_CPU_ISA=AVX2`` limit torch's own kernels alike; ``engine.cpu_runtime.avx2_limit``).
+A first start pays the compile (~30 s on 2 cores); a later one loads the cached library in well
+under a second. Processes that start together (a cluster's instances) share the build: torch's
+builder holds a lock in its folder.
 
 ``MOONCAKE_KERNELS=torch`` turns the native kernels off (the torch twins everywhere, see
 :mod:`kernels.dispatch`). A machine with no C++ compiler and no cached build cannot have them:
