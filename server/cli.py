@@ -277,6 +277,10 @@ def _placement_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
     c.add_argument("--session-prestage", action="store_true",
                    help="(Conductor) bring a session's KV up from the pool's SSD tiers when its next turn is "
                    "likely near (half its shortest recent think time after its last turn)")
+    c.add_argument("--indexer-allow", action="append", default=[], metavar="HOST:PORT|ipc://PATH",
+                   help="(Conductor) an endpoint the indexer API's /register may follow KV events from (repeat "
+                   "for several; with --api-key); none listed: every registration is refused "
+                   "(docs/serving.md#the-indexer-api)")
     c.add_argument("--slo-ttft-s", type=_positive_float, default=None,
                    help="(Conductor) TTFT SLO in seconds (with --slo-tbt-s)")
     c.add_argument("--slo-tbt-s", type=_positive_float, default=None,

@@ -91,6 +91,23 @@ def _outward_address() -> str | None:
         return None
 
 
+def _indexer_allow(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--indexer-allow`` as the indexer compares endpoints: ``host:port`` (a ``tcp://`` prefix
+    dropped) or ``ipc://path``; this server's own port is never one."""
+    out = []
+    for entry in args.indexer_allow:
+        if entry.startswith("ipc://") and len(entry) > len("ipc://"):
+            out.append(entry)
+            continue
+        host, sep, port = entry.removeprefix("tcp://").rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--indexer-allow {entry!r}: give HOST:PORT or ipc://PATH")
+        if int(port) == args.port:
+            raise ValueError(f"--indexer-allow {entry!r}: that is this server's own port")
+        out.append(f"{host}:{int(port)}")
+    return tuple(out)
+
+
 def _advertised_host(args: argparse.Namespace) -> str:
     """The address other hosts reach the Conductor (and its metadata server) at: ``--url``'s
     host, else ``--host``; for a wildcard ``--host``, this host's outward address."""
@@ -236,7 +253,8 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
         # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
-            indexer_registrations=bool(args.api_key), session_prestage=args.session_prestage,
+            indexer_registrations=bool(args.api_key), indexer_allow=_indexer_allow(args),
+            max_body_bytes=args.max_body_bytes, session_prestage=args.session_prestage,
             instances=tuple(args.instance) + tuple(supervisor.instances), placement=placement,
             renew_interval_s=args.renew_interval_s, renew_timeout_s=args.renew_timeout_s,
             max_request_moves=args.max_request_moves, conductor_id=conductor_id, epoch=epoch,

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -103,8 +104,11 @@ class ConductorConfig:
     # that has not ended within elastic_drain_s is given up on (the instance keeps its role).
     elastic: ElasticConfig | None = None
     elastic_drain_s: float = 60.0
-    # The indexer API's /register (``indexer.py``): off unless the server takes an API key.
+    # The indexer API's /register (``indexer.py``): off unless the server takes an API key, and
+    # then only for the endpoints listed (``host:port`` or ``ipc://path``: --indexer-allow).
     indexer_registrations: bool = False
+    indexer_allow: tuple[str, ...] = ()
+    max_body_bytes: int = 8 << 20  # of the indexer's requests, as the server's others (--max-body-bytes)
     # Pre-stage a session's KV from the pool's SSD tiers before its next turn (issue 42 item 4).
     session_prestage: bool = False
 
@@ -166,7 +170,9 @@ class Conductor(EngineClient):
         self._pool_threads = ThreadPoolExecutor(2, thread_name_prefix="pool-lookup")
         self._pool_down_until = 0.0
         self._model_name = config.served_model_name or default_model_name(config.model)
-        self.indexer = Indexer(self._model_name, self._indexed, self._pool_blocks, config.indexer_registrations)
+        self.indexer = Indexer(self._model_name, self._indexed, self._pool_blocks, config.indexer_registrations,
+                               allow=config.indexer_allow, reserved=self._own_addresses,
+                               max_body_bytes=config.max_body_bytes)
         self._tokenizer: Tokenizer | None = None
         self._vocab_size = 0
         self._load_error: str | None = None
@@ -212,6 +218,15 @@ class Conductor(EngineClient):
         """The instances up, as the indexer API answers for them (``indexer.py``)."""
         return [Ours(r.instance_id or r.url, r.layout.block_size, r.match_len)
                 for r in self.registry.records if r.up and r.layout is not None]
+
+    def _own_addresses(self) -> set[str]:
+        """``host:port`` of every instance this Conductor knows (no registration may name one)."""
+        out = set()
+        for r in self.registry.records:
+            u = urlsplit(r.url)
+            if u.hostname and u.port:
+                out.add(f"{u.hostname}:{u.port}")
+        return out
 
     async def shutdown(self) -> None:
         self.indexer.close()
