@@ -216,9 +216,7 @@ inline void q4_step(int32_t isum, float dw, float mw, float dx, float sx, float&
 
 #if defined(INTGEMM_VNNI)
 #define INTGEMM_PATH "avx512-vnni"
-// Activation rows a register tile holds: 4 accumulators a row of 32 registers (6 and 8 measured
-// slower on Zen 4).
-constexpr int MR_Q4 = 4, MR_Q8 = 4;
+constexpr int MR = 4;  // activation rows a register tile holds: 4 accumulators a row of 32 registers
 
 inline void store_cols(float* out, __m512 v, int64_t cols) {
   _mm512_mask_storeu_ps(out, static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1), v);
@@ -288,11 +286,7 @@ void q8_tile(const uint8_t* panel, const float* scale, int64_t nb, const Q8Batch
 
 #elif defined(INTGEMM_AVX2)
 #define INTGEMM_PATH "avx2"
-// Rows a tile, as measured on Zen 4 limited to AVX2 (3072x576, 64 rows, one thread): q4's 2 rows
-// keep their 8 accumulators and the panel's 4 unpacked code vectors in the 16 registers (4 rows
-// spilled them: 110 against 125 GFLOP/s); q8, a half panel at a time, has one accumulator a row,
-// room for 4 (2: 77 against 113).
-constexpr int MR_Q4 = 2, MR_Q8 = 4;
+constexpr int MR = 4;  // rows a tile: 4 measured ahead of 2 and 3 (the accumulators spill to L1, the codes are reused)
 
 inline void store_cols(float* out, __m256 v, int64_t cols) {
   if (cols >= 8) {
@@ -415,7 +409,7 @@ void q8_tile(const uint8_t* panel, const float* scale, int64_t nb, const Q8Batch
 
 #else
 #define INTGEMM_PATH "scalar"
-constexpr int MR_Q4 = 4, MR_Q8 = 4;
+constexpr int MR = 4;
 
 template <int R>
 void q4_tile(const uint8_t* panel, int64_t nb, const Q8Batch& x, int64_t r0, float* out, int64_t ldo, int64_t cols) {
@@ -539,12 +533,12 @@ struct PanelWeight {
         float* o = out + p * NR;
         int64_t r = c0;
         if (q4) {
-          for (; r + MR_Q4 <= c1; r += MR_Q4) q4_tile<MR_Q4>(panel, nb, x, r, o, ldo, cols);
+          for (; r + MR <= c1; r += MR) q4_tile<MR>(panel, nb, x, r, o, ldo, cols);
           for (; r + 2 <= c1; r += 2) q4_tile<2>(panel, nb, x, r, o, ldo, cols);
           for (; r < c1; ++r) q4_tile<1>(panel, nb, x, r, o, ldo, cols);
         } else {
           const float* sc = scale + p * NR;
-          for (; r + MR_Q8 <= c1; r += MR_Q8) q8_tile<MR_Q8>(panel, sc, nb, x, r, o, ldo, cols);
+          for (; r + MR <= c1; r += MR) q8_tile<MR>(panel, sc, nb, x, r, o, ldo, cols);
           for (; r + 2 <= c1; r += 2) q8_tile<2>(panel, sc, nb, x, r, o, ldo, cols);
           for (; r < c1; ++r) q8_tile<1>(panel, sc, nb, x, r, o, ldo, cols);
         }
