@@ -290,3 +290,41 @@ def test_the_ttft_correction_learns_how_much_slower_prefills_run_live():
                      prefill_factor=f).place(0.0, RequestInfo(0, 400, []), [PrefillInstanceState(0, 0.0, InstanceRecord("http://p"))], [0])
               for f in (1.0, corr.factor)]
     assert placed[1].plan.prefill_s == pytest.approx(4 * placed[0].plan.prefill_s)
+
+
+def test_a_call_that_times_out_marks_down_only_an_instance_the_probe_finds_down():
+    """Issue 52: a loaded decode instance was marked down because one call to it timed out; it
+    was up 0.2 s later. A timeout now makes the registry poll at once, and the poll decides."""
+    import asyncio
+
+    import httpx
+
+    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
+    layout = KVLayout(2, 2, 16, 8, "float32")
+    polls = {"answer": True}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/instance/info":
+            return httpx.Response(200, json=InstanceInfo("one", "decode", 1, 64, layout.to_dict(), profile.to_dict()).to_dict())
+        if not polls["answer"]:
+            raise httpx.ReadTimeout("no answer")
+        return httpx.Response(200, json=InstanceState("one", CacheDelta(1, []), {}).to_dict())
+
+    async def scenario():
+        client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
+        reg = Registry(client)
+        rec = reg.add("http://inst:1")
+        await reg.poll(rec)
+        assert rec.up
+        reg.suspect(rec, "generate: ReadTimeout")
+        reg.suspect(rec, "generate: ReadTimeout")  # one probe at a time
+        assert len(reg._probes) == 1
+        await asyncio.gather(*reg._probes.values())
+        assert rec.up and not rec.lost.is_set() and reg.suspicions == 1  # slow, not down
+        polls["answer"] = False
+        reg.suspect(rec, "generate: ReadTimeout")
+        await asyncio.gather(*reg._probes.values())
+        assert not rec.up and "ReadTimeout" in rec.last_error and rec.lost.is_set()
+        await client.close()
+
+    asyncio.run(scenario())

@@ -588,6 +588,8 @@ class Conductor(EngineClient):
             **({"membership_error": self.upkeep.members_error} if self.upkeep.members_error else {}),
             **({"membership_refused": len(self.upkeep.members_refused)} if self._members is not None else {}),
             "answers_refused": self.client.answers_refused,
+            # Calls that timed out on an instance the next poll found up (kept up: Registry.suspect).
+            "timeouts_on_instances_up": self.registry.suspicions,
             "requests_accepted": c.accepted, "requests_rejected": c.rejected,
             "requests_failed": c.failed, "rejections_by_reason": dict(c.per_reason),
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,

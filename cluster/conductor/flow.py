@@ -34,7 +34,8 @@ from typing import Any
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.protocol import (BadRequest, GenerateRequest, InstanceBusy, InstanceUnavailable, KVWriteFailed, NoKVRoom,
-                              Prefilled, ProtocolError, RequestError, RequestFailed, ReserveReply, UnknownReservation)
+                              Prefilled, ProtocolError, RequestError, RequestFailed, ReserveReply, TimedOut,
+                              UnknownReservation)
 from engine.engine_client import EngineOverloaded
 from engine.engine_client import RequestFailed as EngineRequestFailed
 from engine.outputs import RequestOutput
@@ -263,7 +264,7 @@ class RequestFlow:
                 self._counters.decode_retries += 1
                 continue
             except InstanceUnavailable as e:
-                self._registry.mark_down(rec, f"reserve: {e}")
+                self._unavailable(rec, "reserve", e)
                 continue
             except BadRequest:
                 raise  # the same request is bad on every instance
@@ -344,10 +345,18 @@ class RequestFlow:
         if isinstance(e, InstanceBusy):
             return self._counters.reject(f"overloaded: the {rec.role} instance has too much waiting", e.retry_after)
         if isinstance(e, InstanceUnavailable):
-            self._registry.mark_down(rec, f"{what}: {e}")
+            self._unavailable(rec, what, e)
         # The server's log keeps the cause: e.g. that a prefill group lost a pipeline stage.
         log.warning("%s on %s failed, moving the request: %s", what, rec.url, e)
         return RequestMoved(rec.role or "instance", f"{what} on {rec.url}: {e}")
+
+    def _unavailable(self, rec: InstanceRecord, what: str, e: InstanceUnavailable) -> None:
+        """No answer (or a wrong one) from ``rec``: down, unless the call only timed out; then a
+        poll decides (``Registry.suspect``), for a busy instance is slow, not dead."""
+        if isinstance(e, TimedOut):
+            self._registry.suspect(rec, f"{what}: {e}")
+        else:
+            self._registry.mark_down(rec, f"{what}: {e}")
 
     @contextmanager
     def _settled(self, rid: str, booking: Booking) -> Iterator[None]:

@@ -93,6 +93,8 @@ class Registry:
         self.poll_timeout_s = poll_timeout_s
         self._on_new_incarnation = on_new_incarnation
         self._task: asyncio.Task | None = None
+        self._probes: dict[str, asyncio.Task] = {}
+        self.suspicions = 0  # calls that timed out on an instance the probe then found up (/stats)
 
     def add(self, url: str) -> InstanceRecord:
         url = url.rstrip("/")
@@ -129,6 +131,25 @@ class Registry:
         rec.up = False
         rec.last_error = reason
         rec.lost.set()
+
+    def suspect(self, rec: InstanceRecord, reason: str) -> None:
+        """A call to ``rec`` timed out. A loaded instance can be slow to answer one call and
+        healthy all the same (issue 52: a decode instance marked down under load, up again 0.2 s
+        later), so a timeout alone does not mark it down: a poll now decides, as every poll does
+        (``poll``: no state in ``poll_timeout_s`` means down). At most one such probe at a time."""
+        if not rec.up or rec.url in self._probes:
+            return
+        log.info("instance %s (%s): %s; polling it now to tell slow from down", rec.url, rec.role, reason)
+
+        async def probe() -> None:
+            try:
+                await self.poll(rec)
+                if rec.up:
+                    self.suspicions += 1
+            finally:
+                self._probes.pop(rec.url, None)
+
+        self._probes[rec.url] = asyncio.create_task(probe())
 
     async def _poll_forever(self) -> None:
         # One loop per instance: a frozen instance's slow polls must not delay the others'.
