@@ -28,7 +28,7 @@ import sys
 
 from server import launch
 from server.app import ServerSettings
-from server.cli import SECRET_ENV, parse_args, read_cluster_secret
+from server.cli import SECRET_ENV, parse_args, read_cluster_secret, read_keys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,7 +53,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     # Taken: a process this one starts must not think the socket its own (it is not passed on).
     os.environ.pop("MOONCAKE_LISTEN_FD", None)
-    settings = ServerSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+    try:
+        api_keys, operator_key = read_keys(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    settings = ServerSettings(api_keys=api_keys, operator_key=operator_key, max_body_bytes=args.max_body_bytes,
                               public_metrics=args.public_metrics)
     if args.role is not None:
         launch.serve_instance(args, secret)

@@ -2,10 +2,11 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus) and ``GET /stats`` (engine statistics as JSON, for tests and
-operators). When an API key is set, all but ``/health`` need ``Authorization: Bearer KEY``
-(``/metrics`` and ``/stats`` name instance URLs and load; ``public_metrics`` opens them);
-``/health`` stays open for load balancers but shows why loading failed only to those who may
-read ``/stats``.
+operators). With API keys set, ``/v1`` needs one (``Authorization: Bearer KEY``); with an
+operator key, ``/metrics``, ``/stats`` and the Conductor's indexer API need it (they name
+instance URLs, load and what is cached; ``public_metrics`` opens the first two): see
+``ServerSettings``. ``/health`` stays open for load balancers but shows why loading failed only to
+those who may read ``/stats``.
 
 Errors that are the client's (4xx) explain themselves. Failures that are not (5xx) never echo the
 engine's message, which can name instance URLs or quote an instance's reply: the client gets a
@@ -72,9 +73,15 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 @dataclass
 class ServerSettings:
-    api_key: str | None = None
+    """Who may call what. Two kinds of caller: users, with one of ``api_keys`` (``/v1``; none set:
+    ``/v1`` is open), and the operator, with ``operator_key`` (``/stats``, ``/metrics`` and the
+    Conductor's indexer API; none set: those take a user key, as ``/v1`` does, and no engine
+    may register with the indexer). The operator key serves ``/v1`` too."""
+
+    api_keys: tuple[str, ...] = ()
+    operator_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    # Serve /metrics and /stats without the API key, e.g. to a Prometheus scraper that cannot send it.
+    # Serve /metrics and /stats without a key, e.g. to a Prometheus scraper that cannot send one.
     public_metrics: bool = False
 
 
@@ -243,19 +250,31 @@ class OpenAIServer:
 
     # -- shared checks -----------------------------------------------------------------------------
     def _unauthorized(self, request: Request) -> Response | None:
-        key = self.settings.api_key
-        if not key:
+        """A user's route (``/v1``): None if the caller may call it, else the 401."""
+        s = self.settings
+        if not s.api_keys:
             return None
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        token = _bearer(request)
+        if any(_same(token, k) for k in s.api_keys) or (s.operator_key and _same(token, s.operator_key)):
             return None
-        return _error(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
-                      "invalid_request_error", code="invalid_api_key",
-                      headers={"WWW-Authenticate": "Bearer"})
+        return _no_key()
+
+    def _operator_denied(self, request: Request) -> Response | None:
+        """An operator's route (``/stats``, ``/metrics``, the indexer API): None if the caller may
+        call it, else the 401 (no key, a wrong one) or 403 (a user's key)."""
+        op = self.settings.operator_key
+        if op is None:
+            return self._unauthorized(request)
+        token = _bearer(request)
+        if _same(token, op):
+            return None
+        if any(_same(token, k) for k in self.settings.api_keys):
+            return _error(403, "this route is the operator's: it needs the operator key (--operator-key), "
+                          "not a user's API key", "permission_error", code="operator_key_required")
+        return _no_key()
 
     def _stats_denied(self, request: Request) -> Response | None:
-        return None if self.settings.public_metrics else self._unauthorized(request)
+        return None if self.settings.public_metrics else self._operator_denied(request)
 
     def _not_ready(self) -> Response:
         load_error = self.client.load_error
@@ -488,10 +507,24 @@ def _completion_logprobs(tok: Tokenizer, p: ParsedRequest, c: Choice, lps: list,
                                after_prompt=len(_echo(p, c.index)) + offset)
 
 
-def _keyed(server: OpenAIServer, endpoint: Callable[[Request], Awaitable[Response]]
-           ) -> Callable[[Request], Awaitable[Response]]:
+def _bearer(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _same(token: str, key: str) -> bool:
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+def _no_key() -> Response:
+    return _error(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
+                  "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _operators(server: OpenAIServer, endpoint: Callable[[Request], Awaitable[Response]]
+               ) -> Callable[[Request], Awaitable[Response]]:
     async def handle(request: Request) -> Response:
-        if (denied := server._unauthorized(request)) is not None:
+        if (denied := server._operator_denied(request)) is not None:
             return denied
         return await endpoint(request)
     return handle
@@ -502,12 +535,12 @@ def build_app(
     settings: ServerSettings | None = None,
     manage_engine: bool = True,
     extra_routes: list[Route] | None = None,
-    keyed_routes: list[Route] | None = None,
+    operator_routes: list[Route] | None = None,
 ) -> Starlette:
     """The starlette app over ``client``. With ``manage_engine`` the app's lifespan starts the
     client (loading in the background) and shuts it down; without it the caller does (several
     apps may share one client). ``extra_routes``: e.g. the Conductor's registration route;
-    ``keyed_routes``: routes that take the API key as /v1 does (the Conductor's indexer API)."""
+    ``operator_routes``: routes that take the operator key, as /stats does (the Conductor's indexer API)."""
     settings = settings or ServerSettings()
     metrics = ServerMetrics(client, client.model_name)
     server = OpenAIServer(client, settings, metrics)
@@ -539,7 +572,7 @@ def build_app(
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
         Route("/stats", server.stats, methods=["GET"]),
         *(extra_routes or []),
-        *(Route(r.path, _keyed(server, r.endpoint), methods=r.methods) for r in keyed_routes or []),
+        *(Route(r.path, _operators(server, r.endpoint), methods=r.methods) for r in operator_routes or []),
     ]
     app = Starlette(
         routes=routes,

@@ -142,11 +142,18 @@ def _http_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
                    help="port to listen on (env MOONCAKE_PORT)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients pass as 'model'; default: the model's folder/file name")
-    p.add_argument("--api-key", default=_env("MOONCAKE_API_KEY"),
-                   help="if set, /v1, /metrics and /stats requests need 'Authorization: Bearer KEY' "
-                   "(env MOONCAKE_API_KEY); /health stays open")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="a user's key: /v1 requests need one of the keys given ('Authorization: Bearer KEY'); repeat "
+                   "for several. On the command line it is visible to other users of the machine: prefer env "
+                   "MOONCAKE_API_KEY (one key) or --api-key-file; /health stays open")
+    p.add_argument("--api-key-file", metavar="PATH", default=None,
+                   help="users' keys, one a line (blank lines and lines starting with # skipped)")
+    p.add_argument("--operator-key", default=_env("MOONCAKE_OPERATOR_KEY"), metavar="KEY",
+                   help="the operator's key (env MOONCAKE_OPERATOR_KEY): /stats, /metrics and the indexer API "
+                   "(/query, /query_by_hash, /register, /unregister) need it, a user's key gets 403; it serves "
+                   "/v1 too. Without it those take a user key and no engine may register with the indexer")
     p.add_argument("--public-metrics", action="store_true",
-                   help="with --api-key, serve /metrics and /stats without it (e.g. to a scraper)")
+                   help="serve /metrics and /stats without a key (e.g. to a scraper)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted; beyond it: HTTP 413")
     passed_on(p.add_argument("--log-level", default="info",
@@ -279,7 +286,7 @@ def _placement_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
                    "likely near (half its shortest recent think time after its last turn)")
     c.add_argument("--indexer-allow", action="append", default=[], metavar="HOST:PORT|ipc://PATH",
                    help="(Conductor) an endpoint the indexer API's /register may follow KV events from (repeat "
-                   "for several; with --api-key); none listed: every registration is refused "
+                   "for several; with --operator-key); none listed: every registration is refused "
                    "(docs/serving.md#the-indexer-api)")
     c.add_argument("--slo-ttft-s", type=_positive_float, default=None,
                    help="(Conductor) TTFT SLO in seconds (with --slo-tbt-s)")
@@ -398,6 +405,38 @@ def instance_args(args: argparse.Namespace) -> list[str]:
         elif value is not None:
             out += [flag, str(value)]
     return out
+
+
+def read_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], str | None]:
+    """The users' keys (``--api-key`` each, ``MOONCAKE_API_KEY``, ``--api-key-file``'s lines) and
+    the operator's (``--operator-key`` or ``MOONCAKE_OPERATOR_KEY``). Raises ``ValueError`` when
+    the file cannot be read, a key is empty, or the operator's is also a user's."""
+    log = logging.getLogger(__name__)
+    keys = list(args.api_key)
+    if keys:
+        log.warning("--api-key on the command line is visible to other users of this machine (ps, /proc/PID/cmdline); "
+                    "set MOONCAKE_API_KEY or use --api-key-file instead")
+    operator = args.operator_key.strip() if args.operator_key is not None else None
+    if operator is not None and args.operator_key != os.environ.get("MOONCAKE_OPERATOR_KEY"):
+        log.warning("--operator-key on the command line is visible to other users of this machine (ps, "
+                    "/proc/PID/cmdline); set MOONCAKE_OPERATOR_KEY instead")
+    if env := os.environ.get("MOONCAKE_API_KEY"):
+        keys.append(env)
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+            mode = os.stat(args.api_key_file).st_mode
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the API keys from --api-key-file {args.api_key_file}: {e}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("%s can be read by other users; restrict it with chmod 600", args.api_key_file)
+    keys = [k.strip() for k in keys]
+    if any(not k for k in keys) or operator == "":
+        raise ValueError("an API key is empty")
+    if operator is not None and operator in keys:
+        raise ValueError("the operator key must not also be a user's API key")
+    return tuple(dict.fromkeys(keys)), operator
 
 
 def read_cluster_secret(args: argparse.Namespace) -> str | None:

@@ -253,7 +253,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
         # Polled from the start, so an instance that cannot load shows up in /health at once.
         config = ConductorConfig(
             secret=secret.encode(), model=args.model, served_model_name=args.served_model_name,
-            indexer_registrations=bool(args.api_key), indexer_allow=_indexer_allow(args),
+            indexer_registrations=bool(args.operator_key), indexer_allow=_indexer_allow(args),
             max_body_bytes=args.max_body_bytes, session_prestage=args.session_prestage,
             instances=tuple(args.instance) + tuple(supervisor.instances), placement=placement,
             renew_interval_s=args.renew_interval_s, renew_timeout_s=args.renew_timeout_s,
@@ -275,7 +275,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
     indexer = conductor.indexer
     app = build_app(conductor, settings,
                     extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])],
-                    keyed_routes=[Route("/query", indexer.query_route, methods=["POST"]),
+                    operator_routes=[Route("/query", indexer.query_route, methods=["POST"]),
                                   Route("/query_by_hash", indexer.query_by_hash_route, methods=["POST"]),
                                   Route("/register", indexer.register_route, methods=["POST"]),
                                   Route("/unregister", indexer.unregister_route, methods=["POST"])])

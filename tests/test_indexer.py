@@ -178,12 +178,12 @@ def test_register_follows_an_engines_kv_events_over_zmq_and_unregister_stops():
         pub.close(0)
 
 
-def test_without_an_api_key_no_engine_may_register():
+def test_without_an_operator_key_no_engine_may_register():
     async def scenario() -> None:
         async with _client(_indexer(registrations=False)) as http:
             r = await http.post("/register", json={"model_name": MODEL, "instance_id": "x",
                                                    "endpoint": "tcp://127.0.0.1:9", "block_size": 4})
-            assert r.status_code == 403 and "--api-key" in r.json()["error"]
+            assert r.status_code == 403 and "--operator-key" in r.json()["error"]
     asyncio.run(scenario())
 
 

@@ -33,6 +33,8 @@ from engine.async_engine import AsyncLLMEngine
 from prompts import PROMPTS
 
 API_KEY = "test-key-123"
+OTHER_KEY = "another-users-key"
+OPERATOR_KEY = "the-operators-key"
 # One intra-op thread: on a small shared machine a second OpenMP thread that gets descheduled
 # stalls every parallel region (measured 10x slower steps under load).
 THREADS = int(os.environ.get("MOONCAKE_TEST_THREADS", "1"))
@@ -54,9 +56,9 @@ class Servers:
         self.idle = AsyncLLMEngine(EngineConfig(threads=1))  # never started: "still loading"
         apps = {
             "main": build_app(self.client),
-            "keyed": build_app(self.client, ServerSettings(api_key=API_KEY, max_body_bytes=4096),
-                               manage_engine=False),
-            "public": build_app(self.client, ServerSettings(api_key=API_KEY, public_metrics=True),
+            "keyed": build_app(self.client, ServerSettings(api_keys=(API_KEY, OTHER_KEY), operator_key=OPERATOR_KEY,
+                                                           max_body_bytes=4096), manage_engine=False),
+            "public": build_app(self.client, ServerSettings(api_keys=(API_KEY,), public_metrics=True),
                                 manage_engine=False),
             "loading": build_app(self.idle, manage_engine=False),
         }
@@ -459,20 +461,25 @@ def test_api_key(servers):
     assert_error(post(keyed, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
     assert_error(httpx.get(keyed + "/v1/models"), 401)
     assert httpx.get(keyed + "/health").status_code == 200
-    good = openai.OpenAI(base_url=keyed + "/v1", api_key=API_KEY, max_retries=0)
-    assert good.completions.create(model="SmolLM2-135M-Instruct", **body).choices[0].text
+    for key in (API_KEY, OTHER_KEY, OPERATOR_KEY):  # every user's key, and the operator's
+        good = openai.OpenAI(base_url=keyed + "/v1", api_key=key, max_retries=0)
+        assert good.completions.create(model="SmolLM2-135M-Instruct", **body).choices[0].text
     bad = openai.OpenAI(base_url=keyed + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
 
 
-def test_stats_and_metrics_need_the_api_key_unless_public(servers):
-    auth = {"Authorization": f"Bearer {API_KEY}"}
+def test_stats_and_metrics_need_the_operator_key_unless_public(servers):
+    """Issue 52: /stats and /metrics are the operator's (they name instances, load, what is
+    cached): a user's key gets 403; without an operator key they take a user's key."""
+    auth = {"Authorization": f"Bearer {OPERATOR_KEY}"}
     keyed, public = servers.urls["keyed"], servers.urls["public"]
     for path in ("/stats", "/metrics"):
         err = assert_error(httpx.get(keyed + path), 401)
         assert err["code"] == "invalid_api_key"
         assert_error(httpx.get(keyed + path, headers={"Authorization": "Bearer wrong"}), 401)
+        err = assert_error(httpx.get(keyed + path, headers={"Authorization": f"Bearer {API_KEY}"}), 403)
+        assert "--operator-key" in err["message"]
         assert httpx.get(keyed + path, headers=auth).status_code == 200
         assert httpx.get(public + path).status_code == 200
     stats = httpx.get(keyed + "/stats", headers=auth).json()
@@ -645,14 +652,14 @@ def test_load_error_stays_in_the_log():
 
     auth = {"Authorization": f"Bearer {API_KEY}"}
     for settings, headers, health_detail in [
-        (ServerSettings(api_key=API_KEY), {}, False),   # anyone: no detail
-        (ServerSettings(api_key=API_KEY), auth, True),  # an operator with the key
-        (ServerSettings(), {}, True),                   # no key: /stats is open anyway
+        (ServerSettings(api_keys=(API_KEY,)), {}, False),   # anyone: no detail
+        (ServerSettings(api_keys=(API_KEY,)), auth, True),  # with the key (no operator key: it reads /stats)
+        (ServerSettings(), {}, True),                       # no key: /stats is open anyway
     ]:
         health, completion = asyncio.run(calls(settings, headers))
         assert health.status_code == 503 and health.json()["status"] == "error"
         assert (PLANTED in health.json()["error"]) is health_detail
-        if settings.api_key and not headers:
+        if settings.api_keys and not headers:
             assert_error(completion, 401)
             continue
         err = assert_error(completion, 503)
@@ -860,3 +867,29 @@ def test_a_session_hint_retains_its_kv_and_changes_no_output(url, oai):
     by_header = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0},
                      headers={"X-Session-Id": "chat-43"})
     assert by_header.status_code == 200 and by_header.json()["choices"][0]["text"] == plain.choices[0].text
+
+
+def test_keys_from_flags_env_and_file_warn_on_the_command_line(monkeypatch, tmp_path, caplog):
+    """Issue 52: several users' keys (flags, env, a file) and the operator's; a key given on the
+    command line is warned about as the cluster secret is (other users can read it in ps)."""
+    from server.cli import read_keys
+
+    monkeypatch.delenv("MOONCAKE_API_KEY", raising=False)
+    monkeypatch.delenv("MOONCAKE_OPERATOR_KEY", raising=False)
+    assert read_keys(parse_args([])) == ((), None)
+    keys = tmp_path / "keys"
+    keys.write_text("# the users\nalice-key\n\n  bob-key \n")
+    keys.chmod(0o600)
+    monkeypatch.setenv("MOONCAKE_API_KEY", "env-key")
+    monkeypatch.setenv("MOONCAKE_OPERATOR_KEY", "op-key")
+    with caplog.at_level(logging.WARNING):
+        assert read_keys(parse_args(["--api-key-file", str(keys)])) == (("env-key", "alice-key", "bob-key"), "op-key")
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        assert read_keys(parse_args(["--api-key", "k1", "--api-key", "k2", "--operator-key", "op2"]))[1] == "op2"
+    assert {m for r in caplog.records for m in ("--api-key", "--operator-key") if m in r.getMessage()} == {
+        "--api-key", "--operator-key"}
+    with pytest.raises(ValueError, match="must not also be"):
+        read_keys(parse_args(["--api-key", "op-key"]))
+    with pytest.raises(ValueError, match="cannot read"):
+        read_keys(parse_args(["--api-key-file", str(tmp_path / "missing")]))

@@ -21,9 +21,10 @@ Mooncake's docs/source/api-reference/http/conductor-indexer.md):
   thread per engine and answers for it too. ``POST /unregister`` ``{"instance_id", "model_name"}``
   stops that.
 
-These routes take the server's API key, as /v1 does; ``/register`` is refused unless one is
-set and the operator listed the endpoint (``--indexer-allow``): it makes the Conductor connect
-to an address the caller names.
+These routes are the operator's (``--operator-key``, as ``/stats``; without one, a user's key,
+as /v1): a cached prefix is what another user's prompt began with. ``/register`` is refused
+unless an operator key is set and the operator listed the endpoint (``--indexer-allow``): it
+makes the Conductor connect to an address the caller names.
 """
 
 from __future__ import annotations
@@ -303,7 +304,7 @@ class Indexer:
     leading keys of a prompt, in engine blocks, the pool holds; ``reserved``: the cluster's own
     ``host:port`` addresses, which no registration may name).
 
-    Registrations need the server's API key and an endpoint the operator listed (``allow``:
+    Registrations need the server's operator key and an endpoint the operator listed (``allow``:
     ``host:port`` or ``ipc://path`` entries, ``--indexer-allow``): a registration makes the
     Conductor connect where the caller says. Work that grows with a prompt (reading the body,
     hashing it) runs off the event loop, and a body is bounded as /v1's are (``max_body_bytes``)."""
@@ -397,8 +398,8 @@ class Indexer:
 
     async def _register(self, body: dict) -> dict:
         if not self.registrations_allowed:
-            raise IndexerError("registrations need the server's API key (--api-key): a registration makes the "
-                               "Conductor connect to the endpoint it names", 403)
+            raise IndexerError("registrations need the server's operator key (--operator-key): a registration "
+                               "makes the Conductor connect to the endpoint it names", 403)
         self._check_model(body)
         instance_id = _instance(body)
         endpoint = body.get("endpoint")
@@ -426,7 +427,7 @@ class Indexer:
 
     async def _unregister(self, body: dict) -> dict:
         if not self.registrations_allowed:
-            raise IndexerError("registrations need the server's API key (--api-key)", 403)
+            raise IndexerError("registrations need the server's operator key (--operator-key)", 403)
         self._check_model(body)
         instance_id = _instance(body)
         async with self._registering:
