@@ -95,3 +95,10 @@ def test_etcd_access_comes_from_the_environment_and_refuses_half_a_pair(tmp_path
                        ({"MOONCAKE_ETCD_CA": str(tmp_path / "missing.pem")}, "does not exist")]:
         with pytest.raises(ValueError, match=what):
             EtcdAccess.from_env(half)
+
+
+def test_a_password_is_never_sent_over_plain_http():
+    """Issue 52: an etcd user's password over http:// would cross the network in the clear."""
+    with pytest.raises(ValueError, match="password would go unencrypted"):
+        EtcdMetadata("http://etcd.example:2379", access=EtcdAccess(user="u", password="p"))
+    EtcdMetadata("http://etcd.example:2379", access=EtcdAccess())  # no user: plain http is the operator's call

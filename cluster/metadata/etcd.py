@@ -100,6 +100,9 @@ class EtcdMetadata(MetadataStore):
         if self.access.tls and not self.url.startswith("https://"):
             raise ValueError(f"etcd TLS files are set (MOONCAKE_ETCD_CA/CERT) but the URL {url!r} is not https://: "
                              "it would go unencrypted")
+        if self.access.user is not None and not self.url.startswith("https://"):
+            raise ValueError(f"an etcd user is set (MOONCAKE_ETCD_USER/PASSWORD) but the URL {url!r} is not https://: "
+                             "the password would go unencrypted (start etcd with TLS, MOONCAKE_ETCD_CA)")
         parts = urlsplit(self.url)
         self._endpoint = (parts.hostname, parts.port, parts.scheme)
         self.root = root
