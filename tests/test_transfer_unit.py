@@ -303,8 +303,10 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
 
 def test_one_stranger_cannot_hold_every_handshake_slot():
     """Issue 40: 64 silent connections from one address held every pre-authentication slot, and
-    no peer could connect for the handshake deadline. Now one address holds at most 16; past half
-    the slots, a new connection has 0.5 s to finish its handshake instead of 5."""
+    no peer could connect for the handshake deadline. Issue 52: 16 from one address then turned
+    away a peer of the same host that holds the secret, and its error blamed the secret. Now a
+    newcomer past 16 from an address takes the slot of the oldest from it (a peer with the secret
+    needs it for a round trip); past half of all slots, a new connection has 0.5 s, not 5."""
     from cluster.messenger import region_server
 
     with Messenger(config()) as engine:
@@ -312,8 +314,11 @@ def test_one_stranger_cannot_hold_every_handshake_slot():
         try:
             time.sleep(0.2)  # accepted, each in its handshake
             over = _silent(engine, "127.0.0.1")
-            assert _closed_within(over, 2.0), "a 17th from the same address got a slot"
-            over.close()
+            assert _closed_within(held[0], 2.0), "the oldest of the address kept its slot"
+            assert not _closed_within(over, 0.3), "the newcomer was turned away"
+            held[0] = over
+            _raw_stream(engine).close()  # a peer with the secret, from the same address: served
+            assert engine._messenger.evicted_handshakes >= 1
             elsewhere = _silent(engine, "127.0.0.2")
             assert not _closed_within(elsewhere, 0.3), "a connection from another address was turned away"
             # Past half the slots (16 + 16 + 1 held), a newcomer's deadline is the short one.

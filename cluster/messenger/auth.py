@@ -47,8 +47,15 @@ def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
     """Authenticate to a Messenger; returns the server's hello. Raises AuthenticationError."""
     try:
         magic = _recv(sock, len(MAGIC))
-        if magic != MAGIC:
-            raise AuthenticationError("peer does not speak this transfer protocol")
+    except socket.timeout as exc:
+        raise PeerError(f"no handshake from the peer within {sock.gettimeout():g} s") from exc
+    except ConnectionError as exc:
+        # Closed before any proof was asked: too many connections in their handshake there (it
+        # gave this one's slot to a newer one), or it is shutting down. Not the secret.
+        raise PeerError(f"the peer closed the connection before its handshake began: {exc}") from exc
+    if magic != MAGIC:
+        raise AuthenticationError("peer does not speak this transfer protocol")
+    try:
         server_nonce = _recv(sock, NONCE_BYTES)
         client_nonce = os.urandom(NONCE_BYTES)
         body = encode_json(hello)
@@ -59,8 +66,10 @@ def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
     except socket.timeout as exc:  # a frozen or overloaded peer, not a refusal
         raise PeerError(f"no handshake from the peer within {sock.gettimeout():g} s") from exc
     except ConnectionError as exc:
-        # The Messenger closes without a word when our proof is wrong.
-        raise AuthenticationError(f"peer refused the handshake (wrong cluster secret?): {exc}") from exc
+        # The Messenger closes without a word when our proof is wrong, and when it gives a crowded
+        # handshake's slot to a newer connection.
+        raise AuthenticationError(f"the peer closed the connection during the handshake (a wrong cluster secret, "
+                                  f"or too many connections in their handshake there): {exc}") from exc
     if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce, server_body)):
         raise AuthenticationError("peer failed to prove it holds the cluster secret")
     return decode_json(server_body)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 from .auth import server_handshake
@@ -50,15 +51,20 @@ ControlHandler = Callable[[dict, dict], tuple[Status, dict]]
 
 
 # A connecting peer must finish the handshake within this many seconds; at most this many
-# connections may be in their handshake at once (more are closed as they come): strangers cannot
-# tie up threads, while peers that hold the secret finish in a round trip.
+# connections may be in their handshake at once: strangers cannot tie up threads, while peers
+# that hold the secret finish in a round trip.
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKES = 64
 # And at most this many from one address, so that one stranger cannot hold every slot (issue 40)
-# while peers elsewhere wait; and once half the slots are taken, a new connection's handshake
-# gets this much time only: a peer with the secret answers in a round trip, a stranger must then
-# come back every fraction of a second to keep its slots.
+# while peers elsewhere wait. Past either bound a newcomer takes the slot of the oldest connection
+# still in its handshake (from its address, else from any): a silent stranger cannot lock out a
+# peer of the same host that holds the secret (issue 52), which needs its slot for a round trip
+# only. Once half the slots are taken, a new connection's handshake gets this much time only: a
+# stranger must then come back every fraction of a second to keep its slots.
 MAX_HANDSHAKES_PER_ADDRESS = 16
+# Slots over the bounds while evicted connections' threads wind down; past this many, a newcomer
+# is closed as it comes (a flood of connections faster than their threads end).
+EVICTION_SLACK = 8
 CROWDED_HANDSHAKE_TIMEOUT_S = 0.5
 # After a failed accept() (out of descriptors, a connection reset while queued), how long the
 # acceptor waits before the next one: the listener stays open, the next peer is served.
@@ -80,6 +86,8 @@ class RegionServer:
         self._conns: set[socket.socket] = set()
         self._handshakes = 0
         self._handshakes_from: dict[str, int] = {}  # address -> connections in their handshake
+        self._in_handshake: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first -> address
+        self.evicted_handshakes = 0
         self._accept_errors = 0
         self._lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"messenger {self.address}", daemon=True)
@@ -118,16 +126,29 @@ class RegionServer:
                 continue
             address = peer[0]
             with self._lock:
-                crowded = (self._handshakes >= MAX_HANDSHAKES
-                           or self._handshakes_from.get(address, 0) >= MAX_HANDSHAKES_PER_ADDRESS)
+                from_here = self._handshakes_from.get(address, 0)
+                crowded = (self._handshakes >= MAX_HANDSHAKES + EVICTION_SLACK
+                           or from_here >= MAX_HANDSHAKES_PER_ADDRESS + EVICTION_SLACK)
+                victim = None
                 if not crowded:
+                    if from_here >= MAX_HANDSHAKES_PER_ADDRESS:
+                        victim = self._oldest_handshake(address)
+                    elif self._handshakes >= MAX_HANDSHAKES:
+                        victim = self._oldest_handshake(None)
                     self._handshakes += 1
-                    self._handshakes_from[address] = self._handshakes_from.get(address, 0) + 1
+                    self._handshakes_from[address] = from_here + 1
+                    self._in_handshake[conn] = address
                     self._conns.add(conn)
                     pressed = self._handshakes > MAX_HANDSHAKES // 2
             if crowded:
                 conn.close()
                 continue
+            if victim is not None:
+                self.evicted_handshakes += 1
+                try:
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread sees the end and gives the slot back
+                except OSError:
+                    pass
             deadline = min(CROWDED_HANDSHAKE_TIMEOUT_S if pressed else HANDSHAKE_TIMEOUT_S, self._config.timeout_s)
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -140,8 +161,18 @@ class RegionServer:
                 log.debug("transfer: connection from %s dropped before serving: %s", peer, exc)
                 self._forget(conn, address, handshaking=True)
 
-    def _handshake_over(self, address: str) -> None:
-        """Under the lock: one connection from ``address`` is out of its handshake."""
+    def _oldest_handshake(self, address: str | None) -> socket.socket | None:
+        """Under the lock: the connection longest in its handshake (from ``address``, or any),
+        taken out of the order so that it is evicted once."""
+        for conn, at in self._in_handshake.items():
+            if address is None or at == address:
+                del self._in_handshake[conn]
+                return conn
+        return None
+
+    def _handshake_over(self, conn: socket.socket, address: str) -> None:
+        """Under the lock: ``conn``, from ``address``, is out of its handshake."""
+        self._in_handshake.pop(conn, None)
         self._handshakes -= 1
         left = self._handshakes_from[address] - 1
         if left:
@@ -153,7 +184,7 @@ class RegionServer:
         with self._lock:
             self._conns.discard(conn)
             if handshaking:
-                self._handshake_over(address)
+                self._handshake_over(conn, address)
         conn.close()
 
     def _serve(self, conn: socket.socket, peer: tuple, deadline_s: float) -> None:
@@ -165,7 +196,7 @@ class RegionServer:
                 log.warning("transfer: refused peer %s:%s: %s", peer[0], peer[1], exc)
                 return
             with self._lock:
-                self._handshake_over(peer[0])
+                self._handshake_over(conn, peer[0])
             handshaking = False
             conn.settimeout(self._config.timeout_s)
             while not self._closed.is_set():
