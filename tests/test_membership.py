@@ -120,3 +120,34 @@ def test_a_claim_taken_while_its_holder_was_cut_off_is_given_up():
         intruder.close()
     finally:
         claim.close()
+
+
+def test_records_unchanged_since_the_last_listing_are_not_checked_again(monkeypatch):
+    """Issue 52: 20,000 records written without the secret were parsed and MAC-checked every
+    second (a Conductor at 0.27 core). With the caller's verdicts kept, a record is checked when
+    it appears or changes; a change of its value is checked anew; a deleted one is forgotten."""
+    from cluster.metadata import membership
+
+    store = LocalMetadata()
+    good = announce(store, KEY, "good", "http://x:2", "decode", TTL_S * 10)
+    try:
+        for i in range(50):
+            store.put(f"members/instances/fake{i}", '{"url": "http://evil:1", "role": "prefill", "mac": "00"}')
+        checked = []
+        real = membership._verified
+        monkeypatch.setattr(membership, "_verified", lambda *a: checked.append(a[0]) or real(*a))
+        verdicts: dict = {}
+        first = list_instances(store, KEY, verdicts)
+        assert first.members == [Member("good", "http://x:2", "decode")] and len(first.refused) == 50
+        assert len(checked) == 51
+        checked.clear()
+        again = list_instances(store, KEY, verdicts)
+        assert again.members == first.members and sorted(again.refused) == sorted(first.refused) and not checked
+        signed = store.get("members/instances/good")
+        store.put("members/instances/good", signed.replace("http://x:2", "http://evil:2"))  # altered: refused
+        store.delete("members/instances/fake0")
+        listing = list_instances(store, KEY, verdicts)
+        assert checked == ["good"] and listing.members == [] and len(listing.refused) == 50
+        assert "members/instances/fake0" not in verdicts
+    finally:
+        good.close()

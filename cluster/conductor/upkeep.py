@@ -33,6 +33,7 @@ from cluster.protocol import TimedOut
 log = logging.getLogger(__name__)
 
 FORGET_AFTER_S = 60.0  # an instance down and no longer announced is forgotten after this long
+REFUSALS_LOG_EVERY_S = 60.0  # refused membership records: one log line at most this often
 
 
 class Upkeep:
@@ -79,10 +80,12 @@ class Upkeep:
         loop = asyncio.get_running_loop()
         announced: set[str] = set()
         gone_since: dict[str, float] = {}
+        verdicts: dict = {}  # list_instances' memory of the records it checked
+        refusals_logged_at = -REFUSALS_LOG_EVERY_S
         while True:
             try:
                 listing = await asyncio.wait_for(
-                    loop.run_in_executor(self._threads, list_instances, self._members, self._key), 5.0)
+                    loop.run_in_executor(self._threads, list_instances, self._members, self._key, verdicts), 5.0)
             except Exception as exc:  # noqa: BLE001 -- the instances known stay polled; retried
                 if self.members_error is None:
                     log.warning("membership unavailable (the instances known are still polled): %s", exc)
@@ -91,9 +94,16 @@ class Upkeep:
                 if self.members_error is not None:
                     log.info("membership available again")
                 self.members_error = None
-                for name in set(listing.refused) - set(self.members_refused):
-                    log.warning("ignoring the membership record %s: not signed with the cluster's membership key "
-                                "(written by someone without the cluster secret, or altered)", name)
+                new = set(listing.refused) - set(self.members_refused)
+                now = time.monotonic()
+                if new and now - refusals_logged_at >= REFUSALS_LOG_EVERY_S:
+                    # One line for any number (20,000 records written without the secret made 20,000 lines).
+                    refusals_logged_at = now
+                    shown = sorted(new)[:3]
+                    log.warning("ignoring %d new membership record(s) (%d in all), e.g. %s: not signed with the "
+                                "cluster's membership key (written by someone without the cluster secret, or "
+                                "altered); logged at most every %g s, /stats membership_refused counts them",
+                                len(new), len(listing.refused), ", ".join(shown), REFUSALS_LOG_EVERY_S)
                 self.members_refused = listing.refused
                 listed = {m.url.rstrip("/") for m in listing.members}
                 for url in sorted(listed - announced):

@@ -199,26 +199,41 @@ def announce(store: MetadataStore, key: bytes, instance_id: str, url: str, role:
     return held[0]
 
 
-def list_instances(store: MetadataStore, key: bytes) -> Listing:
+def list_instances(store: MetadataStore, key: bytes,
+                   verdicts: dict[str, tuple[str, Member | None]] | None = None) -> Listing:
     """The instances announced now whose records carry a valid MAC under the membership ``key``;
-    the others are refused (their keys in ``Listing.refused``)."""
+    the others are refused (their keys in ``Listing.refused``). ``verdicts``: a caller that lists
+    again and again keeps each record's value and verdict there (record name -> (value, member or
+    None)), so that a record unchanged since the last listing is not parsed and checked again:
+    thousands of records written without the secret cost a dict lookup each, not an HMAC."""
+    verdicts = {} if verdicts is None else verdicts
+    records = store.get_prefix(INSTANCES)
     members, refused = [], []
-    for name, value in store.get_prefix(INSTANCES).items():
-        instance_id = name[len(INSTANCES):]
-        try:
-            entry = json.loads(value)
-            url, role, mac = entry["url"], entry["role"], entry["mac"]
-            if not (isinstance(url, str) and isinstance(role, str) and isinstance(mac, str)):
-                raise TypeError("url, role and mac must be strings")
-        except (ValueError, KeyError, TypeError) as e:
+    for name, value in records.items():
+        known = verdicts.get(name)
+        if known is None or known[0] != value:
+            known = verdicts[name] = (value, _verified(name[len(INSTANCES):], value, key))
+        if known[1] is None:
             refused.append(name)
-            log.debug("refusing the membership record %s: %s", name, e)
-            continue
-        if not hmac.compare_digest(mac, _member_mac(key, instance_id, url, role)):
-            refused.append(name)
-            continue
-        members.append(Member(instance_id, url, role))
+        else:
+            members.append(known[1])
+    for name in [n for n in verdicts if n not in records]:
+        del verdicts[name]
     return Listing(members, refused)
+
+
+def _verified(instance_id: str, value: str, key: bytes) -> Member | None:
+    try:
+        entry = json.loads(value)
+        url, role, mac = entry["url"], entry["role"], entry["mac"]
+        if not (isinstance(url, str) and isinstance(role, str) and isinstance(mac, str)):
+            raise TypeError("url, role and mac must be strings")
+    except (ValueError, KeyError, TypeError) as e:
+        log.debug("refusing the membership record of %s: %s", instance_id, e)
+        return None
+    if not hmac.compare_digest(mac, _member_mac(key, instance_id, url, role)):
+        return None
+    return Member(instance_id, url, role)
 
 
 # -- Conductors -----------------------------------------------------------------------------------
