@@ -29,7 +29,8 @@ from cluster.policies.cost_model import DecodeStepModel
 from cluster.metadata.local import LocalMetadata
 from cluster.policies.early_rejection import SLO
 from cluster.policies.elastic_roles import ElasticConfig, TBTPrediction, TTFTPrediction
-from cluster.protocol import BadRequest, CacheDelta, Fence, InstanceBusy, InstanceState, NoKVRoom, SwitchRoleReply, WrongEpoch
+from cluster.protocol import (MEMBERSHIP, BadRequest, CacheDelta, Fence, InstanceBusy, InstanceState, NoKVRoom,
+                              SwitchRoleReply, WrongEpoch, derive_key)
 from engine.config import EngineConfig
 from engine.disaggregation import KVHandoff
 from engine.llm_engine import LLMEngine
@@ -257,7 +258,8 @@ def test_one_of_two_conductors_decides_and_the_other_takes_over_only_after_the_f
     store, ttl = LocalMetadata(), 0.6
     a_view = _Paused(store)
     pool = ThreadPoolExecutor(4)
-    a, b = DeciderLease(a_view, "a", pool, ttl), DeciderLease(store, "b", pool, ttl)
+    key = derive_key(b"s" * 32, MEMBERSHIP)
+    a, b = DeciderLease(a_view, "a", pool, key, ttl), DeciderLease(store, "b", pool, key, ttl)
     both: list[float] = []
 
     async def run() -> None:
@@ -302,6 +304,23 @@ def test_one_of_two_conductors_decides_and_the_other_takes_over_only_after_the_f
         a.close(), b.close()
         pool.shutdown(wait=False)
     assert not both, "two Conductors decided at once"
+
+
+def test_a_decider_record_written_without_the_secret_is_neither_believed_nor_kept() -> None:
+    """Issue 52: the decider key was unsigned: anyone with write access to etcd could name a
+    decider (or hold the key with no lease, so that no Conductor ever decided again)."""
+    from cluster.metadata.membership import ELASTIC_DECIDER, decider, hold_decider
+
+    store, key = LocalMetadata(), derive_key(b"s" * 32, MEMBERSHIP)
+    store.put(ELASTIC_DECIDER, '{"conductor": "evil"}')  # no lease, no MAC
+    assert decider(store, key) is None
+    held = hold_decider(store, key, "a", 5.0)
+    try:
+        assert held is not None and decider(store, key) == "a"
+        assert decider(store, derive_key(b"t" * 32, MEMBERSHIP)) is None  # another cluster's key
+        assert hold_decider(store, key, "b", 5.0) is None  # a signed holder is kept
+    finally:
+        held.close()
 
 
 def _counted(rec, steps: int, seconds: float, seqs: int, context: int) -> None:

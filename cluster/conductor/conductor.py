@@ -188,7 +188,8 @@ class Conductor(EngineClient):
             slo = SLO(config.placement.slo_ttft_s, config.placement.slo_tbt_s)
             # With the membership in etcd other Conductors may front the same instances: one
             # decides switches for all of them (``DeciderLease``).
-            decider = DeciderLease(members, self.fence.conductor, self._pool_threads) if members is not None else None
+            decider = (DeciderLease(members, self.fence.conductor, self._pool_threads,
+                                    derive_key(config.secret, MEMBERSHIP)) if members is not None else None)
             self.elastic = ElasticRoles(config.elastic, slo, config.elastic_drain_s, self.client, self.registry,
                                         self.ledger, self._decode_model, self._spawn, decider)
 

@@ -107,9 +107,11 @@ class DeciderLease:
     (``LeasedKey.held``). ``run_forever`` asks for the key while another holds it, each store
     call on ``executor`` and bounded by ``ttl_s``."""
 
-    def __init__(self, store: MetadataStore | None, conductor_id: str, executor: Executor,
+    def __init__(self, store: MetadataStore | None, conductor_id: str, executor: Executor, key: bytes,
                  ttl_s: float = DEFAULT_TTL_S) -> None:
+        """``key``: the membership key the decider's record is signed with."""
         self._store, self._id, self._executor, self.ttl_s = store, conductor_id, executor, ttl_s
+        self._membership_key = key
         self._key: LeasedKey | None = None
         self._seen: str | None = None  # the Conductor that decides, as last read (when not this one)
         self.error: str | None = None  # why the last ask failed (the store did not answer)
@@ -135,11 +137,11 @@ class DeciderLease:
                     log.warning("elastic roles: another Conductor took the decider key")
                     self._key = None
                 if self._key is None:
-                    self._key = await ask(hold_decider, self._id, self.ttl_s)
+                    self._key = await ask(hold_decider, self._membership_key, self._id, self.ttl_s)
                     if self._key is not None:
                         log.info("elastic roles: this Conductor decides role switches for the cluster")
                 if not self.decides():
-                    self._seen = await ask(decider)
+                    self._seen = await ask(decider, self._membership_key)
                 self.error = None
             except Exception as e:  # noqa: BLE001 -- asked again next round; no key, no decisions
                 self.error = f"{type(e).__name__}: {e}"

@@ -307,17 +307,42 @@ def conductor_epoch(store: MetadataStore, key: bytes, conductor_id: str) -> int 
 ELASTIC_DECIDER = "members/elastic/decider"
 
 
-def hold_decider(store: MetadataStore, conductor_id: str, ttl_s: float = DEFAULT_TTL_S) -> LeasedKey | None:
+_DECIDER_LABEL = "mooncake-py/elastic-decider/v1"
+
+
+def _decider_mac(key: bytes, conductor_id: str) -> str:
+    return hmac.new(key, json.dumps([_DECIDER_LABEL, conductor_id]).encode(), hashlib.sha256).hexdigest()
+
+
+def hold_decider(store: MetadataStore, key: bytes, conductor_id: str, ttl_s: float = DEFAULT_TTL_S
+                 ) -> LeasedKey | None:
     """Become the cluster's elastic-roles decider if none is (None: another Conductor is). The
-    key's lease is etcd's: a decider that dies or is cut off loses it within ``ttl_s``."""
-    held = LeasedKey.hold(store, ELASTIC_DECIDER, json.dumps({"conductor": conductor_id}), ttl_s, exclusive=True)
+    key's lease is etcd's: a decider that dies or is cut off loses it within ``ttl_s``. Its record
+    is signed with the membership ``key``: one written without the secret (which would stop every
+    Conductor from deciding, for good, if it had no lease) is deleted and the key taken."""
+    value = json.dumps({"conductor": conductor_id, "mac": _decider_mac(key, conductor_id)})
+    held = LeasedKey.hold(store, ELASTIC_DECIDER, value, ttl_s, exclusive=True)
+    if held is None and (current := store.get(ELASTIC_DECIDER)) is not None and _decider_of(current, key) is None:
+        log.warning("elastic roles: deleting the decider record %r: not signed with the cluster's membership key "
+                    "(written by someone without the cluster secret, or altered)", current[:200])
+        store.delete(ELASTIC_DECIDER)
+        held = LeasedKey.hold(store, ELASTIC_DECIDER, value, ttl_s, exclusive=True)
     return None if held is None else held[0]
 
 
-def decider(store: MetadataStore) -> str | None:
-    """The id of the Conductor that decides role switches now, if any (as it wrote it)."""
+def decider(store: MetadataStore, key: bytes) -> str | None:
+    """The id of the Conductor that decides role switches now, if any and if its record verifies
+    under the membership ``key``."""
     value = store.get(ELASTIC_DECIDER)
+    return None if value is None else _decider_of(value, key)
+
+
+def _decider_of(value: str, key: bytes) -> str | None:
     try:
-        return json.loads(value)["conductor"] if value is not None else None
+        entry = json.loads(value)
+        conductor, mac = entry["conductor"], entry["mac"]
+        if not (isinstance(conductor, str) and isinstance(mac, str)):
+            return None
     except (ValueError, KeyError, TypeError):
         return None
+    return conductor if hmac.compare_digest(mac, _decider_mac(key, conductor)) else None
