@@ -170,8 +170,12 @@ def _http_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
                    help="(the OpenAI port) open connections from one client address; past it: HTTP 429 "
                    f"(default {DEFAULT_CONNECTIONS_PER_CLIENT}; 0: no cap; loopback clients are exempt)")
     p.add_argument("--max-requests-per-client-s", type=_non_negative_float, default=0.0,
-                   help="(the OpenAI port) requests a second from one client address, in bursts of two "
-                   "seconds' worth; past it: HTTP 429 with Retry-After (default 0: no cap; loopback is exempt)")
+                   help="(the OpenAI port) requests a second from one client, in bursts of two seconds' worth; past "
+                   "it: HTTP 429 with Retry-After (default 0: no cap). A client is a user's API key, else the "
+                   "address a --trusted-proxy saw, else the connection's address (loopback addresses are exempt)")
+    p.add_argument("--trusted-proxy", action="append", default=[], metavar="ADDRESS",
+                   help="(the OpenAI port) a balancer whose X-Forwarded-For names the client (its last entry), as "
+                   "the shipped server/haproxy.cfg sets it; repeat for several")
 
 
 def _cluster_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:

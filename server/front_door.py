@@ -33,12 +33,19 @@ whose callers are the Conductors) one client may not take the whole door:
   holds one again) without reaching the app.
 
 Loopback clients are exempt: on this host they are the cluster itself, the operator's tools, or
-a balancer in front that speaks for many clients.
+a balancer in front that speaks for many clients. The request cap knows more than an address
+(issue 52): a request carrying one of the users' API keys (``client_keys``) is counted against
+that key, wherever it comes from (through a balancer on this host too); one from a balancer the
+operator trusts (``trusted_proxies``) against the address that balancer saw, the last one in its
+``X-Forwarded-For`` (the shipped server/haproxy.cfg sets it, after dropping any the client sent);
+any other against its own address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import ipaddress
 import json
 import logging
@@ -47,6 +54,7 @@ import resource
 import socket
 import time
 from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import h11
@@ -99,6 +107,8 @@ class FrontDoor:
     max_connections: int | None = None  # None: default_max_connections()
     max_connections_per_client: int | None = None  # None: no cap per client
     max_requests_per_client_s: float | None = None  # None: no rate cap per client
+    client_keys: tuple[str, ...] = ()  # the users' API keys: each one client of the rate cap
+    trusted_proxies: frozenset[str] = frozenset()  # balancers whose X-Forwarded-For is believed
 
     def __post_init__(self) -> None:
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
@@ -113,7 +123,7 @@ class FrontDoor:
         """``app`` behind this door's rate cap per client (itself when there is none)."""
         if self.max_requests_per_client_s is None:
             return app
-        return ClientRateLimit(app, self.max_requests_per_client_s)
+        return ClientRateLimit(app, self.max_requests_per_client_s, self.client_keys, self.trusted_proxies)
 
     def protocol(self) -> type[H11Protocol]:
         """uvicorn's h11 protocol with this door's deadlines and caps."""
@@ -212,18 +222,22 @@ def _too_many(message: str, retry_after_s: float) -> bytes:
 
 
 class ClientRateLimit:
-    """ASGI middleware: at most ``rate`` HTTP requests a second from one client address, in
-    bursts of up to two seconds' worth (a token bucket per address); one past it is answered 429
-    with ``Retry-After`` before the app sees it. Loopback clients are exempt. The table of
-    buckets forgets an address once its bucket is full again, so it holds only the addresses
-    active in the last two seconds."""
+    """ASGI middleware: at most ``rate`` HTTP requests a second from one client, in bursts of up
+    to two seconds' worth (a token bucket per client); one past it is answered 429 with
+    ``Retry-After`` before the app sees it. A client is a user's key (``keys``), else the address
+    a trusted balancer (``proxies``) saw, else the connection's address; loopback addresses are
+    exempt, keys never are. The table of buckets forgets a client once its bucket is full again,
+    so it holds only the clients active in the last two seconds."""
 
-    def __init__(self, app, rate: float) -> None:
+    def __init__(self, app, rate: float, keys: Sequence[str] = (), proxies: Collection[str] = frozenset()) -> None:
         self.app = app
         self.rate = rate
         self.burst = max(1.0, 2.0 * rate)
-        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, when)
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when)
         self._swept = time.monotonic()
+        # A key's client name: a digest, so that the table (and the 429's text) never holds a key.
+        self._keys = {key.encode(): "key " + hashlib.sha256(key.encode()).hexdigest()[:12] for key in keys}
+        self._proxies = frozenset(proxies)
 
     def take(self, host: str, now: float) -> float:
         """Take a token for ``host``; 0 when there was one, else the seconds until there is."""
@@ -240,12 +254,34 @@ class ClientRateLimit:
                 del self._buckets[h]
         return 0.0
 
+    def client(self, scope) -> str | None:
+        """Who ``scope``'s request counts against; None: nobody (a loopback address)."""
+        headers = scope.get("headers") or ()
+        if self._keys:
+            for name, value in headers:
+                if name == b"authorization":
+                    scheme, _, token = value.partition(b" ")
+                    if scheme.lower() == b"bearer" and (who := self._key(token.strip())) is not None:
+                        return who
+        peer = (scope.get("client") or ("",))[0]
+        if peer in self._proxies:
+            forwarded = [v for n, v in headers if n == b"x-forwarded-for"]
+            if forwarded:  # the balancer appends the address it saw: the last entry is its own word
+                peer = forwarded[-1].decode("latin-1").split(",")[-1].strip()
+        return None if not peer or _is_loopback(peer) else peer
+
+    def _key(self, token: bytes) -> str | None:
+        for key, who in self._keys.items():
+            if hmac.compare_digest(token, key):
+                return who
+        return None
+
     async def __call__(self, scope, receive, send) -> None:
-        client = scope.get("client")
-        if scope["type"] == "http" and client and not _is_loopback(client[0]):
-            wait = self.take(client[0], time.monotonic())
+        client = self.client(scope) if scope["type"] == "http" else None
+        if client is not None:
+            wait = self.take(client, time.monotonic())
             if wait:
-                body = _too_many_body(f"too many requests from {client[0]} (at most {self.rate:g} a second)")
+                body = _too_many_body(f"too many requests from {client} (at most {self.rate:g} a second)")
                 await send({"type": "http.response.start", "status": 429,
                             "headers": [(b"content-type", b"application/json"),
                                         (b"retry-after", str(max(1, math.ceil(wait))).encode()),

@@ -53,13 +53,17 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
     return EngineConfig(**kwargs)
 
 
-def front_door(args: argparse.Namespace, public: bool = False) -> FrontDoor:
-    """The limits of this process's HTTP port; ``public``: the OpenAI API's (the Conductor's, the
-    colocated server's), which also caps each client."""
+def front_door(args: argparse.Namespace, public: ServerSettings | None = None) -> FrontDoor:
+    """The limits of this process's HTTP port; ``public``: the OpenAI API's settings (the
+    Conductor's, the colocated server's port), which also caps each client (a user's key is one)."""
+    if public is None:
+        return FrontDoor(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                         max_connections=args.max_connections)
     return FrontDoor(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
                      max_connections=args.max_connections,
-                     max_connections_per_client=(args.max_connections_per_client or None) if public else None,
-                     max_requests_per_client_s=(args.max_requests_per_client_s or None) if public else None)
+                     max_connections_per_client=args.max_connections_per_client or None,
+                     max_requests_per_client_s=args.max_requests_per_client_s or None,
+                     client_keys=public.api_keys, trusted_proxies=frozenset(args.trusted_proxy))
 
 
 def _pool_config(args: argparse.Namespace, url: str):
@@ -210,7 +214,7 @@ def serve_colocated(args: argparse.Namespace, settings: ServerSettings) -> None:
     app = build_app(client, settings)
     log.info("serving %r on http://%s:%d (colocated; /health is 503 until the model is loaded)",
              client.model_name, args.host, args.port)
-    serve(app, args.host, args.port, front_door(args, public=True), log_level=args.log_level)
+    serve(app, args.host, args.port, front_door(args, public=settings), log_level=args.log_level)
 
 
 def serve_conductor(args: argparse.Namespace, secret: str | None, settings: ServerSettings) -> None:
@@ -285,7 +289,7 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
              f", up to {os.cpu_count()} as the others idle" if args.share_cores else "")
     supervisor.start()
     try:
-        serve(app, args.host, args.port, front_door(args, public=True), log_level=args.log_level)
+        serve(app, args.host, args.port, front_door(args, public=settings), log_level=args.log_level)
     finally:
         supervisor.stop()
         if claim is not None:

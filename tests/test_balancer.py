@@ -141,3 +141,47 @@ def _health(url: str) -> int | None:
         return httpx.get(url + "/health", timeout=5, trust_env=False).status_code
     except httpx.HTTPError:
         return None
+
+
+def test_per_client_caps_hold_behind_the_shipped_haproxy(tmp_path, haproxy_binary):
+    """Issue 52: behind HAProxy on one host every client was loopback, so the request cap per
+    client never applied. With the shipped config (X-Forwarded-For, the client's own dropped) and
+    the balancer trusted, a user's key is one client and an anonymous client is the address the
+    balancer saw: a client past its cap gets 429 while another, through the same balancer, does
+    not; a client that forges X-Forwarded-For gains nothing."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from server.front_door import FrontDoor
+    from threaded_server import serve_in_thread
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/health", ok), Route("/v1/models", ok)])
+    door = FrontDoor(max_requests_per_client_s=1.0, client_keys=("alice-key", "bob-key"),
+                     trusted_proxies=frozenset({"127.0.0.1"}))
+    with serve_in_thread(door.wrap(app)) as port:
+        lb_port = free_port("127.0.0.1")
+        lb = f"http://127.0.0.1:{lb_port}"
+        backend = f"127.0.0.1:{port}"
+        balancer = start_server("haproxy", [haproxy_binary, "-db", "-f", str(CONFIG)], lb, tmp_path / "haproxy.log",
+                                env={"MOONCAKE_LB_BIND": f"127.0.0.1:{lb_port}", "MOONCAKE_CONDUCTOR_1": backend,
+                                     "MOONCAKE_CONDUCTOR_2": backend})
+        try:
+            until(lambda: _health(lb) == 200, 30, "the balancer to answer /health")
+            time.sleep(2.5)  # the health checks' requests (loopback, no header from a client) left no debt
+
+            def codes(n: int, **headers: str) -> list[int]:
+                return [httpx.get(lb + "/v1/models", headers=headers, timeout=5, trust_env=False).status_code
+                        for _ in range(n)]
+
+            alice, bob = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+            assert 429 in codes(6, **alice)  # a burst of two seconds' worth, then refused
+            assert codes(1, **bob) == [200]  # another user through the same balancer
+            # Anonymous clients: all are 127.0.0.1 to HAProxy here, which it says in X-Forwarded-For:
+            # loopback, exempt, whatever they claim to be.
+            assert codes(6, **{"X-Forwarded-For": "192.0.2.1"}) == [200] * 6
+        finally:
+            balancer.stop(10.0)

@@ -18,11 +18,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from server.app import ServerSettings
 from server.cli import instance_args, parse_args
 from server.launch import front_door
 import server.front_door as front_door_module
-from server.front_door import (DEFAULT_CONNECTIONS_PER_CLIENT, MIN_CONNECTIONS, RESERVED_FDS, FrontDoor,
-                               default_max_connections)
+from server.front_door import (DEFAULT_CONNECTIONS_PER_CLIENT, MIN_CONNECTIONS, RESERVED_FDS, ClientRateLimit,
+                               FrontDoor, default_max_connections)
 from threaded_server import serve_in_thread
 
 
@@ -208,12 +209,41 @@ def test_the_limits_and_their_flags():
         assert flags[flags.index(flag) + 1] == value
     assert "--max-connections" not in instance_args(parse_args([]))
     # The caps per client are the public port's only: an instance's callers are Conductors.
-    args = parse_args(["--max-connections-per-client", "8", "--max-requests-per-client-s", "5"])
-    assert front_door(args, public=True) == FrontDoor(max_connections_per_client=8, max_requests_per_client_s=5)
+    args = parse_args(["--max-connections-per-client", "8", "--max-requests-per-client-s", "5",
+                       "--trusted-proxy", "10.0.0.5"])
+    public = ServerSettings(api_keys=("k1",))
+    assert front_door(args, public=public) == FrontDoor(max_connections_per_client=8, max_requests_per_client_s=5,
+                                                        client_keys=("k1",), trusted_proxies=frozenset({"10.0.0.5"}))
     assert front_door(args) == FrontDoor()
-    assert "--max-connections-per-client" not in instance_args(args)
-    assert front_door(parse_args([]), public=True) == FrontDoor(max_connections_per_client=DEFAULT_CONNECTIONS_PER_CLIENT)
-    assert front_door(parse_args(["--max-connections-per-client", "0"]), public=True) == FrontDoor()
+    assert "--max-connections-per-client" not in instance_args(args) and "--trusted-proxy" not in instance_args(args)
+    assert front_door(parse_args([]), public=ServerSettings()) == FrontDoor(
+        max_connections_per_client=DEFAULT_CONNECTIONS_PER_CLIENT)
+    assert front_door(parse_args(["--max-connections-per-client", "0"]), public=ServerSettings()) == FrontDoor()
     for bad in (dict(max_connections_per_client=0), dict(max_requests_per_client_s=0)):
         with pytest.raises(ValueError):
             FrontDoor(**bad)
+
+
+def test_the_request_cap_counts_users_keys_and_the_address_a_trusted_balancer_saw():
+    """Issue 52: behind a balancer on this host every client was loopback (exempt), and
+    X-Forwarded-For was never read. Now a user's key is one client wherever it comes from; a
+    trusted balancer's last X-Forwarded-For entry names the client; anyone else's header is not
+    believed; an unknown key does not make a client of its own."""
+    limit = ClientRateLimit(None, 1.0, keys=("alice-key", "bob-key"), proxies={"127.0.0.1", "10.0.0.5"})
+
+    def scope(peer: str, **headers: str) -> dict:
+        return {"type": "http", "client": (peer, 5000),
+                "headers": [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]}
+
+    alice = limit.client(scope("127.0.0.1", authorization="Bearer alice-key"))
+    bob = limit.client(scope("127.0.0.1", authorization="Bearer bob-key"))
+    assert alice and bob and alice != bob and "alice" not in alice  # a digest, never the key
+    assert limit.client(scope("192.0.2.7", authorization="Bearer alice-key")) == alice  # the key, not the address
+    assert limit.client(scope("192.0.2.7", authorization="Bearer guessed")) == "192.0.2.7"
+    assert limit.client(scope("127.0.0.1")) is None  # loopback, no key: exempt as before
+    assert limit.client(scope("127.0.0.1", x_forwarded_for="198.51.100.1, 192.0.2.9")) == "192.0.2.9"
+    assert limit.client(scope("10.0.0.5", x_forwarded_for="192.0.2.9")) == "192.0.2.9"
+    assert limit.client(scope("192.0.2.8", x_forwarded_for="192.0.2.9")) == "192.0.2.8"  # not a trusted balancer
+    now = 1000.0
+    assert limit.take(alice, now) == 0 and limit.take(alice, now) == 0 and limit.take(alice, now) > 0
+    assert limit.take(bob, now) == 0  # another user's bucket
