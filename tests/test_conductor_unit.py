@@ -328,3 +328,30 @@ def test_a_call_that_times_out_marks_down_only_an_instance_the_probe_finds_down(
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_pause_of_the_conductor_is_noted_and_told_apart_from_slow_instances():
+    """Issue 52: after a 20 s SIGSTOP a Conductor refused every request for 30 s; the TTFTs it
+    timed across its own pause read as instances four times slower than predicted. The pause
+    watch notes the gap, and at once (before its own next tick) says a first token timed across
+    it is not to be learned from."""
+    import asyncio
+    import time
+
+    from cluster.conductor.upkeep import Upkeep
+
+    async def scenario():
+        upkeep = Upkeep(None, None, None, None, None, None, None)
+        watch = asyncio.create_task(upkeep.watch_pauses())
+        await asyncio.sleep(0.3)
+        assert not upkeep.paused_between(time.monotonic() - 0.3, time.monotonic())
+        t0 = time.monotonic()
+        time.sleep(1.5)  # the whole loop stops, as under SIGSTOP
+        t1 = time.monotonic()
+        assert upkeep.paused_between(t0, t1)  # before the watch's next tick
+        await asyncio.sleep(0.3)
+        assert len(upkeep.pauses) == 1 and upkeep.paused_s > 1.0
+        assert upkeep.paused_between(t0 + 0.5, t0 + 0.6) and not upkeep.paused_between(t1 + 0.05, time.monotonic())
+        watch.cancel()
+
+    asyncio.run(scenario())

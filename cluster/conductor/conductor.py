@@ -502,8 +502,11 @@ class Conductor(EngineClient):
         async with aclosing(stream):
             async for out in stream:
                 if timed:
-                    self.ttft_correction.observe(placement.plan.ttft_s, time.monotonic() - now, factor_then)
-                    self.ledger.prefill_factor = self.ttft_correction.factor
+                    # Not across a pause of this process: that TTFT measures us, not the instances
+                    # (a 20 s SIGSTOP took the factor to its bound and admission refused for long).
+                    if not self.upkeep.paused_between(now, first := time.monotonic()):
+                        self.ttft_correction.observe(placement.plan.ttft_s, first - now, factor_then)
+                        self.ledger.prefill_factor = self.ttft_correction.factor
                     timed = False
                 if probed:
                     stamps.append(time.monotonic())
@@ -596,6 +599,7 @@ class Conductor(EngineClient):
             "decode_reservation_retries": c.decode_retries, "requests_moved": c.moved,
             "local_prefills": c.local_prefills, **self.sessions.describe(), **self.indexer.describe(),
             "ttft_prediction_factor": round(self.ttft_correction.factor, 3),
+            "paused_s": round(self.upkeep.paused_s, 1),
             "admission_probes": self.probes.probed, "admission_probes_met_slo": self.probes.met,
             "false_reject_rate": self.probes.false_reject_rate,
             "moved_requests_waiting_for_room": c.moved_waits,

@@ -7,7 +7,10 @@ counted where ``/stats`` shows it, and retried):
   stops those requests' prefills at once (``RequestFlow.reservations_gone``);
 * ``watch_members``: with etcd, the instances announced there (``cluster.metadata.membership``),
   added to the registry, and forgotten a while after they left it;
-* ``watch_pool``: with a KVCache pool, its totals for ``/stats``.
+* ``watch_pool``: with a KVCache pool, its totals for ``/stats``;
+* ``watch_pauses``: gaps in this process's own event loop (SIGSTOP, a long GC, a starved VM):
+  ``paused_between`` tells whether one fell inside an interval, so that a request's TTFT that
+  includes our own pause is not taken as the instances' speed (issue 52).
 
 The registry's polls (``registry.py``) and elastic roles (``elastic.py``) keep loops of their own.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any
@@ -33,6 +37,7 @@ from cluster.protocol import TimedOut
 log = logging.getLogger(__name__)
 
 FORGET_AFTER_S = 60.0  # an instance down and no longer announced is forgotten after this long
+TICK_S, PAUSE_S = 0.1, 1.0  # watch_pauses: a tick, and the gap between ticks taken for a pause
 REFUSALS_LOG_EVERY_S = 60.0  # refused membership records: one log line at most this often
 
 
@@ -52,15 +57,37 @@ class Upkeep:
         # Membership records whose MAC failed in the latest listing (each logged when first seen):
         # an instance announced without the cluster secret is never polled nor sent a request.
         self.members_refused: list[str] = []
+        self.pauses: deque[tuple[float, float]] = deque(maxlen=64)  # (start, end), monotonic: the latest
+        self.paused_s = 0.0  # all of them together (/stats)
+        self._tick = time.monotonic()  # watch_pauses' latest tick
 
     def tasks(self) -> list[asyncio.Task]:
         """Start the loops this Conductor needs."""
-        tasks = [asyncio.create_task(self.renew_forever())]
+        tasks = [asyncio.create_task(self.renew_forever()), asyncio.create_task(self.watch_pauses())]
         if self._pool is not None:
             tasks.append(asyncio.create_task(self.watch_pool()))
         if self._members is not None:
             tasks.append(asyncio.create_task(self.watch_members()))
         return tasks
+
+    async def watch_pauses(self) -> None:
+        """Note every gap of over ``PAUSE_S`` between ticks of ``TICK_S``: this process did not run."""
+        self._tick = time.monotonic()
+        while True:
+            await asyncio.sleep(TICK_S)
+            now, last = time.monotonic(), self._tick
+            if now - last > PAUSE_S:
+                self.pauses.append((last, now))
+                self.paused_s += now - last - TICK_S
+                log.warning("this Conductor did not run for %.1f s (paused, or starved of CPU); first tokens timed "
+                            "across the gap do not teach the TTFT prediction", now - last)
+            self._tick = now
+
+    def paused_between(self, start: float, end: float) -> bool:
+        """Whether a gap overlaps ``[start, end]`` (monotonic seconds): one noted, or one that
+        ``end`` is still in (the watch has not ticked since: right after a resume, a request's
+        task may run before the watch's)."""
+        return end - self._tick > PAUSE_S or any(a < end and b > start for a, b in self.pauses)
 
     async def watch_pool(self) -> None:
         """Read the pool's totals every second (``pool_stats``)."""
