@@ -355,3 +355,37 @@ def test_a_pause_of_the_conductor_is_noted_and_told_apart_from_slow_instances():
         watch.cancel()
 
     asyncio.run(scenario())
+
+
+def test_after_a_pause_the_instances_are_polled_once_before_any_placement():
+    """Issue 52 item 5: admission after a gap uses fresh reports only. ``refresh`` polls every
+    instance whose state is older than the gap's end, once for all the requests waiting."""
+    import asyncio
+    import time
+
+    import httpx
+
+    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
+    layout = KVLayout(2, 2, 16, 8, "float32")
+    states = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/instance/info":
+            return httpx.Response(200, json=InstanceInfo("one", "decode", 1, 64, layout.to_dict(), profile.to_dict()).to_dict())
+        states.append(time.monotonic())
+        return httpx.Response(200, json=InstanceState("one", CacheDelta(1, []), {}).to_dict())
+
+    async def scenario():
+        client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
+        reg = Registry(client)
+        rec = reg.add("http://inst:1")
+        await reg.poll(rec)
+        before = rec.state_at
+        resumed = time.monotonic()
+        await asyncio.gather(*(reg.refresh(resumed) for _ in range(5)))  # five requests after the pause
+        assert len(states) == 2 and rec.state_at > resumed > before
+        await reg.refresh(resumed)  # fresh now: no poll
+        assert len(states) == 2
+        await client.close()
+
+    asyncio.run(scenario())

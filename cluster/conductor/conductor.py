@@ -457,6 +457,10 @@ class Conductor(EngineClient):
         """One placement of ``attempt`` and its run through the instances."""
         request_id, ids, params = attempt.request_id, attempt.prompt, attempt.params
         pool_blocks = await self._pool_prefix(ids)
+        if (since := self.upkeep.last_pause_end()) is not None:
+            # Right after a pause of this process, what it knows of the instances is from before
+            # it: placed and admitted by fresh reports only (bounded by the polls' timeout).
+            await self.registry.refresh(since)
         # From here to the booking nothing awaits: the decision and its record are one step.
         mode = self._serving_mode()
         if mode is None:  # instances went down since the check above

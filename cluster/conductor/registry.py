@@ -94,6 +94,7 @@ class Registry:
         self._on_new_incarnation = on_new_incarnation
         self._task: asyncio.Task | None = None
         self._probes: dict[str, asyncio.Task] = {}
+        self._refresh: asyncio.Future | None = None
         self.suspicions = 0  # calls that timed out on an instance the probe then found up (/stats)
 
     def add(self, url: str) -> InstanceRecord:
@@ -131,6 +132,17 @@ class Registry:
         rec.up = False
         rec.last_error = reason
         rec.lost.set()
+
+    async def refresh(self, since: float) -> None:
+        """Poll now every instance up whose state is older than ``since`` (monotonic), at most
+        once whatever the number of callers waiting: after a pause of this process, none of
+        its decisions should rest on a report from before it."""
+        stale = [r for r in self.records if r.up and r.state_at < since]
+        if not stale:
+            return
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(asyncio.gather(*(self.poll(r) for r in stale)))
+        await asyncio.shield(self._refresh)
 
     def suspect(self, rec: InstanceRecord, reason: str) -> None:
         """A call to ``rec`` timed out. A loaded instance can be slow to answer one call and

@@ -83,6 +83,13 @@ class Upkeep:
                             "across the gap do not teach the TTFT prediction", now - last)
             self._tick = now
 
+    def last_pause_end(self) -> float | None:
+        """When the latest gap ended (now, for one ``now`` is still in), or None without one."""
+        now = time.monotonic()
+        if now - self._tick > PAUSE_S:
+            return now
+        return self.pauses[-1][1] if self.pauses else None
+
     def paused_between(self, start: float, end: float) -> bool:
         """Whether a gap overlaps ``[start, end]`` (monotonic seconds): one noted, or one that
         ``end`` is still in (the watch has not ticked since: right after a resume, a request's
