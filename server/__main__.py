@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         api_keys, operator_key = read_keys(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    settings = ServerSettings(api_keys=api_keys, operator_key=operator_key, max_body_bytes=args.max_body_bytes,
-                              public_metrics=args.public_metrics)
+    settings = ServerSettings(api_keys=api_keys, operator_key=operator_key, max_user_priority=args.max_user_priority,
+                              max_body_bytes=args.max_body_bytes, public_metrics=args.public_metrics)
     if args.role is not None:
         launch.serve_instance(args, secret)
     elif args.mode == "colocated":

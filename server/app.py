@@ -32,6 +32,7 @@ How one generation request flows:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -52,7 +53,7 @@ from starlette.routing import Route
 from engine.outputs import RequestOutput
 from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
 from engine.tokenizer import Tokenizer
-from engine.session import SessionHint
+from engine.session import MAX_SESSION_ID_CHARS, SessionHint
 from server.metrics import RequestTracker, ServerMetrics
 from server.protocol import (
     Choice,
@@ -80,6 +81,9 @@ class ServerSettings:
 
     api_keys: tuple[str, ...] = ()
     operator_key: str | None = None
+    # The highest session priority a user's key may ask for (the operator's: any; with no keys set
+    # there are no users to tell apart, and none is bounded).
+    max_user_priority: int = 0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Serve /metrics and /stats without a key, e.g. to a Prometheus scraper that cannot send one.
     public_metrics: bool = False
@@ -259,6 +263,29 @@ class OpenAIServer:
             return None
         return _no_key()
 
+    def _user(self, request: Request) -> str | None:
+        """The user a request comes from: a digest of its API key (never the key itself), or None
+        (no keys set, or the operator's)."""
+        token = _bearer(request)
+        for key in self.settings.api_keys:
+            if _same(token, key):
+                return hashlib.sha256(key.encode()).hexdigest()[:12]
+        return None
+
+    def _scoped(self, session: SessionHint | None, user: str | None) -> SessionHint | None:
+        """``session`` as the engine keys it: one user's session id never names another's (issue
+        52: anyone could take over or flush another's session), and a user's priority is bounded."""
+        if session is None or user is None:
+            return session
+        if session.priority > self.settings.max_user_priority:
+            raise ProtocolError(f"'priority' {session.priority} is above what an API key may ask for "
+                                f"({self.settings.max_user_priority}; the server's --max-user-priority)", "priority",
+                                status=403, code="priority_not_allowed")
+        scoped = f"{user}:{session.session_id}"
+        if len(scoped) > MAX_SESSION_ID_CHARS:
+            scoped = f"{user}:{hashlib.sha256(session.session_id.encode()).hexdigest()}"
+        return SessionHint(scoped, session.priority)
+
     def _operator_denied(self, request: Request) -> Response | None:
         """An operator's route (``/stats``, ``/metrics``, the indexer API): None if the caller may
         call it, else the 401 (no key, a wrong one) or 403 (a user's key)."""
@@ -352,7 +379,7 @@ class OpenAIServer:
             if not self.client.is_ready:
                 return self._not_ready()
             parsed = await self._parse(kind, body, size)
-            session = parsed.session_hint(request.headers.get("x-session-id"))
+            session = self._scoped(parsed.session_hint(request.headers.get("x-session-id")), self._user(request))
         except ProtocolError as e:
             return _protocol_error(e)
         except EngineNotReady as e:

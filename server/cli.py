@@ -152,6 +152,9 @@ def _http_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
                    help="the operator's key (env MOONCAKE_OPERATOR_KEY): /stats, /metrics and the indexer API "
                    "(/query, /query_by_hash, /register, /unregister) need it, a user's key gets 403; it serves "
                    "/v1 too. Without it those take a user key and no engine may register with the indexer")
+    p.add_argument("--max-user-priority", type=int, default=0, metavar="N",
+                   help="the highest session 'priority' a request with a user's API key may ask for (403 above); "
+                   "the operator's key may ask for any")
     p.add_argument("--public-metrics", action="store_true",
                    help="serve /metrics and /stats without a key (e.g. to a scraper)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,

@@ -27,6 +27,7 @@ from bench import harness
 from bench.chaos.load import proc_status
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.session import SessionHint
 from server.cli import parse_args, read_cluster_secret
 from server.app import ServerSettings, build_app
 from engine.async_engine import AsyncLLMEngine
@@ -893,3 +894,24 @@ def test_keys_from_flags_env_and_file_warn_on_the_command_line(monkeypatch, tmp_
         read_keys(parse_args(["--api-key", "op-key"]))
     with pytest.raises(ValueError, match="cannot read"):
         read_keys(parse_args(["--api-key-file", str(tmp_path / "missing")]))
+
+
+def test_a_users_sessions_are_its_own_and_its_priority_bounded(servers):
+    """Issue 52: session ids were not tied to a client (anyone could take over or flush another's
+    session) and one client at priority 1000 took a victim's retained blocks. Now a user's session
+    id is scoped by its key, and its priority is at most --max-user-priority (0 by default); the
+    operator's key may ask for any."""
+    from server.app import OpenAIServer
+
+    keyed = servers.urls["keyed"]
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "session_id": "chat-1", "priority": 5}
+    err = assert_error(post(keyed, "/v1/completions", body, headers={"Authorization": f"Bearer {API_KEY}"}), 403)
+    assert err["param"] == "priority" and "--max-user-priority" in err["message"]
+    assert post(keyed, "/v1/completions", body, headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).status_code == 200
+    server = OpenAIServer(None, ServerSettings(api_keys=(API_KEY, OTHER_KEY), max_user_priority=3), None)
+    hint = SessionHint("chat-1", 3)
+    alice, bob = (server._scoped(hint, user) for user in ("aaaaaaaaaaaa", "bbbbbbbbbbbb"))
+    assert alice.session_id != bob.session_id and alice.priority == bob.priority == 3
+    assert server._scoped(hint, None) == hint  # the operator's, or no keys at all: as sent
+    long = server._scoped(SessionHint("x" * 256), "aaaaaaaaaaaa")
+    assert len(long.session_id) <= 256 and long.session_id.startswith("aaaaaaaaaaaa:")
