@@ -96,19 +96,19 @@ def _outward_address() -> str | None:
 
 
 def _indexer_allow(args: argparse.Namespace) -> tuple[str, ...]:
-    """``--indexer-allow`` as the indexer compares endpoints: ``host:port`` (a ``tcp://`` prefix
-    dropped) or ``ipc://path``; this server's own port is never one."""
+    """``--indexer-allow`` as the indexer compares endpoints (``endpoint_address``); this server's
+    own port is never one."""
+    from cluster.conductor.indexer import endpoint_address
+
     out = []
     for entry in args.indexer_allow:
-        if entry.startswith("ipc://") and len(entry) > len("ipc://"):
-            out.append(entry)
-            continue
-        host, sep, port = entry.removeprefix("tcp://").rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"--indexer-allow {entry!r}: give HOST:PORT or ipc://PATH")
-        if int(port) == args.port:
+        try:
+            address = endpoint_address(entry)
+        except ValueError as e:
+            raise ValueError(f"--indexer-allow: {e}; give HOST:PORT or ipc://PATH") from None
+        if not address.startswith("ipc://") and int(address.rpartition(":")[2]) == args.port:
             raise ValueError(f"--indexer-allow {entry!r}: that is this server's own port")
-        out.append(f"{host}:{int(port)}")
+        out.append(address)
     return tuple(out)
 
 

@@ -44,7 +44,7 @@ from starlette.responses import JSONResponse, Response
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.elastic import DeciderLease, ElasticRoles
 from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
-from cluster.conductor.indexer import Indexer, Ours
+from cluster.conductor.indexer import MAX_BODY_BYTES, Indexer, Ours
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import AdmissionProbes, Placement, PlacementConfig, Placer, TTFTCorrection
 from cluster.conductor.registry import InstanceRecord, Registry
@@ -108,7 +108,7 @@ class ConductorConfig:
     # then only for the endpoints listed (``host:port`` or ``ipc://path``: --indexer-allow).
     indexer_registrations: bool = False
     indexer_allow: tuple[str, ...] = ()
-    max_body_bytes: int = 8 << 20  # of the indexer's requests, as the server's others (--max-body-bytes)
+    max_body_bytes: int = MAX_BODY_BYTES  # of the indexer's requests, as the server's others (--max-body-bytes)
     # Pre-stage a session's KV from the pool's SSD tiers before its next turn (issue 42 item 4).
     session_prestage: bool = False
 

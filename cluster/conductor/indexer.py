@@ -119,9 +119,10 @@ class BlockBudget:
             self.used -= n
 
 
-# A block's media as bits: one block may sit in several at once (vLLM offloading to CPU keeps the GPU copy).
-_BIT = {"gpu": 1, "cpu": 2, "disk": 4}
-_CUMULATIVE = (("gpu", 1), ("cpu", 3), ("disk", 7))
+# A block's media as bits, one a tier: one block may sit in several at once (vLLM offloading to CPU
+# keeps the GPU copy). A tier's answer counts the blocks in it or any tier before it (cumulative).
+_BIT = {tier: 1 << i for i, tier in enumerate(TIERS)}
+_CUMULATIVE = tuple((tier, (1 << (i + 1)) - 1) for i, tier in enumerate(TIERS))
 LOG_EVERY_S = 30.0  # a registered engine's bad batches are logged at most this often (all are counted)
 RECONNECT_S = 1.0  # after a dropped connection, before the next
 
@@ -445,13 +446,10 @@ class Indexer:
                                f"{self.JOIN_S:.0f} s; try again", 503)
 
     def _check_endpoint(self, endpoint: str) -> None:
-        if endpoint.startswith("ipc://"):
-            address = endpoint
-        else:
-            host, sep, port = endpoint[len("tcp://"):].rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise IndexerError("a tcp:// endpoint must be tcp://HOST:PORT")
-            address = f"{host}:{int(port)}"
+        try:
+            address = endpoint_address(endpoint)
+        except ValueError as e:
+            raise IndexerError(str(e)) from None
         if address in self._reserved():
             raise IndexerError(f"{endpoint} is one of this cluster's own addresses", 403)
         if address not in self.allow:
@@ -479,6 +477,17 @@ class Indexer:
     def describe(self) -> dict[str, Any]:
         return {"indexer_registered": {e.instance_id: e.describe() for e in self.external.values()},
                 "indexer_blocks": {"used": self.budget.used, "limit": self.budget.limit}}
+
+
+def endpoint_address(endpoint: str) -> str:
+    """An endpoint as registrations and ``--indexer-allow`` are compared: ``ipc://PATH`` as it is,
+    ``tcp://HOST:PORT`` or ``HOST:PORT`` as ``HOST:PORT``. Raises ValueError for anything else."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{endpoint!r} is not tcp://HOST:PORT (or HOST:PORT) nor ipc://PATH")
+    return f"{host}:{int(port)}"
 
 
 def _hash_prompt(token_ids: list[int] | None, block_size: int | None, external_sizes: set[int]
