@@ -54,6 +54,7 @@ from engine.outputs import RequestOutput
 from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
 from engine.tokenizer import Tokenizer
 from engine.session import MAX_SESSION_ID_CHARS, SessionHint
+from server.front_door import bearer_token, user_of
 from server.metrics import RequestTracker, ServerMetrics
 from server.protocol import (
     Choice,
@@ -259,18 +260,13 @@ class OpenAIServer:
         if not s.api_keys:
             return None
         token = _bearer(request)
-        if any(_same(token, k) for k in s.api_keys) or (s.operator_key and _same(token, s.operator_key)):
+        if user_of(token, s.api_keys) is not None or (s.operator_key and _same(token, s.operator_key)):
             return None
         return _no_key()
 
     def _user(self, request: Request) -> str | None:
-        """The user a request comes from: a digest of its API key (never the key itself), or None
-        (no keys set, or the operator's)."""
-        token = _bearer(request)
-        for key in self.settings.api_keys:
-            if _same(token, key):
-                return hashlib.sha256(key.encode()).hexdigest()[:12]
-        return None
+        """The user a request comes from (``front_door.user_of``), or None (no keys set, or the operator's)."""
+        return user_of(_bearer(request), self.settings.api_keys)
 
     def _scoped(self, session: SessionHint | None, user: str | None) -> SessionHint | None:
         """``session`` as the engine keys it: one user's session id never names another's (issue
@@ -295,7 +291,7 @@ class OpenAIServer:
         token = _bearer(request)
         if _same(token, op):
             return None
-        if any(_same(token, k) for k in self.settings.api_keys):
+        if user_of(token, self.settings.api_keys) is not None:
             return _error(403, "this route is the operator's: it needs the operator key (--operator-key), "
                           "not a user's API key", "permission_error", code="operator_key_required")
         return _no_key()
@@ -535,8 +531,7 @@ def _completion_logprobs(tok: Tokenizer, p: ParsedRequest, c: Choice, lps: list,
 
 
 def _bearer(request: Request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    return bearer_token(request.scope["headers"])
 
 
 def _same(token: str, key: str) -> bool:

@@ -54,7 +54,7 @@ import resource
 import socket
 import time
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import h11
@@ -235,8 +235,7 @@ class ClientRateLimit:
         self.burst = max(1.0, 2.0 * rate)
         self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, when)
         self._swept = time.monotonic()
-        # A key's client name: a digest, so that the table (and the 429's text) never holds a key.
-        self._keys = {key.encode(): "key " + hashlib.sha256(key.encode()).hexdigest()[:12] for key in keys}
+        self._keys = tuple(keys)
         self._proxies = frozenset(proxies)
 
     def take(self, host: str, now: float) -> float:
@@ -257,24 +256,14 @@ class ClientRateLimit:
     def client(self, scope) -> str | None:
         """Who ``scope``'s request counts against; None: nobody (a loopback address)."""
         headers = scope.get("headers") or ()
-        if self._keys:
-            for name, value in headers:
-                if name == b"authorization":
-                    scheme, _, token = value.partition(b" ")
-                    if scheme.lower() == b"bearer" and (who := self._key(token.strip())) is not None:
-                        return who
+        if self._keys and (user := user_of(bearer_token(headers), self._keys)) is not None:
+            return "key " + user  # a digest: the table (and the 429's text) never holds a key
         peer = (scope.get("client") or ("",))[0]
         if peer in self._proxies:
             forwarded = [v for n, v in headers if n == b"x-forwarded-for"]
             if forwarded:  # the balancer appends the address it saw: the last entry is its own word
                 peer = forwarded[-1].decode("latin-1").split(",")[-1].strip()
         return None if not peer or _is_loopback(peer) else peer
-
-    def _key(self, token: bytes) -> str | None:
-        for key, who in self._keys.items():
-            if hmac.compare_digest(token, key):
-                return who
-        return None
 
     async def __call__(self, scope, receive, send) -> None:
         client = self.client(scope) if scope["type"] == "http" else None
@@ -289,6 +278,23 @@ class ClientRateLimit:
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
+
+
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The token of a request's ``Authorization: Bearer`` header (ASGI headers), or ""."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+def user_of(token: str, keys: Sequence[str]) -> str | None:
+    """The user whose API key ``token`` is, as a digest of the key (never the key itself), or None."""
+    for key in keys:
+        if hmac.compare_digest(token.encode(), key.encode()):
+            return hashlib.sha256(key.encode()).hexdigest()[:12]
+    return None
 
 
 def serve(app, host: str, port: int, door: FrontDoor, *, log_level: str = "info", fd: int | None = None) -> None:

@@ -56,14 +56,12 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
 def front_door(args: argparse.Namespace, public: ServerSettings | None = None) -> FrontDoor:
     """The limits of this process's HTTP port; ``public``: the OpenAI API's settings (the
     Conductor's, the colocated server's port), which also caps each client (a user's key is one)."""
-    if public is None:
-        return FrontDoor(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-                         max_connections=args.max_connections)
+    per_client = {} if public is None else dict(
+        max_connections_per_client=args.max_connections_per_client or None,
+        max_requests_per_client_s=args.max_requests_per_client_s or None,
+        client_keys=public.api_keys, trusted_proxies=frozenset(args.trusted_proxy))
     return FrontDoor(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-                     max_connections=args.max_connections,
-                     max_connections_per_client=args.max_connections_per_client or None,
-                     max_requests_per_client_s=args.max_requests_per_client_s or None,
-                     client_keys=public.api_keys, trusted_proxies=frozenset(args.trusted_proxy))
+                     max_connections=args.max_connections, **per_client)
 
 
 def _pool_config(args: argparse.Namespace, url: str):
