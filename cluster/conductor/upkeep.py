@@ -143,7 +143,6 @@ class Upkeep:
                 for url in sorted(listed - announced):
                     self._registry.add(url)
                 announced |= listed
-                now = time.monotonic()
                 for rec in list(self._registry.records):
                     if (rec.url not in announced or rec.url in listed or rec.up
                             or rec.url in self._config.instances or self._ledger.holds(rec)):

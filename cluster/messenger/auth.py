@@ -45,17 +45,12 @@ def _recv_hello(sock: socket.socket, deadline: float | None = None) -> bytes:
 
 def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
     """Authenticate to a Messenger; returns the server's hello. Raises AuthenticationError."""
+    began = False  # whether the peer began the handshake: a close before that is not about the secret
     try:
         magic = _recv(sock, len(MAGIC))
-    except socket.timeout as exc:
-        raise PeerError(f"no handshake from the peer within {sock.gettimeout():g} s") from exc
-    except ConnectionError as exc:
-        # Closed before any proof was asked: too many connections in their handshake there (it
-        # gave this one's slot to a newer one), or it is shutting down. Not the secret.
-        raise PeerError(f"the peer closed the connection before its handshake began: {exc}") from exc
-    if magic != MAGIC:
-        raise AuthenticationError("peer does not speak this transfer protocol")
-    try:
+        began = True
+        if magic != MAGIC:
+            raise AuthenticationError("peer does not speak this transfer protocol")
         server_nonce = _recv(sock, NONCE_BYTES)
         client_nonce = os.urandom(NONCE_BYTES)
         body = encode_json(hello)
@@ -66,6 +61,10 @@ def client_handshake(sock: socket.socket, secret: bytes, hello: dict) -> dict:
     except socket.timeout as exc:  # a frozen or overloaded peer, not a refusal
         raise PeerError(f"no handshake from the peer within {sock.gettimeout():g} s") from exc
     except ConnectionError as exc:
+        if not began:
+            # Closed before any proof was asked: too many connections in their handshake there
+            # (it gave this one's slot to a newer one), or it is shutting down.
+            raise PeerError(f"the peer closed the connection before its handshake began: {exc}") from exc
         # The Messenger closes without a word when our proof is wrong, and when it gives a crowded
         # handshake's slot to a newer connection.
         raise AuthenticationError(f"the peer closed the connection during the handshake (a wrong cluster secret, "

@@ -46,6 +46,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 
@@ -183,10 +184,15 @@ class Listing:
 _MEMBER_LABEL = "mooncake-py/member/v1"
 
 
+def _mac(key: bytes, label: str, *fields: Any) -> str:
+    """The MAC of a record of one kind (``label``, versioned: a change of the signed fields cannot
+    be confused with an earlier one). JSON of a list: every tuple of fields has exactly one
+    encoding, whatever characters they hold."""
+    return hmac.new(key, json.dumps([label, *fields]).encode(), hashlib.sha256).hexdigest()
+
+
 def _member_mac(key: bytes, instance_id: str, url: str, role: str) -> str:
-    # JSON of a list: every (id, url, role) has exactly one encoding, whatever characters they hold.
-    fields = json.dumps([_MEMBER_LABEL, instance_id, url, role]).encode()
-    return hmac.new(key, fields, hashlib.sha256).hexdigest()
+    return _mac(key, _MEMBER_LABEL, instance_id, url, role)
 
 
 def announce(store: MetadataStore, key: bytes, instance_id: str, url: str, role: str,
@@ -247,8 +253,7 @@ _CLAIM_LABEL = "mooncake-py/conductor-claim/v1"
 
 
 def _claim_mac(key: bytes, conductor_id: str, url: str, epoch: int) -> str:
-    fields = json.dumps([_CLAIM_LABEL, conductor_id, url, epoch]).encode()
-    return hmac.new(key, fields, hashlib.sha256).hexdigest()
+    return _mac(key, _CLAIM_LABEL, conductor_id, url, epoch)
 
 
 def claim_conductor(store: MetadataStore, key: bytes, conductor_id: str, url: str, ttl_s: float = DEFAULT_TTL_S,
@@ -311,7 +316,7 @@ _DECIDER_LABEL = "mooncake-py/elastic-decider/v1"
 
 
 def _decider_mac(key: bytes, conductor_id: str) -> str:
-    return hmac.new(key, json.dumps([_DECIDER_LABEL, conductor_id]).encode(), hashlib.sha256).hexdigest()
+    return _mac(key, _DECIDER_LABEL, conductor_id)
 
 
 def hold_decider(store: MetadataStore, key: bytes, conductor_id: str, ttl_s: float = DEFAULT_TTL_S
