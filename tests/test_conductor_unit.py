@@ -29,6 +29,22 @@ from tests.signed_answers import signed_transport
 SECRET = b"0123456789abcdef0123"
 
 
+def _info(instance_id: str, role: str):
+    """An instance's ``/instance/info`` as the mocked transports of the registry tests answer it."""
+    import httpx
+
+    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
+    info = InstanceInfo(instance_id, role, 1, 64, KVLayout(2, 2, 16, 8, "float32").to_dict(), profile.to_dict())
+    return httpx.Response(200, json=info.to_dict())
+
+
+def _state(instance_id: str = "one"):
+    """Its ``/instance/state``: no cached keys, no statistics."""
+    import httpx
+
+    return httpx.Response(200, json=InstanceState(instance_id, CacheDelta(1, []), {}).to_dict())
+
+
 @pytest.mark.parametrize("bad", [
     {"secret": b"short"},
     {"poll_interval_s": 0},
@@ -175,8 +191,6 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
 
     import httpx
 
-    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
-    layout = KVLayout(2, 2, 16, 8, "float32")
     answers = {"id": "one", "fatal": False, "keys": [b"k1"], "version": 3}
     seen_since = []
 
@@ -184,8 +198,7 @@ def test_registry_poll_marks_up_reports_fatal_starts_and_restarts():
         if request.url.path == "/instance/info":
             if answers["fatal"]:
                 return httpx.Response(503, json={"error": "model failed to load: boom", "fatal": True})
-            info = InstanceInfo(answers["id"], "prefill", 1, 64, layout.to_dict(), profile.to_dict())
-            return httpx.Response(200, json=info.to_dict())
+            return _info(answers["id"], "prefill")
         seen_since.append(request.url.params.get("since"))
         unchanged = request.url.params.get("since") == str(answers["version"])
         cache = CacheDelta(answers["version"], None if unchanged else answers["keys"])
@@ -229,16 +242,14 @@ def test_a_local_out_of_descriptors_marks_no_instance_down(caplog):
 
     from cluster.conductor.client import OwnResourcesExhausted
 
-    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
-    layout = KVLayout(2, 2, 16, 8, "float32")
     fail = {"with": None}
 
     def handler(request: httpx.Request) -> httpx.Response:
         if fail["with"] is not None:
             raise httpx.ConnectError("could not connect") from fail["with"]
         if request.url.path == "/instance/info":
-            return httpx.Response(200, json=InstanceInfo("one", "prefill", 1, 64, layout.to_dict(), profile.to_dict()).to_dict())
-        return httpx.Response(200, json=InstanceState("one", CacheDelta(1, []), {}).to_dict())
+            return _info("one", "prefill")
+        return _state()
 
     async def scenario():
         client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
@@ -299,16 +310,14 @@ def test_a_call_that_times_out_marks_down_only_an_instance_the_probe_finds_down(
 
     import httpx
 
-    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
-    layout = KVLayout(2, 2, 16, 8, "float32")
     polls = {"answer": True}
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/instance/info":
-            return httpx.Response(200, json=InstanceInfo("one", "decode", 1, 64, layout.to_dict(), profile.to_dict()).to_dict())
+            return _info("one", "decode")
         if not polls["answer"]:
             raise httpx.ReadTimeout("no answer")
-        return httpx.Response(200, json=InstanceState("one", CacheDelta(1, []), {}).to_dict())
+        return _state()
 
     async def scenario():
         client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
@@ -365,15 +374,13 @@ def test_after_a_pause_the_instances_are_polled_once_before_any_placement():
 
     import httpx
 
-    profile = InstanceProfile(PrefillCostModel(1e-7, 2e-7, 1e-3, 0.05), None)
-    layout = KVLayout(2, 2, 16, 8, "float32")
     states = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/instance/info":
-            return httpx.Response(200, json=InstanceInfo("one", "decode", 1, 64, layout.to_dict(), profile.to_dict()).to_dict())
+            return _info("one", "decode")
         states.append(time.monotonic())
-        return httpx.Response(200, json=InstanceState("one", CacheDelta(1, []), {}).to_dict())
+        return _state()
 
     async def scenario():
         client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
