@@ -414,30 +414,40 @@ def instance_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _read_private(path: str, flag: str, what: str) -> str:
+    """The text of a file holding secrets (``what``, named by ``flag``), with a warning when other
+    users may read it. Raises ``ValueError`` when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        mode = os.stat(path).st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {what} from {flag} {path}: {e}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logging.getLogger(__name__).warning("%s can be read by other users; restrict it with chmod 600", path)
+    return text
+
+
+def _on_the_command_line(flag: str, instead: str) -> None:
+    logging.getLogger(__name__).warning("%s on the command line is visible to other users of this machine (ps, "
+                                        "/proc/PID/cmdline); %s instead", flag, instead)
+
+
 def read_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], str | None]:
     """The users' keys (``--api-key`` each, ``MOONCAKE_API_KEY``, ``--api-key-file``'s lines) and
     the operator's (``--operator-key`` or ``MOONCAKE_OPERATOR_KEY``). Raises ``ValueError`` when
     the file cannot be read, a key is empty, or the operator's is also a user's."""
-    log = logging.getLogger(__name__)
     keys = list(args.api_key)
     if keys:
-        log.warning("--api-key on the command line is visible to other users of this machine (ps, /proc/PID/cmdline); "
-                    "set MOONCAKE_API_KEY or use --api-key-file instead")
+        _on_the_command_line("--api-key", "set MOONCAKE_API_KEY or use --api-key-file")
     operator = args.operator_key.strip() if args.operator_key is not None else None
     if operator is not None and args.operator_key != os.environ.get("MOONCAKE_OPERATOR_KEY"):
-        log.warning("--operator-key on the command line is visible to other users of this machine (ps, "
-                    "/proc/PID/cmdline); set MOONCAKE_OPERATOR_KEY instead")
+        _on_the_command_line("--operator-key", "set MOONCAKE_OPERATOR_KEY")
     if env := os.environ.get("MOONCAKE_API_KEY"):
         keys.append(env)
     if args.api_key_file is not None:
-        try:
-            with open(args.api_key_file, encoding="utf-8") as f:
-                keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-            mode = os.stat(args.api_key_file).st_mode
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read the API keys from --api-key-file {args.api_key_file}: {e}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("%s can be read by other users; restrict it with chmod 600", args.api_key_file)
+        text = _read_private(args.api_key_file, "--api-key-file", "the API keys")
+        keys += [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     keys = [k.strip() for k in keys]
     if any(not k for k in keys) or operator == "":
         raise ValueError("an API key is empty")
@@ -450,21 +460,12 @@ def read_cluster_secret(args: argparse.Namespace) -> str | None:
     """The cluster secret from ``--cluster-secret-file``, ``--cluster-secret`` or the environment,
     without surrounding whitespace; None when none is given. Raises ``ValueError`` when it cannot be
     read or is too short to resist guessing."""
-    log = logging.getLogger(__name__)
     if args.cluster_secret_file is not None:
         source = f"--cluster-secret-file {args.cluster_secret_file}"
-        try:
-            with open(args.cluster_secret_file, encoding="utf-8") as f:
-                secret = f.read()
-            mode = os.stat(args.cluster_secret_file).st_mode
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read the cluster secret from {source}: {e}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("%s can be read by other users; restrict it with chmod 600", args.cluster_secret_file)
+        secret = _read_private(args.cluster_secret_file, "--cluster-secret-file", "the cluster secret")
     elif args.cluster_secret is not None:
         source, secret = "--cluster-secret", args.cluster_secret
-        log.warning("--cluster-secret on the command line is visible to other users of this machine (ps, "
-                    "/proc/PID/cmdline); set %s or use --cluster-secret-file instead", SECRET_ENV)
+        _on_the_command_line("--cluster-secret", f"set {SECRET_ENV} or use --cluster-secret-file")
     elif (secret := os.environ.get(SECRET_ENV)) is not None:
         source = SECRET_ENV
     else:
