@@ -35,7 +35,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.session import SessionHint
 from engine.sequence import KVLoad, PendingKVLoad, Sequence, SequenceStatus
-from paged_kv.prefix_keys import chain_keys
+from paged_kv.prefix_keys import chain_keys, salt_root
 
 
 class KVCapacityError(RuntimeError):
@@ -183,21 +183,24 @@ class KVHandoff:
             raise
 
     # -- sending ------------------------------------------------------------------------------------
-    def export_prefix(self, token_ids: list[int], skip_blocks: int, num_blocks: int, out: torch.Tensor) -> None:
+    def export_prefix(self, token_ids: list[int], skip_blocks: int, num_blocks: int, out: torch.Tensor,
+                      salt: str | None = None) -> None:
         """Pack the cached blocks ``[skip_blocks, skip_blocks + num_blocks)`` of ``token_ids``'s
-        prefix into ``out`` (``layout.shape(num_blocks)``). One engine-thread call, so nothing can
-        evict them between lookup and copy. Raises ValueError when they are not all cached."""
+        prefix (cached under ``salt``) into ``out`` (``layout.shape(num_blocks)``). One
+        engine-thread call, so nothing can evict them between lookup and copy. Raises ValueError
+        when they are not all cached."""
         self._whole_model("export a prefix")
         e = self._engine
-        blocks = e.block_manager.pool.lookup(chain_keys(token_ids, self.layout.block_size))
+        blocks = e.block_manager.pool.lookup(chain_keys(token_ids, self.layout.block_size, salt_root(salt)))
         wanted = blocks[skip_blocks : skip_blocks + num_blocks]
         if len(wanted) != num_blocks:
             raise ValueError(f"only {len(blocks)} of the prefix blocks are cached here now")
         pack(e.runner.kv_cache, wanted, None, out)
 
-    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
-        """How many leading full blocks of ``token_ids`` the prefix cache holds now."""
-        return len(self._engine.block_manager.pool.lookup(chain_keys(token_ids, self.layout.block_size)))
+    def cached_prefix_blocks(self, token_ids: list[int], salt: str | None = None) -> int:
+        """How many leading full blocks of ``token_ids`` the prefix cache holds now (under ``salt``)."""
+        keys = chain_keys(token_ids, self.layout.block_size, salt_root(salt))
+        return len(self._engine.block_manager.pool.lookup(keys))
 
     def add_loading(self, request_id: str, token_ids: list[int], params: SamplingParams, start_block: int,
                     num_blocks: int, load: KVLoad, session: SessionHint | None = None) -> None:

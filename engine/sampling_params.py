@@ -63,6 +63,10 @@ def _token_ids(value: Any) -> list[int]:
     return ids
 
 
+# A salt is hashed once per request; a bound keeps a body from making that the work.
+MAX_CACHE_SALT_CHARS = 1024
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop, following OpenAI/vLLM conventions.
@@ -88,6 +92,10 @@ class SamplingParams:
     # alternatives, raw (the model's log-softmax, before penalties and temperature). None: off.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Not about sampling, but it travels wherever a request's parameters do: the prompt's KV is
+    # cached and looked up under this salt only (``paged_kv.prefix_keys.salt_root``), as vLLM's
+    # ``cache_salt``. The server sets it per user under ``--cache-scope per-key``.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _real("temperature", self.temperature)
@@ -138,6 +146,11 @@ class SamplingParams:
                 setattr(self, name, value)
 
         self.skip_special_tokens = _boolean("skip_special_tokens", self.skip_special_tokens)
+
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+                raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                 "characters")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:

@@ -15,6 +15,7 @@ from engine.sampler import SamplingState
 from engine.sampling_params import SamplingParams
 from engine.session import SessionHint
 from paged_kv import BlockTable
+from paged_kv.prefix_keys import salt_root
 
 
 class KVLoad(Protocol):
@@ -67,7 +68,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
-        self.block_table = BlockTable()
+        # A salted request's blocks are keyed apart from everyone else's (their chain's root).
+        self.block_table = BlockTable(root=salt_root(params.cache_salt))
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer

@@ -14,11 +14,13 @@ class BlockTable:
     """Logical block i of a sequence lives in physical block ``block_ids[i]``.
 
     ``keys[i]`` is the prefix key of block i once that block is full and its KV computed
-    (``len(keys) <= len(block_ids)``); the chain continues from ``keys[-1]``.
+    (``len(keys) <= len(block_ids)``); the chain continues from ``keys[-1]``, and starts from
+    ``root`` (``prefix_keys.salt_root``: None unless the request's cache is salted).
     """
 
     block_ids: list[int] = field(default_factory=list)
     keys: list[PrefixKey] = field(default_factory=list)
+    root: PrefixKey | None = None
 
     def slot(self, position: int, block_size: int) -> int:
         """Flat index into the paged cache of the token at ``position``."""
@@ -60,7 +62,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         max_blocks = (len(token_ids) - 1) // self.block_size
-        keys = chain_keys(token_ids[: max_blocks * self.block_size], self.block_size)
+        keys = chain_keys(token_ids[: max_blocks * self.block_size], self.block_size, table.root)
         hits = self.pool.lookup(keys)
         self.pool.acquire(hits)
         table.block_ids.extend(hits)
@@ -80,7 +82,7 @@ class BlockManager:
             return
         bs = self.block_size
         for i in range(len(table.keys), num_computed // bs):
-            parent = table.keys[-1] if table.keys else None
+            parent = table.keys[-1] if table.keys else table.root
             key = block_key(parent, token_ids[i * bs : (i + 1) * bs])
             table.keys.append(key)
             self.pool.register(table.block_ids[i], key)

@@ -5,6 +5,10 @@ Two sequences share block i's key exactly when their first ``(i + 1) * block_siz
 equal, so a key identifies a reusable prefix, not just a chunk of tokens. The Mooncake traces
 use the same construction with 512-token blocks (their ``hash_ids``).
 
+A *cache salt* (``salt_root``) gives a chain a parent of its own: two requests under different
+salts never share a key, so one never learns from a hit that the other sent the same prefix
+(``--cache-scope per-key`` salts every user's requests with that user's identity).
+
 Keys are 16-byte BLAKE2b digests: stable across processes and machines (Python's ``hash`` of a
 tuple is not guaranteed to be), which matters once keys travel to the Conductor and the KV pool.
 """
@@ -42,7 +46,15 @@ def chain_keys(
     return keys
 
 
-def reusable_keys(token_ids: Sequence[int], block_size: int) -> list[PrefixKey]:
+def salt_root(salt: str | None) -> PrefixKey | None:
+    """The parent of the first block of a chain under ``salt`` (None: no salt, the shared chain)."""
+    if salt is None:
+        return None
+    # A label no token encoding can produce keeps a salted root from equalling any block's key.
+    return hashlib.blake2b(b"cache-salt\x00" + salt.encode(), digest_size=_DIGEST_SIZE).digest()
+
+
+def reusable_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[PrefixKey]:
     """Keys of the full blocks of ``token_ids`` a prefix cache can serve: those before its last
     token, which is always computed (its logits give the first output token)."""
-    return chain_keys(token_ids[: (len(token_ids) - 1) // block_size * block_size], block_size)
+    return chain_keys(token_ids[: (len(token_ids) - 1) // block_size * block_size], block_size, salt_root(salt))

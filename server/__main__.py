@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         api_keys, operator_key = read_keys(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if args.cache_scope not in ("per-key", "shared"):  # argparse leaves an env default unchecked
+        sys.exit(f"error: MOONCAKE_CACHE_SCOPE must be per-key or shared, not {args.cache_scope!r}")
     settings = ServerSettings(api_keys=api_keys, operator_key=operator_key, max_user_priority=args.max_user_priority,
+                              cache_scope=args.cache_scope,
                               max_body_bytes=args.max_body_bytes, public_metrics=args.public_metrics)
     if args.role is not None:
         launch.serve_instance(args, secret)

@@ -5,7 +5,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 operators). With API keys set, ``/v1`` needs one (``Authorization: Bearer KEY``); with an
 operator key, ``/metrics``, ``/stats`` and the Conductor's indexer API need it (they name
 instance URLs, load and what is cached; ``public_metrics`` opens the first two): see
-``ServerSettings``. ``/health`` stays open for load balancers but shows why loading failed only to
+``ServerSettings``. Under ``cache_scope`` per-key (the default) each key's prompts are cached
+apart from the others'. ``/health`` stays open for load balancers but shows why loading failed only to
 those who may read ``/stats``.
 
 Errors that are the client's (4xx) explain themselves. Failures that are not (5xx) never echo the
@@ -32,6 +33,7 @@ How one generation request flows:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -85,6 +87,10 @@ class ServerSettings:
     # The highest session priority a user's key may ask for (the operator's: any; with no keys set
     # there are no users to tell apart, and none is bounded).
     max_user_priority: int = 0
+    # "per-key": each caller's prompts are cached apart (a hit, ``cached_tokens``, tells nobody what
+    # another caller sent); "shared": every caller reuses every prefix (faster where users share
+    # prompts, and a cached prefix then answers who sent what). ``SamplingParams.cache_salt``.
+    cache_scope: str = "per-key"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Serve /metrics and /stats without a key, e.g. to a Prometheus scraper that cannot send one.
     public_metrics: bool = False
@@ -282,6 +288,37 @@ class OpenAIServer:
             scoped = f"{user}:{hashlib.sha256(session.session_id.encode()).hexdigest()}"
         return SessionHint(scoped, session.priority)
 
+    def _caller(self, request: Request) -> str | None:
+        """Whose cache a request reads and fills under ``cache_scope`` per-key: its user's, the
+        operator's; None where callers share one (shared scope, or no keys: one caller)."""
+        if self.settings.cache_scope != "per-key":
+            return None
+        if (user := self._user(request)) is not None:
+            return f"key {user}"
+        op = self.settings.operator_key
+        return "operator" if op and _same(_bearer(request), op) else None
+
+    def _salted(self, parsed: ParsedRequest, caller: str | None) -> None:
+        """Every sampling of ``parsed`` keyed in ``caller``'s cache: its name, then the body's
+        ``cache_salt``, salt the prompt's KV (``paged_kv.prefix_keys.salt_root``). A body's salt
+        cannot name another caller's cache: the caller's own name always comes first."""
+        if caller is None:
+            return
+        for row in parsed.params:
+            row[:] = [dataclasses.replace(p, cache_salt=caller if p.cache_salt is None else f"{caller}\n{p.cache_salt}")
+                      for p in row]
+
+    def _indexer_denied(self, request: Request) -> Response | None:
+        """The indexer's routes: the operator's, and under per-key cache scope never a user's, even
+        without an operator key (a cached prefix answers what someone's prompt began with)."""
+        if not self.settings.operator_key and self.settings.api_keys and self.settings.cache_scope == "per-key":
+            if (denied := self._unauthorized(request)) is not None:
+                return denied
+            return _error(403, "the indexer's answers tell what others' prompts began with: under --cache-scope "
+                          "per-key they are the operator's (set --operator-key)", "permission_error",
+                          code="operator_key_required")
+        return self._operator_denied(request)
+
     def _operator_denied(self, request: Request) -> Response | None:
         """An operator's route (``/stats``, ``/metrics``, the indexer API): None if the caller may
         call it, else the 401 (no key, a wrong one) or 403 (a user's key)."""
@@ -376,6 +413,7 @@ class OpenAIServer:
                 return self._not_ready()
             parsed = await self._parse(kind, body, size)
             session = self._scoped(parsed.session_hint(request.headers.get("x-session-id")), self._user(request))
+            self._salted(parsed, self._caller(request))
         except ProtocolError as e:
             return _protocol_error(e)
         except EngineNotReady as e:
@@ -546,7 +584,7 @@ def _no_key() -> Response:
 def _operators(server: OpenAIServer, endpoint: Callable[[Request], Awaitable[Response]]
                ) -> Callable[[Request], Awaitable[Response]]:
     async def handle(request: Request) -> Response:
-        if (denied := server._operator_denied(request)) is not None:
+        if (denied := server._indexer_denied(request)) is not None:
             return denied
         return await endpoint(request)
     return handle

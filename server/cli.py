@@ -155,6 +155,12 @@ def _http_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
     p.add_argument("--max-user-priority", type=int, default=0, metavar="N",
                    help="the highest session 'priority' a request with a user's API key may ask for (403 above); "
                    "the operator's key may ask for any")
+    p.add_argument("--cache-scope", choices=["per-key", "shared"], default=_env("MOONCAKE_CACHE_SCOPE", "per-key"),
+                   help="per-key (default): each API key's prompts are cached apart, so a cache hit "
+                   "(usage.cached_tokens, a faster first token) tells no user what another sent, and the indexer "
+                   "API is never a user's; shared: every key reuses every cached prefix (faster where users share "
+                   "prompts such as a system prompt, and it leaks them). With no keys set there is one caller. "
+                   "A request's cache_salt narrows either (env MOONCAKE_CACHE_SCOPE)")
     p.add_argument("--public-metrics", action="store_true",
                    help="serve /metrics and /stats without a key (e.g. to a scraper)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,

@@ -19,7 +19,7 @@ from jinja2.exceptions import TemplateError
 
 from engine.outputs import RequestOutput
 from engine.outputs import Logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
 from engine.session import PRIORITY_RANGE, SessionHint
 from engine.tokenizer import Tokenizer
 
@@ -27,6 +27,8 @@ MAX_N = 16  # choices per prompt
 MAX_CHOICES = 128  # prompts * n per request
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+# Half the engine's bound: under --cache-scope per-key the server puts the caller's name before it.
+MAX_BODY_CACHE_SALT_CHARS = MAX_CACHE_SALT_CHARS // 2
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -113,6 +115,15 @@ def _string(body: dict, key: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ProtocolError(f"'{key}' must be a string, got {_type_name(value)}", key)
     return value
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's ``cache_salt``: the prompt's KV is reused only by requests with the same salt."""
+    salt = _string(body, "cache_salt")
+    if salt is not None and not 0 < len(salt) <= MAX_BODY_CACHE_SALT_CHARS:
+        raise ProtocolError(f"'cache_salt' must be a non-empty string of at most {MAX_BODY_CACHE_SALT_CHARS} "
+                            "characters", "cache_salt")
+    return salt
 
 
 def _stop(body: dict) -> list[str]:
@@ -236,6 +247,7 @@ def _common(body: dict, kind: str) -> tuple[dict[str, Any], int, bool, bool]:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+        cache_salt=_cache_salt(body),
     )
     best_of = _integer(body, "best_of", None, 1)
     if best_of is not None and best_of != n:

@@ -12,6 +12,7 @@ import pytest
 
 from paged_kv import BlockManager, BlockPool, BlockTable, OutOfBlocks, block_key, chain_keys
 from paged_kv.block_pool import Retention
+from paged_kv.prefix_keys import reusable_keys, salt_root
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -436,6 +437,29 @@ def test_bm_shared_prefix_shares_physical_blocks():
     bm.free(b)
     bm.check_integrity()
     assert bm.pool.num_in_use == 0
+
+
+def test_a_salted_table_shares_blocks_only_under_its_own_salt():
+    """Issue 52 item 3: a cache salt roots the chain, so equal prompts under different salts (two
+    users under --cache-scope per-key) never hit each other's blocks; under one salt they do."""
+    bs = 4
+    bm = BlockManager(16, bs)
+    toks = list(range(3 * bs))
+    assert salt_root(None) is None and salt_root("alice") != salt_root("bob")
+    alice = BlockTable(root=salt_root("alice"))
+    assert bm.match_prefix(alice, toks) == 0
+    bm.grow(alice, len(toks))
+    bm.commit(alice, toks, len(toks))
+    assert alice.keys == chain_keys(toks, bs, salt_root("alice"))
+    assert set(alice.keys).isdisjoint(chain_keys(toks, bs))  # nothing shared with the unsalted chain
+    for root, hit in ((None, 0), (salt_root("bob"), 0), (salt_root("alice"), 2 * bs)):
+        probe = BlockTable(root=root)
+        assert bm.match_prefix(probe, toks) == hit, root
+        bm.free(probe)
+    # What the Conductor and the instances look up (reusable_keys) is the same salted chain.
+    assert reusable_keys(toks, bs, "alice") == alice.keys[:2]
+    bm.free(alice)
+    bm.check_integrity()
 
 
 def test_bm_blocks_needed_can_grow_grow_arithmetic():

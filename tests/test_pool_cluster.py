@@ -296,6 +296,28 @@ def test_a_second_turn_hits_the_first_turns_output(cluster, colocated):
 
 
 @ON_EMBEDDED
+def test_a_salted_turn_is_found_in_the_pool_under_its_salt_only(cluster, colocated):
+    """Issue 52 item 3 through the cluster: a request's cache_salt keys its blocks on the prefill
+    and decode instances and its objects in the pool (the decode instance's store of the output
+    too, from its reservation): the next turn under the same salt hits the pool's copy of the
+    output, the same prompt under another salt hits nothing, anywhere."""
+    cluster.start_node()
+    first = _words("salted", 40) + " Tell me a long story about the sea."
+    pooled = len(cluster.object_keys())
+    turn = cluster.complete(first, temperature=0, max_tokens=96, ignore_eos=True, cache_salt="alice")
+    reply, n_first = turn["choices"][0]["text"], turn["usage"]["prompt_tokens"]
+    second = first + reply + " And then?"
+    until(lambda: len(cluster.object_keys()) >= pooled + (n_first + 90) // 64, 30, "the salted turn in the pool")
+    probe = cluster.complete(second, **GREEDY, cache_salt="mallory")
+    assert probe["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    got = cluster.complete(second, **GREEDY, cache_salt="alice")
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n_first // 64 + 1) * 64
+    assert probe["choices"][0]["text"] == got["choices"][0]["text"] == _want(colocated, second)
+    cluster.assert_clean()
+    cluster.stop_pool_node()
+
+
+@ON_EMBEDDED
 def test_a_sessions_turn_is_retained_in_the_pool_and_the_instances_and_the_next_is_kept_there(cluster, colocated):
     """Issue 42 at the shipped defaults: a hinted turn's KV is retained where it is cached (the
     prefill instance's prompt, the decode instance's prompt and output, the pool's copy of them),

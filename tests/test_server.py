@@ -61,6 +61,8 @@ class Servers:
                                                            max_body_bytes=4096), manage_engine=False),
             "public": build_app(self.client, ServerSettings(api_keys=(API_KEY,), public_metrics=True),
                                 manage_engine=False),
+            "shared": build_app(self.client, ServerSettings(api_keys=(API_KEY, OTHER_KEY), cache_scope="shared"),
+                                manage_engine=False),
             "loading": build_app(self.idle, manage_engine=False),
         }
         self.sockets = {name: _socket() for name in apps}
@@ -894,6 +896,55 @@ def test_keys_from_flags_env_and_file_warn_on_the_command_line(monkeypatch, tmp_
         read_keys(parse_args(["--api-key", "op-key"]))
     with pytest.raises(ValueError, match="cannot read"):
         read_keys(parse_args(["--api-key-file", str(tmp_path / "missing")]))
+
+
+def test_one_users_cached_prompt_tells_another_nothing_unless_the_cache_is_shared(servers):
+    """Issue 52 item 3: usage.cached_tokens was an exact oracle of another user's prompt (a guessed
+    diagnosis matched 48 tokens, the others 16). Under --cache-scope per-key (the default) each key
+    caches apart: a second key's probe finds 0 tokens, the owner's repeat hits. A body's
+    cache_salt narrows either scope (vLLM's field); under shared scope a prompt is everyone's."""
+    def cached(app: str, key: str, prompt: str, **extra) -> int:
+        r = post(servers.urls[app], "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra},
+                 headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    note = "Clinic note, patient 4471: the biopsy confirmed a diagnosis of sarcoidosis of the lungs. Plan:"
+    assert cached("keyed", API_KEY, note) == 0
+    assert cached("keyed", OTHER_KEY, note) == 0  # another user's probe learns nothing
+    assert cached("keyed", OPERATOR_KEY, note) == 0  # nor does the operator's key (a caller of its own)
+    assert cached("keyed", API_KEY, note) >= 16  # the owner's repeat hits
+    assert cached("keyed", API_KEY, note, cache_salt="tab-2") == 0  # a salt of the user's own narrows it
+    assert cached("keyed", API_KEY, note, cache_salt="tab-2") >= 16
+    shared = "Shared system prompt: you are a helpful assistant for the billing team; answer briefly. Q:"
+    assert cached("shared", API_KEY, shared) == 0
+    assert cached("shared", OTHER_KEY, shared) >= 16  # shared scope: faster, and it tells
+    assert cached("shared", OTHER_KEY, shared, cache_salt="only-mine") == 0
+    for salt in ("", 5, "x" * 513):
+        assert_error(post(servers.urls["keyed"], "/v1/completions", {"prompt": note, "cache_salt": salt},
+                          headers={"Authorization": f"Bearer {API_KEY}"}), 400, "cache_salt")
+
+
+def test_under_per_key_scope_the_indexer_is_never_a_users():
+    """Without an operator key the operator's routes take a user's key; the indexer's answer what
+    cached prefixes began with, so under per-key scope a user gets 403 there (shared scope: as before)."""
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def query(request):
+        return JSONResponse({"instances": {}})
+
+    async def scenario() -> None:
+        for scope, status in (("per-key", 403), ("shared", 200)):
+            app = build_app(AsyncLLMEngine(EngineConfig(threads=1)), ServerSettings(api_keys=(API_KEY,), cache_scope=scope),
+                            manage_engine=False, operator_routes=[Route("/query", query, methods=["POST"])])
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+                assert (await http.post("/query", json={})).status_code == 401
+                r = await http.post("/query", json={}, headers={"Authorization": f"Bearer {API_KEY}"})
+                assert r.status_code == status, (scope, r.text)
+                if status == 403:
+                    assert "--operator-key" in r.json()["error"]["message"]
+    asyncio.run(scenario())
 
 
 def test_a_users_sessions_are_its_own_and_its_priority_bounded(servers):

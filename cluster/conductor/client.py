@@ -174,17 +174,18 @@ class InstanceClient:
         data = await self._post(url, "/instance/abort", AbortRequest(request_id, writes_done).to_dict())
         _reply(AbortReply, data, "/instance/abort")
 
-    async def push(self, url: str, request_id: str, token_ids: list[int], dest: ReserveReply) -> int:
-        body = PushRequest(request_id, token_ids, dest.dest).to_dict()
+    async def push(self, url: str, request_id: str, token_ids: list[int], dest: ReserveReply,
+                   salt: str | None = None) -> int:
+        body = PushRequest(request_id, token_ids, dest.dest, salt).to_dict()
         return _reply(PushReply, await self._post(url, "/instance/push", body), "/instance/push").pushed
 
     async def adopt(self, url: str, request_id: str, ok: bool) -> int:
         data = await self._post(url, "/instance/adopt", AdoptRequest(request_id, ok).to_dict())
         return _reply(AdoptReply, data, "/instance/adopt").adopted
 
-    async def prestage(self, url: str, token_ids: list[int], session: SessionHint) -> int:
-        """Ask the instance to bring a session's last turn up from the pool's SSD tiers."""
-        data = await self._post(url, "/instance/prestage", PrestageRequest(token_ids, session).to_dict())
+    async def prestage(self, url: str, token_ids: list[int], session: SessionHint, salt: str | None = None) -> int:
+        """Ask the instance to bring a session's last turn (cached under ``salt``) up from the pool's SSD tiers."""
+        data = await self._post(url, "/instance/prestage", PrestageRequest(token_ids, session, salt).to_dict())
         return _reply(PrestageReply, data, "/instance/prestage").promoted
 
     # -- elastic roles ------------------------------------------------------------------------------

@@ -240,10 +240,10 @@ class Conductor(EngineClient):
         await self.client.close()
         self._pool_threads.shutdown(wait=False, cancel_futures=True)
 
-    async def _pool_prefix(self, ids: list[int]) -> int:
-        """Engine blocks of ``ids``'s prefix the pool holds, of those a prefix cache can serve."""
+    async def _pool_prefix(self, ids: list[int], salt: str | None) -> int:
+        """Engine blocks of ``ids``'s prefix (under ``salt``) the pool holds, of those a prefix cache can serve."""
         ours = self._indexed()
-        return await self._pool_blocks(reusable_keys(ids, ours[0].block_size)) if ours else 0
+        return await self._pool_blocks(reusable_keys(ids, ours[0].block_size, salt)) if ours else 0
 
     async def _pool_blocks(self, prefix_keys: list[bytes]) -> int:
         """Engine blocks of the leading ``prefix_keys`` the pool holds; 0 without a pool, or when
@@ -386,7 +386,7 @@ class Conductor(EngineClient):
                         if out.finished:
                             # Before the last output goes: a client that has it closes the stream
                             # (the HTTP layer does), and no code after this loop would run.
-                            self._finished(ids + streamed, session)
+                            self._finished(ids + streamed, params.cache_salt, session)
                         yield attempt.as_seen_by_client(out)
                 return
             except EngineOverloaded as e:
@@ -414,15 +414,16 @@ class Conductor(EngineClient):
                 log.warning("request %s lost its %s instance after %d token(s); placing it again (move %d): %s",
                             request_id, e.role, len(streamed), moves, e)
 
-    def _finished(self, tokens: list[int], session: SessionHint | None) -> None:
+    def _finished(self, tokens: list[int], salt: str | None, session: SessionHint | None) -> None:
         """A request ended with ``tokens`` (its prompt and output). What its instances now hold
         (the last sampled token never ran through the model: it has no KV) is noted for the
         indexer's queries by hash, and for a session's next turn."""
-        self.indexer.learn(tokens[:-1])
+        if salt is None:  # a salted prompt's blocks are no one else's to look up by hash
+            self.indexer.learn(tokens[:-1])
         if session is not None:
-            self._turn_ended(session, tokens[:-1])
+            self._turn_ended(session, tokens[:-1], salt)
 
-    def _turn_ended(self, session: SessionHint, tokens: list[int]) -> None:
+    def _turn_ended(self, session: SessionHint, tokens: list[int], salt: str | None) -> None:
         """A session's turn ended. With pre-staging (``session_prestage``), its KV is brought up
         from the pool's SSD tiers when its next turn is likely near (``prestage_delay``)."""
         now = time.monotonic()
@@ -432,9 +433,10 @@ class Conductor(EngineClient):
         if self._prestaging >= MAX_PRESTAGING:
             return  # each holds a turn's tokens while it waits: bounded
         self._prestaging += 1
-        self._spawn(self._prestage(session, tokens, now, delay))
+        self._spawn(self._prestage(session, tokens, salt, now, delay))
 
-    async def _prestage(self, session: SessionHint, tokens: list[int], ended_at: float, delay: float) -> None:
+    async def _prestage(self, session: SessionHint, tokens: list[int], salt: str | None, ended_at: float,
+                        delay: float) -> None:
         try:
             await asyncio.sleep(delay)
             if self.sessions.idle_since(session.session_id) != ended_at:
@@ -445,7 +447,7 @@ class Conductor(EngineClient):
                 (up[0] if up else None)
             if rec is None:
                 return
-            promoted = await self.client.prestage(rec.url, tokens, session)
+            promoted = await self.client.prestage(rec.url, tokens, session, salt)
             self.sessions.prestages += 1
             self.sessions.prestaged_objects += promoted
         except ProtocolError as e:
@@ -456,7 +458,7 @@ class Conductor(EngineClient):
     async def _serve(self, attempt: _Attempt) -> AsyncIterator[RequestOutput]:
         """One placement of ``attempt`` and its run through the instances."""
         request_id, ids, params = attempt.request_id, attempt.prompt, attempt.params
-        pool_blocks = await self._pool_prefix(ids)
+        pool_blocks = await self._pool_prefix(ids, params.cache_salt)
         if (since := self.upkeep.last_pause_end()) is not None:
             # Right after a pause of this process, what it knows of the instances is from before
             # it: placed and admitted by fresh reports only (bounded by the polls' timeout).
@@ -471,7 +473,7 @@ class Conductor(EngineClient):
         session = attempt.session
         affinity = Affinity() if session is None else self.sessions.affinity(session.session_id, prefills, decodes)
         # A moved request was admitted once: refusing it now would lose work the client waits on.
-        placement, probed = self._place(ids, prefills, decodes, pool_blocks, admit=attempt.moves == 0,
+        placement, probed = self._place(ids, params.cache_salt, prefills, decodes, pool_blocks, admit=attempt.moves == 0,
                                         affinity=affinity)
         booking = self.ledger.book(request_id, moved=attempt.moves > 0)
         prefill = prefills[placement.plan.instance]
@@ -522,10 +524,10 @@ class Conductor(EngineClient):
                                          and request_tbt(gaps) <= placement.slo.tbt_s)
                 yield out
 
-    def _place(self, ids: list[int], prefills: list[InstanceRecord], decodes: list[InstanceRecord],
+    def _place(self, ids: list[int], salt: str | None, prefills: list[InstanceRecord], decodes: list[InstanceRecord],
                pool_blocks: int, admit: bool = True, affinity: Affinity = Affinity()) -> tuple[Placement, bool]:
-        """The placement, and whether it is an admission probe (``AdmissionProbes``); a refusal
-        raises ``EngineOverloaded``."""
+        """The placement of ``ids`` (its prefix cached under ``salt``), and whether it is an admission
+        probe (``AdmissionProbes``); a refusal raises ``EngineOverloaded``."""
         ref = prefills[0]
         layout = ref.layout
         profile = self._decode_profile() if decodes else None
@@ -536,7 +538,7 @@ class Conductor(EngineClient):
                         layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids),
                         pool=self._pool is not None, decode_prefill=None if profile is None else profile.prefill,
                         prefill_factor=self.ttft_correction.factor)
-        keys = reusable_keys(ids, layout.block_size)
+        keys = reusable_keys(ids, layout.block_size, salt)
         info = RequestInfo(next(self._ids), len(ids), keys, min(pool_blocks, len(keys)))
         now = time.monotonic()
         decode_states = [self.ledger.decode_state(r, i, now) for i, r in enumerate(decodes)]

@@ -217,7 +217,7 @@ class RequestFlow:
             decode, dest = await self._reserve(rid, ids, params, session, decodes, booking)
             self._counters.accepted += not booking.moved
             if source is not None and source is not prefill:
-                await self._migrate(rid, ids, prefix_tokens, source, prefill, booking)
+                await self._migrate(rid, ids, params.cache_salt, prefix_tokens, source, prefill, booking)
             booking.writable(decode)
             # Noted after the grant: a renewal sent before now may not have seen it.
             lapsed = asyncio.Event()
@@ -279,10 +279,10 @@ class RequestFlow:
             raise self._counters.reject(f"no decode instance has room for the KV ({len(full)} full)", 1.0)
         raise RequestMoved("decode", "no decode instance answered a reservation")
 
-    async def _migrate(self, rid: str, ids: list[int], prefix_tokens: int, source: InstanceRecord,
+    async def _migrate(self, rid: str, ids: list[int], salt: str | None, prefix_tokens: int, source: InstanceRecord,
                        target: InstanceRecord, booking: Booking) -> None:
-        """Hot-spot replication: copy the prefix blocks the placement pulls from ``source`` into
-        ``target``'s cache over the Messenger before the prefill there. A failure only costs
+        """Hot-spot replication: copy the prefix blocks (cached under ``salt``) the placement pulls
+        from ``source`` into ``target``'s cache over the Messenger before the prefill there. A failure only costs
         recomputing that prefix."""
         block_size = target.layout.block_size
         prefix = ids[: prefix_tokens // block_size * block_size]
@@ -291,11 +291,11 @@ class RequestFlow:
         mid = f"{rid}:migrate"
         booking.reserving(target, mid)
         try:
-            dest = await self._client.reserve(target.url, mid, prefix, SamplingParams(max_tokens=1))
+            dest = await self._client.reserve(target.url, mid, prefix, SamplingParams(max_tokens=1, cache_salt=salt))
             booking.writable(target, mid)  # the push may write into it
             ok = True
             try:
-                await self._client.push(source.url, mid, prefix, dest)
+                await self._client.push(source.url, mid, prefix, dest, salt)
             except ProtocolError as e:
                 log.info("migration from %s to %s failed: %s", source.url, target.url, e)
                 ok = False

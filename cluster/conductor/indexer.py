@@ -22,7 +22,8 @@ Mooncake's docs/source/api-reference/http/conductor-indexer.md):
   stops that.
 
 These routes are the operator's (``--operator-key``, as ``/stats``; without one, a user's key,
-as /v1): a cached prefix is what another user's prompt began with. ``/register`` is refused
+as /v1, under ``--cache-scope shared`` only): a cached prefix is what another user's prompt began
+with. They answer for unsalted prompts (``SamplingParams.cache_salt``): a salted one never matches. ``/register`` is refused
 unless an operator key is set and the operator listed the endpoint (``--indexer-allow``): it
 makes the Conductor connect to an address the caller names.
 """

@@ -34,20 +34,23 @@ class Decoder:
                         session: SessionHint | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a reserved request from the first token its prefill sampled (its session was
         given at ``reserve``; ``session`` retains what it stores in the pool)."""
-        prompt = self._receiver.prompt(request_id)
+        held = self._receiver.prompt(request_id)
         admit = self._receiver.take_over(
             lambda h, kv: h.admit(request_id, kv, prefilled.first_token, prefilled.sampler_state,
                                   prefilled.num_cached_tokens), request_id)
         stream = self._client.stream(request_id, admit)
         # The prefill instance sampled the first token; this stream starts after it.
-        return stream if prompt is None else self._stored_after(prompt + [prefilled.first_token], stream, session)
+        if held is None:
+            return stream
+        prompt, salt = held
+        return self._stored_after(prompt + [prefilled.first_token], stream, session, salt)
 
     async def whole(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     session: SessionHint | None = None) -> AsyncIterator[RequestOutput]:
         failed = False
         async with pool_prefix(self._pool, request_id, token_ids, params, session) as start:
             stream = self._client.stream(request_id, start)
-            async with aclosing(self._stored_after(token_ids, stream, session)) as outs:
+            async with aclosing(self._stored_after(token_ids, stream, session, params.cache_salt)) as outs:
                 async for out in outs:
                     if out.finish_reason == "kv_load_failed":
                         failed = True  # nothing was streamed yet: compute it without the pool
@@ -55,14 +58,15 @@ class Decoder:
                     yield out
         if failed:
             retry = self._client.generate(request_id, token_ids, params, session)
-            async with aclosing(self._stored_after(token_ids, retry, session)) as outs:
+            async with aclosing(self._stored_after(token_ids, retry, session, params.cache_salt)) as outs:
                 async for out in outs:
                     yield out
 
     async def _stored_after(self, token_ids: list[int], stream: AsyncGenerator[RequestOutput, None],
-                            session: SessionHint | None) -> AsyncIterator[RequestOutput]:
-        """``stream``, then the finished request's prompt and output blocks go to the pool: what
-        its session's next turn starts with, retained there under ``session``."""
+                            session: SessionHint | None, salt: str | None) -> AsyncIterator[RequestOutput]:
+        """``stream``, then the finished request's prompt and output blocks go to the pool (keyed
+        under its cache ``salt``): what its session's next turn starts with, retained there under
+        ``session``."""
         outputs: list[int] = []
         async with aclosing(stream):  # a client that left aborts the request now, not at collection
             async for out in stream:
@@ -70,5 +74,5 @@ class Decoder:
                 if out.finished and out.finish_reason not in ("abort", "kv_load_failed") and self._pool is not None:
                     # The last sampled token never ran through the model: it has no KV.
                     tokens = token_ids + outputs
-                    self._pool.store_later(tokens, len(tokens) - 1, session)
+                    self._pool.store_later(tokens, len(tokens) - 1, session, salt)
                 yield out

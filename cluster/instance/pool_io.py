@@ -138,17 +138,17 @@ class PoolIO:
         """What holds each of them, and for how long (``StagingArea.holders``)."""
         return self._area.holders()
 
-    async def prepare_load(self, request_id: str, token_ids: list[int]) -> PoolLoad | None:
-        """Lease the pool's part of ``token_ids``'s prefix past the local cache and start reading
+    async def prepare_load(self, request_id: str, token_ids: list[int], salt: str | None = None) -> PoolLoad | None:
+        """Lease the pool's part of ``token_ids``'s prefix (cached under ``salt``) past the local cache and start reading
         it, every layer at once in layer order, into this instance's pool staging. None when
         the pool has nothing to add. The engine consumes it layer by layer (``start``). A
         pipeline group's stages have read and verified their layers of it when this returns."""
         g = self.geometry
         bpo = g.blocks_per_object
-        keys = g.object_keys(token_ids, len(token_ids) - 1)  # the last token is always computed
+        keys = g.object_keys(token_ids, len(token_ids) - 1, salt)  # the last token is always computed
         if not keys:
             return None
-        local = await self._client.call(lambda _: self._handoff.cached_prefix_blocks(token_ids))
+        local = await self._client.call(lambda _: self._handoff.cached_prefix_blocks(token_ids, salt))
         first = local // bpo
         size = self._object_bytes
         wanted = keys[first : first + self._area.nbytes // size]
@@ -203,13 +203,13 @@ class PoolIO:
         self._area.release(r)
 
     # -- storing layer by layer (a KVSink of the engine) ---------------------------------------------
-    async def plan_store(self, request_id: str, token_ids: list[int]) -> bool:
-        """Allocate the pool objects ``token_ids`` will complete and the pool lacks, to be
+    async def plan_store(self, request_id: str, token_ids: list[int], salt: str | None = None) -> bool:
+        """Allocate the pool objects ``token_ids`` (under ``salt``) will complete and the pool lacks, to be
         written layer by layer as the prompt's last step computes them. False (nothing planned)
         when the pool holds them all, has no room for every one of them now, or this instance's
         pool staging is busy: then ``store_later`` is the way."""
         g = self.geometry
-        keys = g.object_keys(token_ids, len(token_ids))
+        keys = g.object_keys(token_ids, len(token_ids), salt)
         if not keys:
             return False
         try:
@@ -301,33 +301,36 @@ class PoolIO:
             self._area.release(store.staging)  # seal and abort return once no write reads it
 
     # -- storing from the prefix cache --------------------------------------------------------------
-    def store_later(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None = None) -> None:
-        """Store the full pool blocks of ``token_ids[:computed_tokens]`` in the background (not
+    def store_later(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None = None,
+                    salt: str | None = None) -> None:
+        """Store the full pool blocks of ``token_ids[:computed_tokens]`` (under ``salt``) in the background (not
         on a pipeline group: ``PoolStages.stores_from_cache``); a ``session``'s are retained
         there for its next turn."""
-        if not self.geometry.object_keys(token_ids, computed_tokens) or not self._stages.stores_from_cache:
+        if not self.geometry.object_keys(token_ids, computed_tokens, salt) or not self._stages.stores_from_cache:
             return
         if len(self._stores) >= self._max_stores:
             self.stores_skipped += 1
             return
-        task = asyncio.create_task(self._store_quietly(token_ids, computed_tokens, session))
+        task = asyncio.create_task(self._store_quietly(token_ids, computed_tokens, session, salt))
         self._stores.add(task)
         task.add_done_callback(self._stores.discard)
 
-    async def _store_quietly(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None) -> None:
+    async def _store_quietly(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None,
+                             salt: str | None) -> None:
         try:
-            await self.store(token_ids, computed_tokens, session)
+            await self.store(token_ids, computed_tokens, session, salt)
         except (MetadataUnavailable, TransferError, TimeoutError) as exc:
             log.warning("pool: store failed: %s", exc)  # a failed store only costs a later request its hit
         except Exception:
             log.exception("pool: store failed")
 
-    async def store(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None = None) -> int:
-        """Put the pool blocks of ``token_ids[:computed_tokens]`` the pool lacks and touch those it
-        holds (all of them, retained, for a ``session``); returns how many were put."""
-        keys = self.geometry.object_keys(token_ids, computed_tokens)
+    async def store(self, token_ids: list[int], computed_tokens: int, session: SessionHint | None = None,
+                    salt: str | None = None) -> int:
+        """Put the pool blocks of ``token_ids[:computed_tokens]`` (under ``salt``) the pool lacks and
+        touch those it holds (all of them, retained, for a ``session``); returns how many were put."""
+        keys = self.geometry.object_keys(token_ids, computed_tokens, salt)
         holders, _ = await self._index(lambda: (self.pool.holders(keys), self.pool.segments()))
-        stored = await self._put_missing(token_ids, keys, holders)
+        stored = await self._put_missing(token_ids, salt, keys, holders)
         # What the pool held was used again (from this instance's own cache, or just loaded): as
         # recent as a put, or its LRU would evict a prefix in use before a stale one. After the
         # puts, so that a chain's head is its most recent object. A session's objects are all
@@ -339,17 +342,18 @@ class PoolIO:
             await self._run(self.pool.touch, keys, where, session.priority)
         return len(stored)
 
-    async def prestage(self, token_ids: list[int], session: SessionHint) -> int:
-        """Bring the pool objects of ``token_ids`` (a session's last turn, prompt and output) up
+    async def prestage(self, token_ids: list[int], session: SessionHint, salt: str | None = None) -> int:
+        """Bring the pool objects of ``token_ids`` (a session's last turn, prompt and output, under ``salt``) up
         from the SSD tiers to DRAM ahead of its next turn, and retain them again; returns how
         many came up."""
-        keys = self.geometry.object_keys(token_ids, len(token_ids))
+        keys = self.geometry.object_keys(token_ids, len(token_ids), salt)
         if not keys:
             return 0
         holders, _ = await self._index(lambda: (self.pool.holders(keys), self.pool.segments()))
         return await self._run(self.pool.touch, keys, holders, session.priority, True)
 
-    async def _put_missing(self, token_ids: list[int], keys: list[str], holders: list[list[str]]) -> dict[int, str]:
+    async def _put_missing(self, token_ids: list[int], salt: str | None, keys: list[str],
+                           holders: list[list[str]]) -> dict[int, str]:
         """Put the objects no segment holds; returns where each one put went (by its index)."""
         g = self.geometry
         bpo = g.blocks_per_object
@@ -365,7 +369,7 @@ class PoolIO:
             def export(_engine: object) -> int:
                 for j, i in enumerate(missing):
                     try:
-                        self._handoff.export_prefix(token_ids, i * bpo, bpo, outs[j])
+                        self._handoff.export_prefix(token_ids, i * bpo, bpo, outs[j], salt)
                     except ValueError:
                         return j  # evicted since: store what was packed
                 return len(missing)
@@ -433,7 +437,7 @@ async def pool_prefix(pool: PoolIO | None, request_id: str, token_ids: list[int]
     # A prompt scored token by token (prompt logprobs) computes every position.
     if pool is not None and params.prompt_logprobs is None:
         try:
-            load = await pool.prepare_load(request_id, token_ids)
+            load = await pool.prepare_load(request_id, token_ids, params.cache_salt)
         except (TimeoutError, TransferError, MetadataUnavailable) as exc:
             # The pool is a cache: without it the engine computes the whole prompt.
             log.warning("pool: prefix load failed, computing the prompt: %s", exc)
@@ -453,20 +457,21 @@ class PoolStore(PrefillSink):
     prefix cache after the prompt (``PoolIO.store_later``); dropped at ``abort``. Never raises
     past ``expect``: the pool is a cache."""
 
-    def __init__(self, pool: PoolIO, request_id: str, token_ids: list[int]) -> None:
+    def __init__(self, pool: PoolIO, request_id: str, token_ids: list[int], salt: str | None = None) -> None:
         self._pool = pool
         self._request_id = request_id
         self._token_ids = token_ids
+        self._salt = salt
         self._planned = False
 
     async def expect(self) -> None:
-        self._planned = await self._pool.plan_store(self._request_id, self._token_ids)
+        self._planned = await self._pool.plan_store(self._request_id, self._token_ids, self._salt)
 
     async def finish(self) -> None:
         if self._planned:
             self._pool.finish_store_later(self._request_id, commit=True)
         else:
-            self._pool.store_later(self._token_ids, len(self._token_ids))
+            self._pool.store_later(self._token_ids, len(self._token_ids), salt=self._salt)
 
     async def abort(self) -> None:
         if self._planned:

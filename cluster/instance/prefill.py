@@ -62,11 +62,11 @@ class Prefiller:
         self._check_aborted(request_id)
         try:
             async with pool_prefix(self._pool, request_id, token_ids, params, session) as start:
-                output = await self._stream(request_id, token_ids, dest,
+                output = await self._stream(request_id, token_ids, params.cache_salt, dest,
                                             lambda: self._client.stream(request_id, start))
             if output.finish_reason == "kv_load_failed":
                 # What the pool sent broke mid-way: compute the whole prompt here, streaming it again.
-                output = await self._stream(request_id, token_ids, dest,
+                output = await self._stream(request_id, token_ids, params.cache_salt, dest,
                                             lambda: self._client.generate(request_id, token_ids, params, session))
             return output
         except StaleWrite as e:
@@ -76,21 +76,21 @@ class Prefiller:
         if self._aborted is not None and self._aborted(request_id):
             raise UnknownReservation(f"request {request_id!r} was aborted before its prefill arrived")
 
-    def _sinks(self, request_id: str, token_ids: list[int], dest: KVDestination) -> PrefillSinks:
+    def _sinks(self, request_id: str, token_ids: list[int], dest: KVDestination, salt: str | None) -> PrefillSinks:
         """The prompt's KV sinks, in the order they finish: the decode instance's before the pool's,
         which stores nothing of a prompt whose stream failed."""
         sinks: list[PrefillSink] = [DecodeStream(self._sender, request_id, dest, self._timeout_s)]
         if self._stages is not None:
             sinks.append(StageStreams(self._stages, request_id, dest))
         if self._pool is not None:
-            sinks.append(PoolStore(self._pool, request_id, token_ids))
+            sinks.append(PoolStore(self._pool, request_id, token_ids, salt))
         return PrefillSinks(sinks)
 
-    async def _stream(self, request_id: str, token_ids: list[int], dest: KVDestination,
+    async def _stream(self, request_id: str, token_ids: list[int], salt: str | None, dest: KVDestination,
                       outputs: Callable[[], AsyncIterator[RequestOutput]]) -> RequestOutput:
         """Expect every sink, run the prompt (``outputs()``: its engine stream), then finish
         every sink, or abort them all if it did not compute whole."""
-        sinks = self._sinks(request_id, token_ids, dest)
+        sinks = self._sinks(request_id, token_ids, dest, salt)
         await sinks.expect()
         output = None
         try:

@@ -60,6 +60,7 @@ class _Lease:
     fence: Fence
     expires: float
     prompt: list[int]
+    salt: str | None  # the cache salt its KV is keyed under (``SamplingParams.cache_salt``)
 
 
 def _owned(request_id: str, lease: _Lease | None, fence: Fence | None) -> None:
@@ -128,11 +129,11 @@ class Receiver:
         """A reservation's receive range: its KV, then a checksum per layer."""
         return self._layout.nbytes(num_blocks) + sums_bytes(self._layout.num_layers)
 
-    def prompt(self, request_id: str) -> list[int] | None:
-        """The prompt a reservation holds blocks for (None without a reservation)."""
+    def prompt(self, request_id: str) -> tuple[list[int], str | None] | None:
+        """The prompt a reservation holds blocks for and its cache salt (None without a reservation)."""
         with self._lock:
             lease = self._leases.get(request_id)
-            return None if lease is None else lease.prompt
+            return None if lease is None else (lease.prompt, lease.salt)
 
     # -- making and keeping -------------------------------------------------------------------------
     async def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -161,7 +162,8 @@ class Receiver:
             aborted = self._aborted_by(request_id, fence)
             stale = fence.epoch != self.epochs[fence.conductor]
             if not (aborted or stale):
-                self._leases[request_id] = _Lease(staging, n, fence, time.monotonic() + self.lease_s, token_ids)
+                self._leases[request_id] = _Lease(staging, n, fence, time.monotonic() + self.lease_s, token_ids,
+                                                  params.cache_salt)
         if aborted or stale:
             try:
                 await self._drop(request_id)

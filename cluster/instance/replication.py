@@ -33,8 +33,8 @@ class Replicator:
         self._receiver = receiver
         self._timeout_s = transfer_timeout_s
 
-    async def push(self, request_id: str, token_ids: list[int], dest: KVDestination) -> int:
-        """Write the cached prefix blocks ``dest`` asks for into it; returns the blocks sent.
+    async def push(self, request_id: str, token_ids: list[int], dest: KVDestination, salt: str | None = None) -> int:
+        """Write the cached prefix blocks (under ``salt``) ``dest`` asks for into it; returns the blocks sent.
         Raises ``PrefixNotCached`` (not all cached here now), ``BadRequest``, ``TransferError`` /
         ``TimeoutError``."""
         if self._send is None:
@@ -56,7 +56,7 @@ class Replicator:
             # its range, when a push takes too long (the engine thread may be busy with a step).
             try:
                 await asyncio.wait_for(self._client.call(
-                    lambda _: self._handoff.export_prefix(token_ids, dest.skip_blocks, dest.num_blocks, out)),
+                    lambda _: self._handoff.export_prefix(token_ids, dest.skip_blocks, dest.num_blocks, out, salt)),
                     self._timeout_s)
             except ValueError as e:  # evicted since the Conductor last polled this instance
                 raise PrefixNotCached(str(e)) from None

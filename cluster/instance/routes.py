@@ -201,7 +201,7 @@ class InstanceRoutes:
         r = PrefillRequest.from_dict(await _body(request))
         with self.s.roles.work(Work.PREFILL):
             self.s.work.claim(r.request_id, _fence(request).conductor, len(r.prompt_token_ids),
-                              self.s.cached_tokens(r.prompt_token_ids))
+                              self.s.cached_tokens(r.prompt_token_ids, r.params.cache_salt))
             try:
                 return await self._prefill(request, r)
             finally:
@@ -232,7 +232,7 @@ class InstanceRoutes:
         if r.prefilled is None:
             # A decode instance computes the prompt itself where the Conductor chose local prefill.
             stream = self.s.decoder.whole(rid, r.prompt_token_ids, r.params, r.session)
-            cached = self.s.cached_tokens(r.prompt_token_ids)
+            cached = self.s.cached_tokens(r.prompt_token_ids, r.params.cache_salt)
         else:
             self.s.receiver.check_owner(rid, fence)  # another Conductor's KV is not to take
             stream = self.s.decoder.continue_decode(rid, r.prefilled, r.session)
@@ -269,7 +269,8 @@ class InstanceRoutes:
     async def push(self, request: Request) -> Response:
         r = PushRequest.from_dict(await _body(request))
         with self.s.roles.work(Work.PUSH):
-            pushed = await self.s.replicator.push(r.request_id, r.prompt_token_ids, KVDestination.from_dict(r.dest))
+            pushed = await self.s.replicator.push(r.request_id, r.prompt_token_ids, KVDestination.from_dict(r.dest),
+                                                r.cache_salt)
         return JSONResponse(PushReply(pushed).to_dict())
 
     async def adopt(self, request: Request) -> Response:
@@ -281,7 +282,7 @@ class InstanceRoutes:
         r = PrestageRequest.from_dict(await _body(request))
         if self.s.pool is None:
             raise BadRequest("this instance has no KVCache pool")
-        return JSONResponse(PrestageReply(await self.s.pool.prestage(r.token_ids, r.session)).to_dict())
+        return JSONResponse(PrestageReply(await self.s.pool.prestage(r.token_ids, r.session, r.cache_salt)).to_dict())
 
     async def switch_role(self, request: Request) -> Response:
         r = SwitchRoleRequest.from_dict(await _body(request))

@@ -415,13 +415,13 @@ class InstanceService:
         incoming = self.receiver.incoming() if self.receiver is not None else {}
         return InstanceState(self.instance_id, self.mirror.report(since), self.stats(), self.work.report(incoming))
 
-    def cached_tokens(self, token_ids: list[int]) -> int:
-        """How much of ``token_ids``'s prefix this instance's prefix cache holds now (at most all
-        but the last token, as the engine computes at least that one)."""
+    def cached_tokens(self, token_ids: list[int], salt: str | None = None) -> int:
+        """How much of ``token_ids``'s prefix (under ``salt``) this instance's prefix cache holds now
+        (at most all but the last token, as the engine computes at least that one)."""
         if self._handoff is None or not self.mirror.keys:
             return 0
         bs = self._handoff.layout.block_size
-        return match_len(reusable_keys(token_ids, bs), self.mirror.keys) * bs
+        return match_len(reusable_keys(token_ids, bs, salt), self.mirror.keys) * bs
 
     def stats(self) -> dict[str, Any]:
         s = self.client.stats()

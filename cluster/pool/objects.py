@@ -20,7 +20,7 @@ from typing import Sequence
 import xxhash
 
 from engine.kv_layout import KVLayout
-from paged_kv.prefix_keys import chain_keys
+from paged_kv.prefix_keys import chain_keys, salt_root
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,13 @@ class PoolGeometry:
     def num_parts(self) -> int:
         return self.layout.num_layers
 
-    def object_keys(self, token_ids: Sequence[int], limit_tokens: int | None = None) -> list[str]:
-        """Keys of the full pool blocks of ``token_ids[:limit_tokens]``, in prefix order."""
+    def object_keys(self, token_ids: Sequence[int], limit_tokens: int | None = None,
+                    salt: str | None = None) -> list[str]:
+        """Keys of the full pool blocks of ``token_ids[:limit_tokens]`` (cached under ``salt``),
+        in prefix order."""
         n = len(token_ids) if limit_tokens is None else min(limit_tokens, len(token_ids))
         count = n // self.tokens_per_object
-        keys = chain_keys(token_ids[: count * self.tokens_per_object], self.layout.block_size)
+        keys = chain_keys(token_ids[: count * self.tokens_per_object], self.layout.block_size, salt_root(salt))
         return object_keys(self.namespace, keys, self.blocks_per_object)
 
 

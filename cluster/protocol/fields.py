@@ -6,7 +6,7 @@ import base64
 from typing import Any
 
 from cluster.protocol.errors import BadRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
 
 
 # -- field checks (each raises BadRequest naming the field) ------------------------------------------
@@ -107,6 +107,14 @@ def _params(data: Any) -> SamplingParams:
         return SamplingParams.from_dict(_field(data, "params"))
     except (TypeError, ValueError) as e:
         raise BadRequest(f"params: {e}") from None
+
+
+def _salt(data: Any) -> str | None:
+    """A message's ``cache_salt`` (``SamplingParams.cache_salt``), or None when it has none."""
+    value = _str(data, "cache_salt", optional=True)
+    if value is not None and len(value) > MAX_CACHE_SALT_CHARS:
+        raise BadRequest(f"cache_salt is over {MAX_CACHE_SALT_CHARS} characters")
+    return value
 
 
 def _dest(data: Any) -> dict[str, Any]:

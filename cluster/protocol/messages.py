@@ -10,7 +10,7 @@ from typing import Any
 
 from cluster.protocol.errors import BadRequest, InstanceFailed, ProtocolError, error_from
 from cluster.protocol.fields import (
-    _bytes, _dest, _dict, _field, _flag, _int, _ints, _keys, _naturals, _number, _params, _str, _strings, _text, _unbytes, token_ids,
+    _bytes, _dest, _dict, _field, _flag, _int, _ints, _keys, _naturals, _number, _params, _salt, _str, _strings, _text, _unbytes, token_ids,
 )
 from engine.outputs import Logprobs, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -263,13 +263,15 @@ class PushRequest:
     request_id: str
     prompt_token_ids: list[int]
     dest: dict[str, Any]
+    cache_salt: str | None = None  # the salt the prefix is cached under there
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids, "dest": self.dest}
+        d = {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids, "dest": self.dest}
+        return d if self.cache_salt is None else {**d, "cache_salt": self.cache_salt}
 
     @classmethod
     def from_dict(cls, data: Any) -> PushRequest:
-        return cls(_str(data, "request_id"), token_ids(_field(data, "prompt_token_ids")), _dest(data))
+        return cls(_str(data, "request_id"), token_ids(_field(data, "prompt_token_ids")), _dest(data), _salt(data))
 
 
 @dataclass(frozen=True)
@@ -319,16 +321,18 @@ class PrestageRequest:
 
     token_ids: list[int]
     session: SessionHint
+    cache_salt: str | None = None  # the salt the turn was cached under
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "session": self.session.to_dict()}
+        d = {"token_ids": self.token_ids, "session": self.session.to_dict()}
+        return d if self.cache_salt is None else {**d, "cache_salt": self.cache_salt}
 
     @classmethod
     def from_dict(cls, data: Any) -> PrestageRequest:
         session = _session(data)
         if session is None:
             raise BadRequest("session is required")
-        return cls(token_ids(_field(data, "token_ids")), session)
+        return cls(token_ids(_field(data, "token_ids")), session, _salt(data))
 
 
 @dataclass(frozen=True)
