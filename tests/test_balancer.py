@@ -1,6 +1,7 @@
 """HAProxy in front of two Conductors, with the config the project ships (``server/haproxy.cfg``;
 issue 41 item 5): one prefill and one decode instance started by hand, both Conductors finding them
-in etcd, streaming clients through the balancer, and kill -9 of one Conductor under that load.
+in etcd, streaming clients through the balancer, one Conductor paused 20 s under that load (it
+admits again at once), and kill -9 of the other.
 
 Without an ``haproxy`` binary the test is skipped, unless ``CI=true``, where it fails: CI installs
 ``haproxy`` (Debian's package) as it does etcd.
@@ -27,6 +28,7 @@ PROMPT = "Tell me a long story about a lighthouse keeper."
 MAX_TOKENS = 48  # long enough that streams are running when the Conductor is killed
 # The config's health check: every second, two failures take a Conductor out.
 OUT_OF_ROTATION_S = 2 * 1.0 + 1.0
+PAUSE_S = 20.0  # a Conductor stopped this long under load admits again within 5 s of waking
 
 
 @pytest.fixture
@@ -100,6 +102,7 @@ def test_haproxy_in_front_of_two_conductors_when_one_is_killed(tmp_path, etcd_ur
             w.start()
         until(lambda: len(results) >= 4 and _decoding(conductors[0]) > 0, 120,
               "requests through both Conductors, and one decoding through the first")
+        _paused_and_admitting_again(conductors[1])
         t_kill = time.monotonic()
         conductors[0].stop(5.0, signal.SIGKILL)
         time.sleep(OUT_OF_ROTATION_S + 6.0)  # the load goes on through the other
@@ -128,6 +131,28 @@ def test_haproxy_in_front_of_two_conductors_when_one_is_killed(tmp_path, etcd_ur
     finally:
         for p in reversed(procs):
             p.stop(10.0)
+
+
+def _paused_and_admitting_again(conductor: ServerProcess) -> None:
+    """Issue 52 item 5: a Conductor stopped (SIGSTOP: a VM stall, a swap storm) for 20 s while the
+    other serves the load wakes to reports from before its pause; it must poll before it admits,
+    not refuse on them: a request sent to it directly is admitted within 5 s of the wake."""
+    os.kill(conductor.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(PAUSE_S)
+    finally:
+        os.kill(conductor.proc.pid, signal.SIGCONT)
+    woke = time.monotonic()
+    answers = []
+    while time.monotonic() - woke < 5.0:
+        r = httpx.post(conductor.base_url + "/v1/completions", timeout=30, trust_env=False,
+                       json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        answers.append((round(time.monotonic() - woke, 2), r.status_code))
+        if r.status_code == 200:
+            break
+        time.sleep(0.2)
+    assert answers[-1][1] == 200 and answers[-1][0] <= 5.0, answers
+    assert httpx.get(conductor.base_url + "/stats", trust_env=False).json()["paused_s"] >= PAUSE_S / 2
 
 
 def _decoding(conductor: ServerProcess) -> int:

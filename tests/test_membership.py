@@ -151,3 +151,36 @@ def test_records_unchanged_since_the_last_listing_are_not_checked_again(monkeypa
         assert "members/instances/fake0" not in verdicts
     finally:
         good.close()
+
+
+def test_a_signed_record_is_signed_again_while_kept_and_a_replayed_one_expires(monkeypatch):
+    """Issue 52 item 7: a signed record copied out of etcd and written back after its instance
+    died (outside any lease: it would stay for good) was listed for ever. Each record's MAC now
+    covers when it expires; its keeper signs it again in time, and a replay is refused once it
+    has expired (the instance's record, a Conductor's claim, the elastic decider's)."""
+    from cluster.metadata import membership
+
+    monkeypatch.setattr(membership, "SIGNED_LIFETIME_S", 3.0)  # in whole seconds: good for 2 to 3 s
+    monkeypatch.setattr(membership, "CLOCK_SKEW_S", 0.0)
+    store = LocalMetadata()
+    member = announce(store, KEY, "i1", "http://x:1", "prefill", TTL_S)
+    claim, epoch = claim_conductor(store, KEY, "c1", "http://h:8000", ttl_s=TTL_S)
+    decides = membership.hold_decider(store, KEY, "c1", TTL_S)
+    try:
+        first = store.get("members/instances/i1")
+        time.sleep(3.5)  # past the first signature's expiry: kept records were signed again
+        assert store.get("members/instances/i1") != first
+        assert list_instances(store, KEY).members == [Member("i1", "http://x:1", "prefill")]
+        assert membership.conductor_epoch(store, KEY, "c1") == epoch and membership.decider(store, KEY) == "c1"
+        records = {k: store.get(k) for k in ("members/instances/i1", CONDUCTORS + "c1", membership.ELASTIC_DECIDER)}
+    finally:
+        member.close()
+        claim.close()
+        decides.close()
+    for k, v in records.items():
+        store.put(k, v)  # written back by someone without the secret, outside any lease
+    assert list_instances(store, KEY).members == [Member("i1", "http://x:1", "prefill")]  # still in its lifetime
+    time.sleep(3.5)
+    listing = list_instances(store, KEY)
+    assert listing.members == [] and listing.refused == ["members/instances/i1"]
+    assert membership.conductor_epoch(store, KEY, "c1") is None and membership.decider(store, KEY) is None

@@ -30,6 +30,12 @@ metadata store's second user, beside the pool's index: the same contract, other 
   ask again until it is gone. A decider decides only while its lease is surely alive
   (``LeasedKey.held``): one paused past its TTL stops before another can have taken over.
 
+Every signed record carries the time its signature **expires** (``SIGNED_LIFETIME_S`` after it was
+signed, in the MAC): its keeper signs it again every third of that. A record copied out of the
+store and written back later (by someone who can write to etcd but holds no secret: a replay of
+a dead instance's record, outside any lease, which would stay for good) is refused once it has
+expired.
+
 A key is kept by a ``LeasedKey``: a thread that renews the lease every third of its TTL and, if
 the lease was lost all the same (the process was paused or cut off for longer, or the store was
 rebuilt or restored), writes the key again under a new one; an exclusive key found held by
@@ -46,7 +52,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from cluster.metadata import LeaseGone, MetadataStore, MetadataUnavailable
 
@@ -65,8 +71,10 @@ class LeasedKey:
     has been held for longer than a claim waits (twice the TTL, and a second)."""
 
     def __init__(self, store: MetadataStore, key: str, value: str, lease: int, ttl_s: float, *,
-                 exclusive: bool, granted_at: float | None = None) -> None:
+                 exclusive: bool, granted_at: float | None = None, sign: Callable[[], str] | None = None) -> None:
         self.store, self.key, self.value, self.ttl_s = store, key, value, ttl_s
+        self._sign = sign  # makes the value again, signed anew (``rewrite``)
+        self._signed_at = time.monotonic()
         self._lease: int | None = lease  # None while none is held (being written again)
         # Monotonic: the lease is surely alive till then (its last renewal was asked before
         # ``valid_until - ttl_s``); after it, this process cannot tell, whatever it was doing.
@@ -79,11 +87,14 @@ class LeasedKey:
         self._thread.start()
 
     @classmethod
-    def hold(cls, store: MetadataStore, key: str, value: str, ttl_s: float, *,
+    def hold(cls, store: MetadataStore, key: str, value: str | Callable[[], str], ttl_s: float, *,
              exclusive: bool) -> tuple[LeasedKey, int] | None:
         """Write the key under a new lease and keep it: with ``exclusive``, only if it is absent
         (None when it is held; the lease is revoked). Also answers the store's revision of the
-        write (0 when not ``exclusive``: ``put`` answers none)."""
+        write (0 when not ``exclusive``: ``put`` answers none). A ``value`` given as a function
+        makes a signed record: called again every third of ``SIGNED_LIFETIME_S`` (``rewrite``)."""
+        sign = value if callable(value) else None
+        value = sign() if sign is not None else value
         asked = time.monotonic()
         lease = store.grant_lease(ttl_s)
         try:
@@ -98,7 +109,7 @@ class LeasedKey:
         except BaseException:
             store.revoke(lease)
             raise
-        return cls(store, key, value, lease, ttl_s, exclusive=exclusive, granted_at=asked), revision
+        return cls(store, key, value, lease, ttl_s, exclusive=exclusive, granted_at=asked, sign=sign), revision
 
     @property
     def held(self) -> bool:
@@ -114,6 +125,8 @@ class LeasedKey:
                         asked = time.monotonic()
                         self.store.keepalive(self._lease)
                         self.valid_until = asked + self.ttl_s
+                        if self._sign is not None and asked - self._signed_at >= SIGNED_LIFETIME_S / 3:
+                            self.rewrite(self._sign)
                         continue
                     except LeaseGone:
                         log.warning("the lease of %s ran out (this process was paused or cut off from the store, "
@@ -130,6 +143,8 @@ class LeasedKey:
         """Write the key under a new lease (``_lease`` None: none held now); False once an
         exclusive key has been held by another for longer than a claim waits."""
         asked = time.monotonic()
+        if self._sign is not None:  # its signature may have aged while the store was away
+            self.value, self._signed_at = self._sign(), asked
         lease = self.store.grant_lease(self.ttl_s)
         if not self._exclusive:
             self.store.put(self.key, self.value, lease)
@@ -141,12 +156,14 @@ class LeasedKey:
         self._lease, self._held_by_other_since, self.valid_until = lease, None, asked + self.ttl_s
         return True
 
-    def rewrite(self, value: str) -> None:
-        """Write ``value`` under the key's lease (right after ``hold``), and from now on whenever
-        the key is written again."""
-        self.value = value
+    def rewrite(self, sign: Callable[[], str]) -> None:
+        """Write ``sign()`` under the key's lease now (right after ``hold``, or as its signature
+        ages), and from now on whenever the key is written again; signed anew every third of
+        ``SIGNED_LIFETIME_S``."""
+        self._sign, self._signed_at = sign, time.monotonic()
+        self.value = sign()
         if self._lease is not None:
-            self.store.put(self.key, value, self._lease)
+            self.store.put(self.key, self.value, self._lease)
 
     def close(self) -> None:
         self._stop.set()
@@ -181,7 +198,21 @@ class Listing:
 
 
 # Versioned: a change of the signed fields cannot be confused with an earlier one.
-_MEMBER_LABEL = "mooncake-py/member/v1"
+_MEMBER_LABEL = "mooncake-py/member/v2"
+
+# A signed record is good for this long after it was signed (its keeper signs it again every third
+# of it); clocks of the hosts may differ by up to CLOCK_SKEW_S.
+SIGNED_LIFETIME_S = 600.0
+CLOCK_SKEW_S = 60.0
+
+
+def _expiry() -> int:
+    """When a record signed now expires: Unix seconds (wall clock, as other hosts read it)."""
+    return int(time.time() + SIGNED_LIFETIME_S)
+
+
+def _unexpired(expires: Any) -> bool:
+    return type(expires) is int and time.time() <= expires + CLOCK_SKEW_S
 
 
 def _mac(key: bytes, label: str, *fields: Any) -> str:
@@ -191,27 +222,31 @@ def _mac(key: bytes, label: str, *fields: Any) -> str:
     return hmac.new(key, json.dumps([label, *fields]).encode(), hashlib.sha256).hexdigest()
 
 
-def _member_mac(key: bytes, instance_id: str, url: str, role: str) -> str:
-    return _mac(key, _MEMBER_LABEL, instance_id, url, role)
+def _member_mac(key: bytes, instance_id: str, url: str, role: str, expires: int) -> str:
+    return _mac(key, _MEMBER_LABEL, instance_id, url, role, expires)
 
 
 def announce(store: MetadataStore, key: bytes, instance_id: str, url: str, role: str,
              ttl_s: float = DEFAULT_TTL_S) -> LeasedKey:
     """Put this instance in the membership until ``close`` (or its death, plus ``ttl_s``), signed
-    with the membership ``key``."""
-    value = json.dumps({"url": url, "role": role, "mac": _member_mac(key, instance_id, url, role)})
-    held = LeasedKey.hold(store, INSTANCES + instance_id, value, ttl_s, exclusive=False)
+    with the membership ``key`` (and signed again before the signature expires)."""
+    def signed() -> str:
+        expires = _expiry()
+        return json.dumps({"url": url, "role": role, "expires": expires,
+                           "mac": _member_mac(key, instance_id, url, role, expires)})
+    held = LeasedKey.hold(store, INSTANCES + instance_id, signed, ttl_s, exclusive=False)
     assert held is not None  # a put under a fresh lease cannot find the key held
     return held[0]
 
 
 def list_instances(store: MetadataStore, key: bytes,
                    verdicts: dict[str, tuple[str, Member | None]] | None = None) -> Listing:
-    """The instances announced now whose records carry a valid MAC under the membership ``key``;
-    the others are refused (their keys in ``Listing.refused``). ``verdicts``: a caller that lists
-    again and again keeps each record's value and verdict there (record name -> (value, member or
-    None)), so that a record unchanged since the last listing is not parsed and checked again:
-    thousands of records written without the secret cost a dict lookup each, not an HMAC."""
+    """The instances announced now whose records carry a valid, unexpired MAC under the membership
+    ``key``; the others are refused (their keys in ``Listing.refused``). ``verdicts``: a caller that
+    lists again and again keeps each record's value and verdict there (record name -> (value,
+    (member, expiry) or None)), so that a record unchanged since the last listing is not parsed and
+    checked again: thousands of records written without the secret cost a dict lookup each, not an
+    HMAC. (An expiry is checked at every listing: a record that stays unchanged ages.)"""
     verdicts = {} if verdicts is None else verdicts
     records = store.get_prefix(INSTANCES)
     members, refused = [], []
@@ -219,27 +254,28 @@ def list_instances(store: MetadataStore, key: bytes,
         known = verdicts.get(name)
         if known is None or known[0] != value:
             known = verdicts[name] = (value, _verified(name[len(INSTANCES):], value, key))
-        if known[1] is None:
+        if known[1] is None or not _unexpired(known[1][1]):
             refused.append(name)
         else:
-            members.append(known[1])
+            members.append(known[1][0])
     for name in [n for n in verdicts if n not in records]:
         del verdicts[name]
     return Listing(members, refused)
 
 
-def _verified(instance_id: str, value: str, key: bytes) -> Member | None:
+def _verified(instance_id: str, value: str, key: bytes) -> tuple[Member, int] | None:
+    """The member a record names and when its signature expires, if its MAC verifies."""
     try:
         entry = json.loads(value)
-        url, role, mac = entry["url"], entry["role"], entry["mac"]
-        if not (isinstance(url, str) and isinstance(role, str) and isinstance(mac, str)):
-            raise TypeError("url, role and mac must be strings")
+        url, role, expires, mac = entry["url"], entry["role"], entry["expires"], entry["mac"]
+        if not (isinstance(url, str) and isinstance(role, str) and type(expires) is int and isinstance(mac, str)):
+            raise TypeError("url, role and mac must be strings, expires an integer")
     except (ValueError, KeyError, TypeError) as e:
         log.debug("refusing the membership record of %s: %s", instance_id, e)
         return None
-    if not hmac.compare_digest(mac, _member_mac(key, instance_id, url, role)):
+    if not hmac.compare_digest(mac, _member_mac(key, instance_id, url, role, expires)):
         return None
-    return Member(instance_id, url, role)
+    return Member(instance_id, url, role), expires
 
 
 # -- Conductors -----------------------------------------------------------------------------------
@@ -249,11 +285,11 @@ class ConductorIdTaken(RuntimeError):
     """Another live Conductor holds this id."""
 
 
-_CLAIM_LABEL = "mooncake-py/conductor-claim/v1"
+_CLAIM_LABEL = "mooncake-py/conductor-claim/v2"
 
 
-def _claim_mac(key: bytes, conductor_id: str, url: str, epoch: int) -> str:
-    return _mac(key, _CLAIM_LABEL, conductor_id, url, epoch)
+def _claim_mac(key: bytes, conductor_id: str, url: str, epoch: int, expires: int) -> str:
+    return _mac(key, _CLAIM_LABEL, conductor_id, url, epoch, expires)
 
 
 def claim_conductor(store: MetadataStore, key: bytes, conductor_id: str, url: str, ttl_s: float = DEFAULT_TTL_S,
@@ -270,9 +306,13 @@ def claim_conductor(store: MetadataStore, key: bytes, conductor_id: str, url: st
         held = LeasedKey.hold(store, CONDUCTORS + conductor_id, value, ttl_s, exclusive=True)
         if held is not None:
             claim, epoch = held
+
+            def signed(epoch: int = epoch) -> str:
+                expires = _expiry()
+                return json.dumps({"url": url, "epoch": epoch, "expires": expires,
+                                   "mac": _claim_mac(key, conductor_id, url, epoch, expires)})
             try:  # no call carries the epoch before the record does
-                claim.rewrite(json.dumps({"url": url, "epoch": epoch,
-                                          "mac": _claim_mac(key, conductor_id, url, epoch)}))
+                claim.rewrite(signed)
             except BaseException:
                 claim.close()
                 raise
@@ -290,19 +330,21 @@ def claim_conductor(store: MetadataStore, key: bytes, conductor_id: str, url: st
 
 def conductor_epoch(store: MetadataStore, key: bytes, conductor_id: str) -> int | None:
     """The epoch ``conductor_id``'s claim carries now; None when it is not claimed, or its record
-    has no epoch yet or fails its MAC under the membership ``key`` (written without the secret)."""
+    has no epoch yet, fails its MAC under the membership ``key`` (written without the secret) or
+    has expired (a replay)."""
     value = store.get(CONDUCTORS + conductor_id)
     if value is None:
         return None
     try:
         entry = json.loads(value)
-        url, epoch, mac = entry["url"], entry["epoch"], entry["mac"]
-        if not (isinstance(url, str) and type(epoch) is int and isinstance(mac, str)):
-            raise TypeError("url and mac must be strings, epoch an integer")
+        url, epoch, expires, mac = entry["url"], entry["epoch"], entry["expires"], entry["mac"]
+        if not (isinstance(url, str) and type(epoch) is int and type(expires) is int and isinstance(mac, str)):
+            raise TypeError("url and mac must be strings, epoch and expires integers")
     except (ValueError, KeyError, TypeError) as e:
         log.debug("ignoring the claim record of Conductor %r: %s", conductor_id, e)
         return None
-    return epoch if hmac.compare_digest(mac, _claim_mac(key, conductor_id, url, epoch)) else None
+    signed = hmac.compare_digest(mac, _claim_mac(key, conductor_id, url, epoch, expires))
+    return epoch if signed and _unexpired(expires) else None
 
 
 # -- the cluster's one elastic-roles decider ------------------------------------------------------
@@ -312,11 +354,11 @@ def conductor_epoch(store: MetadataStore, key: bytes, conductor_id: str) -> int 
 ELASTIC_DECIDER = "members/elastic/decider"
 
 
-_DECIDER_LABEL = "mooncake-py/elastic-decider/v1"
+_DECIDER_LABEL = "mooncake-py/elastic-decider/v2"
 
 
-def _decider_mac(key: bytes, conductor_id: str) -> str:
-    return _mac(key, _DECIDER_LABEL, conductor_id)
+def _decider_mac(key: bytes, conductor_id: str, expires: int) -> str:
+    return _mac(key, _DECIDER_LABEL, conductor_id, expires)
 
 
 def hold_decider(store: MetadataStore, key: bytes, conductor_id: str, ttl_s: float = DEFAULT_TTL_S
@@ -325,13 +367,16 @@ def hold_decider(store: MetadataStore, key: bytes, conductor_id: str, ttl_s: flo
     key's lease is etcd's: a decider that dies or is cut off loses it within ``ttl_s``. Its record
     is signed with the membership ``key``: one written without the secret (which would stop every
     Conductor from deciding, for good, if it had no lease) is deleted and the key taken."""
-    value = json.dumps({"conductor": conductor_id, "mac": _decider_mac(key, conductor_id)})
-    held = LeasedKey.hold(store, ELASTIC_DECIDER, value, ttl_s, exclusive=True)
+    def signed() -> str:
+        expires = _expiry()
+        return json.dumps({"conductor": conductor_id, "expires": expires,
+                           "mac": _decider_mac(key, conductor_id, expires)})
+    held = LeasedKey.hold(store, ELASTIC_DECIDER, signed, ttl_s, exclusive=True)
     if held is None and (current := store.get(ELASTIC_DECIDER)) is not None and _decider_of(current, key) is None:
         log.warning("elastic roles: deleting the decider record %r: not signed with the cluster's membership key "
                     "(written by someone without the cluster secret, or altered)", current[:200])
         store.delete(ELASTIC_DECIDER)
-        held = LeasedKey.hold(store, ELASTIC_DECIDER, value, ttl_s, exclusive=True)
+        held = LeasedKey.hold(store, ELASTIC_DECIDER, signed, ttl_s, exclusive=True)
     return None if held is None else held[0]
 
 
@@ -345,9 +390,10 @@ def decider(store: MetadataStore, key: bytes) -> str | None:
 def _decider_of(value: str, key: bytes) -> str | None:
     try:
         entry = json.loads(value)
-        conductor, mac = entry["conductor"], entry["mac"]
-        if not (isinstance(conductor, str) and isinstance(mac, str)):
+        conductor, expires, mac = entry["conductor"], entry["expires"], entry["mac"]
+        if not (isinstance(conductor, str) and type(expires) is int and isinstance(mac, str)):
             return None
     except (ValueError, KeyError, TypeError):
         return None
-    return conductor if hmac.compare_digest(mac, _decider_mac(key, conductor)) else None
+    signed = hmac.compare_digest(mac, _decider_mac(key, conductor, expires))
+    return conductor if signed and _unexpired(expires) else None
