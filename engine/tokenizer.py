@@ -35,6 +35,7 @@ class Tokenizer:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        self.pad_token = _token_text(config.get("pad_token"))
         self.chat_template: str | None = config.get("chat_template")
         eos = set(eos_token_ids)
         gen_path = folder / "generation_config.json"
@@ -46,6 +47,12 @@ class Tokenizer:
             eos.add(self.hf.token_to_id(self.eos_token))
         self.eos_token_ids = frozenset(eos)
         self._template = None
+
+    def info(self, max_model_len: int) -> dict[str, Any]:
+        """What a client needs to tokenize as the server does (vLLM's ``/tokenizer_info`` keys)."""
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+                "eos_token": self.eos_token, "pad_token": self.pad_token, "chat_template": self.chat_template,
+                "model_max_length": max_model_len, "vocab_size": self.vocab_size}
 
     @property
     def vocab_size(self) -> int:

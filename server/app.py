@@ -390,7 +390,48 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat", "chatcmpl")
 
-    async def _parse(self, kind: str, body: Any, size: int) -> ParsedRequest:
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize`` (``protocol.parse_tokenize``)."""
+        parsed = await self._read_and_parse(request, "tokenize")
+        return parsed if isinstance(parsed, Response) else JSONResponse(parsed.to_dict())
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize`` (``protocol.parse_detokenize``)."""
+        parsed = await self._read_and_parse(request, "detokenize")
+        return parsed if isinstance(parsed, Response) else JSONResponse({"prompt": parsed})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's ``GET /tokenizer_info``: the tokenizer's special tokens and chat template (what
+        lm-eval's remote tokenizer reads before it uses /tokenize)."""
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        if not self.client.is_ready:
+            return self._not_ready()
+        return JSONResponse(self.client.tokenizer.info(self.client.max_model_len))
+
+    async def _read_and_parse(self, request: Request, kind: str) -> Any:
+        """A user's body read (size cap), validated and tokenized by ``PARSERS[kind]``; or the
+        error response (401, 4xx naming the field, 429 / 503 when the tokenizer process is busy)."""
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        try:
+            body, size = await _read_json(request, self.settings.max_body_bytes)
+            if not self.client.is_ready:
+                return self._not_ready()
+            return await self._parse(kind, body, size)
+        except ProtocolError as e:
+            return _protocol_error(e)
+        except EngineNotReady as e:
+            return _engine_error(e)
+        except ParseBusy as e:
+            return _error(429, f"too many large requests at once: {e}; retry shortly", "rate_limit_error",
+                          code="too_many_requests", headers={"Retry-After": "1"})
+        except ParseUnavailable as e:
+            fault = _fault("could not parse a request", e)
+            return _error(503, f"the server could not tokenize the request in time (error id {fault.error_id}); "
+                          "retry shortly", "service_unavailable", headers={"Retry-After": "2"})
+
+    async def _parse(self, kind: str, body: Any, size: int) -> Any:
         """Validate and tokenize: a small body here, a large one in the tokenizer process
         (``server/parse_worker.py``), so that no prompt stalls the event loop."""
         limits = self._limits()
@@ -405,26 +446,14 @@ class OpenAIServer:
             self._parser.close()
 
     async def _generate(self, request: Request, kind: str, prefix: str) -> Response:
-        if (denied := self._unauthorized(request)) is not None:
-            return denied
+        parsed = await self._read_and_parse(request, kind)
+        if isinstance(parsed, Response):
+            return parsed
         try:
-            body, size = await _read_json(request, self.settings.max_body_bytes)
-            if not self.client.is_ready:
-                return self._not_ready()
-            parsed = await self._parse(kind, body, size)
             session = self._scoped(parsed.session_hint(request.headers.get("x-session-id")), self._user(request))
-            self._salted(parsed, self._caller(request))
         except ProtocolError as e:
             return _protocol_error(e)
-        except EngineNotReady as e:
-            return _engine_error(e)
-        except ParseBusy as e:
-            return _error(429, f"too many large requests at once: {e}; retry shortly", "rate_limit_error",
-                          code="too_many_requests", headers={"Retry-After": "1"})
-        except ParseUnavailable as e:
-            fault = _fault("could not parse a request", e)
-            return _error(503, f"the server could not tokenize the request in time (error id {fault.error_id}); "
-                          "retry shortly", "service_unavailable", headers={"Retry-After": "2"})
+        self._salted(parsed, self._caller(request))
 
         gen = _Generation(self.client, self.metrics, parsed, prefix, session)
         handed_over = False
@@ -628,6 +657,9 @@ def build_app(
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
         Route("/stats", server.stats, methods=["GET"]),

@@ -27,12 +27,15 @@ from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
 from engine.tokenizer import Tokenizer
-from server.protocol import ModelLimits, ParsedRequest, ProtocolError, parse_chat, parse_completion
+from server.protocol import (
+    ModelLimits, ParsedRequest, ProtocolError, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
+)
 
 log = logging.getLogger(__name__)
 
 INLINE_BYTES = 32 << 10  # parsed on the event loop: ~10 ms of tokenizing at most
-PARSERS = {"completion": parse_completion, "chat": parse_chat}
+PARSERS = {"completion": parse_completion, "chat": parse_chat, "tokenize": parse_tokenize,
+           "detokenize": parse_detokenize}
 
 
 class ParseUnavailable(Exception):
@@ -64,7 +67,7 @@ class ParseWorker:
         """Worker processes started after the first (it died, or stopped answering)."""
         return max(0, self._starts - 1)
 
-    async def parse(self, kind: str, body: Any, limits: ModelLimits) -> ParsedRequest:
+    async def parse(self, kind: str, body: Any, limits: ModelLimits) -> Any:
         """``ProtocolError`` for the client's mistakes, as inline; ``ParseUnavailable`` when the
         worker did not answer within the bounds; ``ParseBusy`` when ``max_queued`` bodies wait."""
         if self._queued >= self.max_queued:

@@ -378,8 +378,14 @@ def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
         raise ProtocolError("only response_format {'type': 'text'} is supported", "response_format")
-    add_generation_prompt = _boolean(body, "add_generation_prompt", True)
+    ids = _chat_prompt(body, limits)
+    params = _build_params([ids], fields, max_tokens, logprobs, n, limits, key)
+    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs, **_session(body))
 
+
+def _chat_prompt(body: dict, limits: ModelLimits) -> list[int]:
+    """The token ids of a body's ``messages`` rendered by the model's chat template."""
+    add_generation_prompt = _boolean(body, "add_generation_prompt", True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty array", "messages")
@@ -406,11 +412,57 @@ def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
     except (TemplateError, ValueError) as e:
         raise ProtocolError(f"could not apply the chat template: {e}", "messages") from None
     # The template already holds any BOS / special tokens the model wants.
-    ids = limits.tokenizer.encode(text, add_special_tokens=False)
+    ids = limits.tokenizer.encode(text, add_special_tokens=_boolean(body, "add_special_tokens", False))
     if not ids:
         raise ProtocolError("the rendered prompt is empty", "messages")
-    params = _build_params([ids], fields, max_tokens, logprobs, n, limits, key)
-    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs, **_session(body))
+    return ids
+
+
+# -- vLLM's tokenizer endpoints (what lm-eval's remote tokenizer and ``vllm bench serve`` call) ------
+@dataclass
+class Tokenized:
+    """``POST /tokenize``'s answer, in vLLM's shape (``to_dict``)."""
+
+    tokens: list[int]
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": len(self.tokens), "max_model_len": self.max_model_len, "tokens": self.tokens,
+                "token_strs": self.token_strs}
+
+
+def parse_tokenize(body: Any, limits: ModelLimits) -> Tokenized:
+    """``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...], "add_generation_prompt":
+    true, "add_special_tokens": false}`` (vLLM's defaults for each), ``return_token_strs``."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    check_model(body, limits.name)
+    if ("prompt" in body) == ("messages" in body):
+        raise ProtocolError("give exactly one of 'prompt' (a string) and 'messages' (a chat)", "prompt")
+    if "messages" in body:
+        ids = _chat_prompt(body, limits)
+    else:
+        prompt = _string(body, "prompt")
+        if prompt is None:
+            raise ProtocolError("'prompt' must be a string", "prompt")
+        ids = limits.tokenizer.encode(prompt, add_special_tokens=_boolean(body, "add_special_tokens", True))
+    strs = None
+    if _boolean(body, "return_token_strs", False):
+        strs = [limits.tokenizer.hf.id_to_token(t) for t in ids]
+    return Tokenized(ids, limits.max_model_len, strs)
+
+
+def parse_detokenize(body: Any, limits: ModelLimits) -> str:
+    """``{"tokens": [...]}``: their text, special tokens included (as vLLM decodes them)."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    check_model(body, limits.name)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise ProtocolError("'tokens' must be an array of token ids", "tokens")
+    return limits.tokenizer.decode(_token_list(tokens, "tokens", limits.vocab_size),
+                                   skip_special_tokens=False)
 
 
 # -- responses ---------------------------------------------------------------------------------------

@@ -374,6 +374,47 @@ def test_prefix_cache_reported(oai, url):
     assert hits and float(hits[0].split()[-1]) >= 16
 
 
+def test_tokenize_round_trips_with_detokenize_in_vllms_shapes(servers, url, tokenizer):
+    """Issue 53 item 4: vLLM's /tokenize (a prompt or chat messages), /detokenize and
+    /tokenizer_info, which lm-eval's remote tokenizer and `vllm bench serve` look for."""
+    text = "The capital of France is Paris."
+    r = post(url, "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == tokenizer.encode(text) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == servers.client.max_model_len and len(got["token_strs"]) == got["count"]
+    assert post(url, "/detokenize", {"tokens": got["tokens"]}).json() == {"prompt": text}
+    plain = post(url, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert plain["token_strs"] is None and plain["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
+    rendered = post(url, "/tokenize", {"messages": chat["messages"]}).json()["tokens"]
+    answer = post(url, "/v1/chat/completions", chat).json()
+    assert answer["usage"]["prompt_tokens"] == len(rendered)  # the same ids a chat request runs
+    info = httpx.get(url + "/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    for path, body, param in [("/tokenize", {"prompt": text, "messages": chat["messages"]}, "prompt"),
+                              ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": text, "model": "gpt-4"}, "model"),
+                              ("/detokenize", {"tokens": [1, -1]}, "tokens"), ("/detokenize", {}, "tokens")]:
+        assert_error(post(url, path, body), 404 if param == "model" else 400, param)
+    keyed = servers.urls["keyed"]  # a user's routes: they need a key where keys are set
+    assert_error(post(keyed, "/tokenize", {"prompt": text}), 401)
+    assert_error(httpx.get(keyed + "/tokenizer_info"), 401)
+    assert post(keyed, "/tokenize", {"prompt": text}, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_lm_evals_remote_tokenizer_finds_and_uses_the_servers(url, tokenizer):
+    """lm-eval's local-completions, its tokenizer_backend left to the default ("auto"), uses the
+    server's tokenizer when /tokenizer_info and /tokenize answer as vLLM's do (the real lm-eval,
+    the [eval] extra; skipped without it)."""
+    utils = pytest.importorskip("lm_eval.utils")
+    assert utils.check_remote_tokenizer_support(url + "/v1/completions")
+    remote = utils.RemoteTokenizer(url + "/v1/completions")
+    text = "Hello, world: a test of the remote tokenizer."
+    assert remote.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert remote.decode(remote.encode(text)) == text and remote.eos_token_id in tokenizer.eos_token_ids
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
