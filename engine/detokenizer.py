@@ -63,10 +63,15 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str],
         skip_special_tokens: bool,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
+        # Stop strings end the output only from its ``min_tokens``-th token on (vLLM's min_tokens):
+        # until then text is emitted as it comes, none held back as a possible stop's prefix.
+        self._unarmed_tokens = min_tokens
+        self.stopped_by: str | None = None  # the stop string the output ended before
         self._window, decoded = self._prompt_context(prompt_token_ids)
         # Characters of decode(self._window) already accounted for: all of the prompt context
         # here (even a dangling partial character, which belongs to the prompt), later the
@@ -92,6 +97,7 @@ class IncrementalDetokenizer:
         """Feed one sampled token; returns the text that may be streamed now (maybe '')."""
         if self._stopped or self._finished:
             return ""
+        self._unarmed_tokens -= 1
         self._window.append(token_id)
         decoded = self._decode(self._window)
         held = _trailing_replacements(decoded)
@@ -164,17 +170,16 @@ class IncrementalDetokenizer:
     def _push(self, piece: str, final: bool) -> str:
         """Appends decoded text, applies stop strings and returns what can be emitted."""
         self._text += piece
+        stops = self._stop if self._unarmed_tokens <= 0 else []
         # A stop string cannot start inside already emitted text: while any of its prefixes
         # was the text's tail, that tail was held back.
-        cut = min(
-            (at for at in (self._text.find(s, self._emitted) for s in self._stop) if at >= 0),
-            default=-1,
-        )
+        cut, by = min(((at, s) for at, s in ((self._text.find(s, self._emitted), s) for s in stops) if at >= 0),
+                      default=(-1, None))
         if cut >= 0:
             self._text = self._text[:cut]
-            self._stopped = True
+            self._stopped, self.stopped_by = True, by
             end = cut
-        elif final:
+        elif final or not stops:
             end = len(self._text)
         else:
             end = len(self._text) - self._stop_prefix_length()

@@ -135,8 +135,12 @@ class LLMEngine:
         check_fits(len(ids), params.max_tokens, self.max_model_len, "the model's context")
         check_fits(len(ids), params.max_tokens, self.block_manager.num_blocks * self.config.block_size,
                    "the KV cache capacity")
-        detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens)
-        return Sequence(request_id, ids, params, detok, self.config.device, session)
+        if params.logit_bias and max(params.logit_bias) >= self.tokenizer.vocab_size:
+            raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
+                             f"[0, {self.tokenizer.vocab_size})")
+        detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens,
+                                       params.min_tokens)
+        return Sequence(request_id, ids, params, detok, self.config.device, session, self.tokenizer.eos_token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""
@@ -216,15 +220,16 @@ class LLMEngine:
         seq.append_token(token)
         self.num_generated_tokens += 1
         reason = None
+        stop_reason: int | str | None = None  # what stopped it, as vLLM reports (None: EOS, length)
         text = ""
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             reason = "stop"
         elif token in params.stop_token_ids:
-            reason = "stop"
+            reason, stop_reason = "stop", token
         else:
             text = seq.detokenizer.add(token)
             if seq.detokenizer.stopped:
-                reason = "stop"
+                reason, stop_reason = "stop", seq.detokenizer.stopped_by
         if reason is None and (
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
@@ -253,6 +258,7 @@ class LLMEngine:
             logprobs=[logprobs] if logprobs is not None else [],
             prompt_logprobs=seq.prompt_logprobs if seq.num_output_tokens == 1 else None,
             sampler_state=sampler_state,
+            stop_reason=stop_reason,
         )
 
     def stats(self) -> EngineStats:

@@ -36,3 +36,5 @@ class RequestOutput:
     # Set when a prefill instance hands the request off (finish_reason "handoff"): the state of
     # its seeded generator after the first token, so the decode instance samples as we would.
     sampler_state: bytes | None = None
+    # With finish_reason "stop": the stop string or stop token id that ended it (None for EOS).
+    stop_reason: int | str | None = None

@@ -19,6 +19,7 @@ generator, one [V] draw per step, so its tokens do not depend on the rest of the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,15 +55,21 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Tokens that may not be sampled before ``params.min_tokens`` outputs: the model's EOS ids
+    # (unless ignore_eos) and the request's stop_token_ids.
+    stop_ids: tuple[int, ...] = ()
     # The prompt never changes, so its [V] presence mask is built once instead of turning a
     # possibly long token list into a tensor on every decode step.
     _prompt_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def for_request(
-        cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str = "cpu"
+        cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str = "cpu",
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> SamplingState:
-        return cls(params, list(prompt_token_ids), [], make_generator(params.seed, device))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        return cls(params, list(prompt_token_ids), [], make_generator(params.seed, device),
+                   tuple(sorted(stop_ids)) if params.min_tokens else ())
 
     def prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """Bool [vocab_size] tensor, True for token ids that occur in the prompt."""
@@ -118,6 +125,7 @@ class Sampler:
         # Every stage below is out-of-place until x is a tensor this call owns: .float() is a
         # no-op on float32 input and the caller's logits must not be modified.
         x = _apply_penalties(logits.float(), batch)
+        x = _bias_and_bans(x, batch)
         if not all(greedy):
             temperatures = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
             x = x / torch.tensor(temperatures, device=x.device).unsqueeze(1)
@@ -207,6 +215,28 @@ def _apply_penalties(x: torch.Tensor, batch: list[SamplingState]) -> torch.Tenso
         presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
         x = x - frequency * counts - presence * seen_in_output
     return x
+
+
+def _bias_and_bans(x: torch.Tensor, batch: list[SamplingState]) -> torch.Tensor:
+    """Each row's ``logit_bias`` added, and its stop tokens at -inf while it has fewer than
+    ``min_tokens`` outputs. Out of place (``index_put``): x may still be the caller's logits."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, state in enumerate(batch):
+        p = state.params
+        if p.logit_bias:
+            rows += [row] * len(p.logit_bias)
+            cols += p.logit_bias.keys()
+            values += p.logit_bias.values()
+        if state.stop_ids and len(state.output_token_ids) < p.min_tokens:
+            rows += [row] * len(state.stop_ids)
+            cols += state.stop_ids
+            values += [-math.inf] * len(state.stop_ids)
+    if not rows:
+        return x
+    index = (torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device))
+    return x.index_put(index, torch.tensor(values, dtype=x.dtype, device=x.device), accumulate=True)
 
 
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:

@@ -15,6 +15,9 @@ from typing import Any
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _MAX_LOGPROBS = 20
+# OpenAI allows a bias from -100 (the token is never picked) to 100 (it almost always is).
+_MAX_BIAS = 100.0
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias (each one is a scatter in every step)
 
 
 def _real(name: str, value: Any) -> float:
@@ -51,6 +54,27 @@ def _stop_strings(value: Any) -> list[str]:
     return list(items)
 
 
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """Token id -> bias; ids may come as strings (JSON object keys: OpenAI's shape, and the wire's)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    bias = {}
+    for key, b in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        token = _integer("logit_bias token id", token)
+        if token < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {token}")
+        b = _real("logit_bias value", b)
+        if not -_MAX_BIAS <= b <= _MAX_BIAS:
+            raise ValueError(f"logit_bias values must be in [-{_MAX_BIAS:g}, {_MAX_BIAS:g}], got {b}")
+        bias[token] = b
+    return bias or None
+
+
 def _token_ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -83,6 +107,11 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # EOS (unless ignore_eos) and stop_token_ids cannot be sampled, nor stop strings end the
+    # request, before this many tokens (vLLM's min_tokens).
+    min_tokens: int = 0
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -121,6 +150,10 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         self.ignore_eos = _boolean("ignore_eos", self.ignore_eos)
+        self.min_tokens = _integer("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        self.logit_bias = _logit_bias(self.logit_bias)
 
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)

@@ -60,6 +60,7 @@ class Sequence:
         detokenizer: IncrementalDetokenizer,
         device: str = "cpu",
         session: SessionHint | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ):
         self.request_id = request_id
         self.params = params
@@ -74,7 +75,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
         # The generator lives where the logits are sampled.
-        self.sampling = SamplingState.for_request(params, prompt_token_ids, device)
+        self.sampling = SamplingState.for_request(params, prompt_token_ids, device, eos_token_ids)
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_preemptions = 0

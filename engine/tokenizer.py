@@ -10,6 +10,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.generation_config import read_generation_config
+
 
 def _token_text(value: Any) -> str | None:
     # tokenizer_config.json stores special tokens either as strings or as AddedToken dicts.
@@ -37,12 +39,10 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token"))
         self.chat_template: str | None = config.get("chat_template")
-        eos = set(eos_token_ids)
-        gen_path = folder / "generation_config.json"
-        if gen_path.is_file():
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            if gen_eos is not None:
-                eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        generation = read_generation_config(folder)
+        # The sampling the model ships with (``--generation-config auto`` applies it to requests).
+        self.sampling_defaults = generation.sampling_defaults
+        eos = set(eos_token_ids) | set(generation.eos_token_ids)
         if self.eos_token is not None and self.hf.token_to_id(self.eos_token) is not None:
             eos.add(self.hf.token_to_id(self.eos_token))
         self.eos_token_ids = frozenset(eos)

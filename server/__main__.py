@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.cache_scope not in ("per-key", "shared"):  # argparse leaves an env default unchecked
         sys.exit(f"error: MOONCAKE_CACHE_SCOPE must be per-key or shared, not {args.cache_scope!r}")
     settings = ServerSettings(api_keys=api_keys, operator_key=operator_key, max_user_priority=args.max_user_priority,
-                              cache_scope=args.cache_scope,
+                              cache_scope=args.cache_scope, allowed_origins=tuple(args.allowed_origins),
+                              generation_config=args.generation_config,
                               max_body_bytes=args.max_body_bytes, public_metrics=args.public_metrics)
     if args.role is not None:
         launch.serve_instance(args, secret)

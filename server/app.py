@@ -47,10 +47,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.outputs import RequestOutput
 from engine.engine_client import EngineClient, EngineNotReady, EngineOverloaded
@@ -73,6 +76,7 @@ from server.parse_worker import INLINE_BYTES, PARSERS, ParseBusy, ParseUnavailab
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+MAX_REQUEST_ID_CHARS = 128  # of a client's X-Request-Id, in the log
 
 
 @dataclass
@@ -94,6 +98,11 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # Serve /metrics and /stats without a key, e.g. to a Prometheus scraper that cannot send one.
     public_metrics: bool = False
+    # "auto": the model's generation_config.json sampling fields are the defaults of requests that
+    # leave them out (vLLM's default); "vllm": OpenAI's defaults whatever the model ships.
+    generation_config: str = "auto"
+    # Origins a browser may call the API from (CORS; "*": any); none: no CORS headers, as vLLM.
+    allowed_origins: tuple[str, ...] = ()
 
 
 def _error(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
@@ -182,12 +191,14 @@ class _Generation:
     """The engine requests behind one HTTP request, and their merged outputs."""
 
     def __init__(self, client: EngineClient, metrics: ServerMetrics, parsed: ParsedRequest, prefix: str,
-                 session: SessionHint | None = None):
+                 session: SessionHint | None = None, client_id: str | None = None):
         self.client = client
         self.metrics = metrics
         self.parsed = parsed
         self.session = session
+        # Ours, unique whatever the client sends; the client's own id (its X-Request-Id) goes in the logs.
         self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.name = self.id if client_id is None else f"{self.id} (X-Request-Id {client_id[:MAX_REQUEST_ID_CHARS]!r})"
         self.created = int(time.time())
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
@@ -214,7 +225,7 @@ class _Generation:
             self.queue.put_nowait((index, e))
         except Exception as e:  # noqa: BLE001 -- EngineError or anything unexpected
             tracker.failed()
-            self.queue.put_nowait((index, _fault(f"request {self.id}-{index} failed", e)))
+            self.queue.put_nowait((index, _fault(f"request {self.name} choice {index} failed", e)))
         finally:
             await gen.aclose()  # no-op when finished; aborts the engine request otherwise
 
@@ -350,7 +361,8 @@ class OpenAIServer:
         stats = c.stats()
         capacity = stats.get("num_blocks", 0) * stats.get("block_size", 0) or None
         vocab = getattr(c, "vocab_size", None) or c.tokenizer.vocab_size
-        return ModelLimits(c.model_name, c.tokenizer, c.max_model_len, vocab, capacity)
+        defaults = c.tokenizer.sampling_defaults if self.settings.generation_config == "auto" else {}
+        return ModelLimits(c.model_name, c.tokenizer, c.max_model_len, vocab, capacity, defaults)
 
     # -- routes ------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -455,7 +467,7 @@ class OpenAIServer:
             return _protocol_error(e)
         self._salted(parsed, self._caller(request))
 
-        gen = _Generation(self.client, self.metrics, parsed, prefix, session)
+        gen = _Generation(self.client, self.metrics, parsed, prefix, session, request.headers.get("x-request-id"))
         handed_over = False
         try:
             gen.start(request)
@@ -498,6 +510,7 @@ class OpenAIServer:
                     "message": {"role": "assistant", "content": c.text},
                     "logprobs": chat_logprobs(tok, c.logprobs) if p.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 })
             else:
                 echo = _echo(p, c.index)
@@ -506,6 +519,7 @@ class OpenAIServer:
                     "text": echo + c.text,
                     "logprobs": _completion_logprobs(tok, p, c, c.logprobs, 0) if p.logprobs is not None else None,
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 })
         return JSONResponse({
             "id": gen.id,
@@ -541,15 +555,16 @@ class OpenAIServer:
             if not new_text and not echo and not out.finished and not (p.logprobs is not None and new_logprobs):
                 return None
             reason = c.finish_reason if out.finished else None
+            ended = {"finish_reason": reason, "stop_reason": c.stop_reason if out.finished else None}
             if chat:
                 d = {"content": new_text} if new_text else {}
                 lp = chat_logprobs(tok, new_logprobs) if p.logprobs is not None else None
-                return chunk([{"index": index, "delta": d, "logprobs": lp, "finish_reason": reason}])
+                return chunk([{"index": index, "delta": d, "logprobs": lp, **ended}])
             lp = None
             if p.logprobs is not None:
                 lp = (_completion_logprobs(tok, p, c, new_logprobs, 0) if echo
                       else completion_logprobs(tok, new_logprobs, len(_echo(p, index)) + offset))
-            return chunk([{"index": index, "text": echo + new_text, "logprobs": lp, "finish_reason": reason}])
+            return chunk([{"index": index, "text": echo + new_text, "logprobs": lp, **ended}])
 
         try:
             if chat:
@@ -619,6 +634,26 @@ def _operators(server: OpenAIServer, endpoint: Callable[[Request], Awaitable[Res
     return handle
 
 
+class _EchoRequestId:
+    """Every response to a request with an ``X-Request-Id`` header carries it back (as vLLM's and
+    most proxies' do), errors included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        theirs = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None) \
+            if scope["type"] == "http" else None
+        if theirs is None:
+            return await self.app(scope, receive, send)
+
+        async def echoing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", theirs)]}
+            await send(message)
+        await self.app(scope, receive, echoing)
+
+
 def build_app(
     client: EngineClient,
     settings: ServerSettings | None = None,
@@ -666,9 +701,15 @@ def build_app(
         *(extra_routes or []),
         *(Route(r.path, _operators(server, r.endpoint), methods=r.methods) for r in operator_routes or []),
     ]
+    middleware = [Middleware(_EchoRequestId)]
+    if settings.allowed_origins:
+        # The preflight (OPTIONS, no key) is answered here, before any route checks a key.
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                                     allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"]))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=middleware,
         exception_handlers={HTTPException: http_error, Exception: internal_error},
     )
     app.state.engine_client = client

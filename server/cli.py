@@ -161,6 +161,13 @@ def _http_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
                    "API is never a user's; shared: every key reuses every cached prefix (faster where users share "
                    "prompts such as a system prompt, and it leaks them). With no keys set there is one caller. "
                    "A request's cache_salt narrows either (env MOONCAKE_CACHE_SCOPE)")
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto (default): the sampling fields of the model's generation_config.json (temperature, "
+                   "top_p, top_k, min_p, repetition_penalty) are the defaults of requests that leave them out; "
+                   "vllm: OpenAI's defaults (temperature 1, top_p 1, ...) whatever the model ships")
+    p.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN",
+                   help="an origin (https://host:port, or * for any) a browser may call the API from: CORS, "
+                   "preflight included; repeat for several. None (default): no CORS headers, as vLLM")
     p.add_argument("--public-metrics", action="store_true",
                    help="serve /metrics and /stats without a key (e.g. to a scraper)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,

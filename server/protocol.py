@@ -11,6 +11,7 @@ sample ``j`` (seeded requests use seed + j so that the n samples differ but stay
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,32 @@ MAX_N = 16  # choices per prompt
 MAX_CHOICES = 128  # prompts * n per request
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+log = logging.getLogger(__name__)
+
+# The fields each endpoint reads (or refuses by name). Others are accepted and ignored, as clients
+# send many optional ones, and each new name is logged once (vLLM logs them too).
+_COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
+    "stop_token_ids", "ignore_eos", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "skip_special_tokens", "logprobs", "best_of", "logit_bias", "min_tokens", "user", "session_id", "priority",
+    "cache_salt"})
+_FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo", "suffix"},
+           "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                     "functions", "add_generation_prompt", "add_special_tokens", "echo"}}
+_MAX_LOGGED_FIELDS = 256  # names remembered as logged: a client inventing names costs a bounded set
+_logged_fields: set[str] = set()
+
+
+def _note_unknown_fields(body: dict, kind: str) -> None:
+    new = [str(k)[:64] for k in body if k not in _FIELDS[kind] and k not in _logged_fields]
+    new = new[: max(0, _MAX_LOGGED_FIELDS - len(_logged_fields))]
+    if new:
+        _logged_fields.update(new)
+        log.warning("ignoring field(s) this server does not use in /v1/%s requests: %s (each name is logged once)",
+                    "chat/completions" if kind == "chat" else "completions", ", ".join(sorted(new)))
+
+
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when the body has none (OpenAI, vLLM)
 # Half the engine's bound: under --cache-scope per-key the server puts the caller's name before it.
 MAX_BODY_CACHE_SALT_CHARS = MAX_CACHE_SALT_CHARS // 2
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -198,6 +225,9 @@ class ModelLimits:
     max_model_len: int
     vocab_size: int
     kv_capacity_tokens: int | None = None
+    # The model's generation_config sampling fields, for those a request leaves out (empty:
+    # ``--generation-config vllm``, the OpenAI defaults below).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 def check_model(body: dict, served: str) -> str:
@@ -216,10 +246,12 @@ def _session(body: dict) -> dict[str, Any]:
     return {"session_id": _string(body, "session_id"), "priority": _integer(body, "priority", 0, *PRIORITY_RANGE)}
 
 
-def _common(body: dict, kind: str) -> tuple[dict[str, Any], int, bool, bool]:
+def _common(body: dict, kind: str, limits: ModelLimits) -> tuple[dict[str, Any], int, bool, bool]:
     """Sampling fields shared by both endpoints (max_tokens and logprobs handled by callers)."""
+    model = limits.sampling_defaults
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    _note_unknown_fields(body, kind)
     _string(body, "user")  # the end user, for abuse tracking: not a session
     n = _integer(body, "n", 1, 1, MAX_N)
     stream = _boolean(body, "stream", False)
@@ -235,39 +267,53 @@ def _common(body: dict, kind: str) -> tuple[dict[str, Any], int, bool, bool]:
     if stop_token_ids is not None and not isinstance(stop_token_ids, list):
         raise ProtocolError("'stop_token_ids' must be an array of integers", "stop_token_ids")
     fields = dict(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_integer(body, "top_k", -1, -1),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        temperature=_number(body, "temperature", model.get("temperature", 1.0), 0.0, 2.0),
+        top_p=_number(body, "top_p", model.get("top_p", 1.0), 0.0, 1.0, lo_open=True),
+        top_k=_integer(body, "top_k", model.get("top_k", -1), -1),
+        min_p=_number(body, "min_p", model.get("min_p", 0.0), 0.0, 1.0),
         stop=_stop(body),
         stop_token_ids=_token_list(stop_token_ids or [], "stop_token_ids", 2**31),
         ignore_eos=_boolean(body, "ignore_eos", False),
         seed=_integer(body, "seed", None, _SEED_MIN, _SEED_MAX - MAX_N),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        repetition_penalty=_number(body, "repetition_penalty", model.get("repetition_penalty", 1.0), 0.0, 2.0,
+                                   lo_open=True),
         skip_special_tokens=_boolean(body, "skip_special_tokens", True),
         cache_salt=_cache_salt(body),
     )
     best_of = _integer(body, "best_of", None, 1)
     if best_of is not None and best_of != n:
         raise ProtocolError("'best_of' other than n is not supported", "best_of")
-    logit_bias = body.get("logit_bias")
-    if logit_bias is not None:
-        if not isinstance(logit_bias, dict):
-            raise ProtocolError("'logit_bias' must be an object", "logit_bias")
-        if logit_bias:
-            raise ProtocolError("'logit_bias' is not supported", "logit_bias")
-    # vLLM's min_tokens would change which tokens may end a request; refuse rather than ignore.
-    if _integer(body, "min_tokens", 0, 0):
-        raise ProtocolError("'min_tokens' is not supported", "min_tokens")
+    fields["min_tokens"] = _integer(body, "min_tokens", 0, 0)
+    fields["logit_bias"] = _logit_bias(body)
     return fields, n, stream, include_usage
+
+
+def _logit_bias(body: dict) -> dict[str, float] | None:
+    """OpenAI's ``logit_bias``: token id (a string key) -> bias in [-100, 100]. The ids are checked
+    against the vocabulary with the other token ids (``_build_params``)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ProtocolError("'logit_bias' must be an object of token id -> bias", "logit_bias")
+    try:
+        return SamplingParams(logit_bias=bias).logit_bias
+    except ValueError as e:
+        raise ProtocolError(str(e), "logit_bias") from None
 
 
 def _build_params(
     prompts: list[list[int]], fields: dict, max_tokens: int | None, logprobs: int | None,
     n: int, limits: ModelLimits, max_tokens_key: str, prompt_logprobs: int | None = None,
+    default_max_tokens: int | None = None,
 ) -> list[list[SamplingParams]]:
+    """``max_tokens`` None: ``default_max_tokens`` where the context leaves room for that many,
+    else (or without a default) the rest of the context."""
+    if fields["logit_bias"] and max(fields["logit_bias"]) >= limits.vocab_size:
+        raise ProtocolError(f"'logit_bias' token id {max(fields['logit_bias'])} is outside the vocabulary "
+                            f"[0, {limits.vocab_size})", "logit_bias")
     limit = limits.max_model_len
     if limits.kv_capacity_tokens is not None:
         limit = min(limit, limits.kv_capacity_tokens)
@@ -280,7 +326,10 @@ def _build_params(
                 "for the output", "messages" if max_tokens_key == "max_completion_tokens" else "prompt",
                 code="context_length_exceeded",
             )
-        tokens = max_tokens if max_tokens is not None else limit - len(ids)
+        tokens = max_tokens if max_tokens is not None else min(default_max_tokens or limit, limit - len(ids))
+        if fields["min_tokens"] > tokens:
+            raise ProtocolError(f"'min_tokens' ({fields['min_tokens']}) is more than {max_tokens_key} ({tokens})",
+                                "min_tokens")
         if len(ids) + tokens > limit:
             raise ProtocolError(
                 f"the prompt ({len(ids)} tokens) plus {max_tokens_key} ({tokens}) exceeds the limit "
@@ -301,13 +350,15 @@ def _build_params(
 
 
 def parse_completion(body: Any, limits: ModelLimits) -> ParsedRequest:
-    fields, n, stream, include_usage = _common(body, "completion")
+    fields, n, stream, include_usage = _common(body, "completion", limits)
     model = check_model(body, limits.name)
     echo = _boolean(body, "echo", False)
     if _string(body, "suffix"):
         raise ProtocolError("'suffix' is not supported", "suffix")
     logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
     max_tokens = _integer(body, "max_tokens", None, 0)
+    # Absent: 16, as OpenAI's and vLLM's completions; an explicit null: the rest of the context (vLLM).
+    default = COMPLETION_MAX_TOKENS if "max_tokens" not in body else None
     if max_tokens == 0 and not echo:
         raise ProtocolError("'max_tokens' must be at least 1 (0 only with 'echo', to score the prompt)", "max_tokens")
     prompt = body.get("prompt")
@@ -337,7 +388,7 @@ def parse_completion(body: Any, limits: ModelLimits) -> ParsedRequest:
         raise ProtocolError(f"at most {MAX_CHOICES} choices (prompts x n) per request", "n")
     # Scoring only still samples one token (its logits are computed anyway), which the answer leaves out.
     params = _build_params(prompts, fields, max_tokens or (None if max_tokens is None else 1), logprobs, n, limits,
-                           "max_tokens", logprobs if echo else None)
+                           "max_tokens", logprobs if echo else None, default)
     echo_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in raw] if echo else None
     return ParsedRequest("completion", model, prompts, params, n, stream, include_usage, logprobs,
                          echo_texts=echo_texts, score_only=max_tokens == 0, **_session(body))
@@ -359,7 +410,7 @@ def _message_content(msg: dict, i: int) -> str | None:
 
 
 def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
-    fields, n, stream, include_usage = _common(body, "chat")
+    fields, n, stream, include_usage = _common(body, "chat", limits)
     model = check_model(body, limits.name)
     if _boolean(body, "echo", False):
         raise ProtocolError("'echo' is only supported on /v1/completions", "echo")
@@ -469,7 +520,7 @@ def parse_detokenize(body: Any, limits: ModelLimits) -> str:
 class Choice:
     """Accumulates one choice's deltas (text, tokens, logprobs, finish reason)."""
 
-    __slots__ = ("index", "text", "num_tokens", "logprobs", "prompt_logprobs", "finish_reason",
+    __slots__ = ("index", "text", "num_tokens", "logprobs", "prompt_logprobs", "finish_reason", "stop_reason",
                  "num_prompt_tokens", "num_cached_tokens", "keep_output", "echoed")
 
     def __init__(self, index: int, keep_output: bool = True):
@@ -481,6 +532,7 @@ class Choice:
         self.logprobs: list[Logprobs] = []
         self.prompt_logprobs: list[Logprobs | None] | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.keep_output = keep_output
@@ -497,6 +549,7 @@ class Choice:
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason if self.keep_output else "length"
+            self.stop_reason = out.stop_reason if self.keep_output else None
 
 
 def usage(choices: list[Choice], n: int, prompt_lens: list[int]) -> dict[str, Any]:

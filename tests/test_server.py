@@ -415,6 +415,85 @@ def test_lm_evals_remote_tokenizer_finds_and_uses_the_servers(url, tokenizer):
     assert remote.decode(remote.encode(text)) == text and remote.eos_token_id in tokenizer.eos_token_ids
 
 
+def test_openai_defaults_stop_reason_logit_bias_and_min_tokens(url, tokenizer):
+    """Issue 53 item 5: max_tokens absent on /v1/completions is 16 (OpenAI, vLLM); the choice says
+    what stopped it (stop_reason: the string, the token id, None for EOS); logit_bias and
+    min_tokens change what is sampled as OpenAI and vLLM define them."""
+    def complete(**body) -> dict:
+        r = post(url, "/v1/completions", {"prompt": PROMPT, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert complete(ignore_eos=True)["usage"]["completion_tokens"] == 16
+    paris = tokenizer.encode(" Paris", add_special_tokens=False)
+    assert complete(max_tokens=1)["choices"][0]["text"] == " Paris" and len(paris) == 1
+    by_string = complete(max_tokens=8, stop=[" Paris"])["choices"][0]
+    assert (by_string["text"], by_string["finish_reason"], by_string["stop_reason"]) == ("", "stop", " Paris")
+    by_token = complete(max_tokens=8, stop_token_ids=paris)["choices"][0]
+    assert (by_token["finish_reason"], by_token["stop_reason"]) == ("stop", paris[0])
+    assert complete(max_tokens=2)["choices"][0]["stop_reason"] is None  # length
+    # min_tokens: the stop token cannot come first, and the stop string ends nothing before it.
+    held = complete(max_tokens=3, stop_token_ids=paris, min_tokens=1)["choices"][0]
+    assert not held["text"].startswith(" Paris")
+    late = complete(max_tokens=4, stop=[" Paris"], min_tokens=2)["choices"][0]
+    assert late["text"].startswith(" Paris") and late["stop_reason"] is None
+    # logit_bias: -100 takes " Paris" out; +100 on another token makes it the answer.
+    assert complete(max_tokens=1, logit_bias={str(paris[0]): -100})["choices"][0]["text"] != " Paris"
+    rome = tokenizer.encode(" Rome", add_special_tokens=False)[0]
+    assert complete(max_tokens=1, logit_bias={str(rome): 100})["choices"][0]["text"] == " Rome"
+    events = sse_events(post(url, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 8,
+                                                      "stop": [" Paris"], "stream": True}).text)
+    assert events[-1]["choices"][0]["stop_reason"] == " Paris"
+
+
+def test_request_ids_echoed_unknown_fields_logged_once_and_cors_only_where_allowed(url, caplog):
+    r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "frobnicate": 1, "zork": "x"},
+             headers={"X-Request-Id": "trace-42"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    assert post(url, "/v1/completions", {"prompt": ""}, headers={"X-Request-Id": "t-43"}).headers["x-request-id"] == "t-43"
+    logged = [rec.getMessage() for rec in caplog.records if "frobnicate" in rec.getMessage()]
+    assert len(logged) == 1 and "zork" in logged[0]
+    caplog.clear()
+    post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "frobnicate": 2})
+    assert not [rec for rec in caplog.records if "frobnicate" in rec.getMessage()]  # once per name
+
+    async def preflights() -> list[httpx.Response]:
+        out = []
+        for origins in ((), ("https://ui.example",)):
+            app = build_app(AsyncLLMEngine(EngineConfig(threads=1)), ServerSettings(api_keys=(API_KEY,),
+                            allowed_origins=origins), manage_engine=False)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+                out.append(await http.options("/v1/chat/completions", headers={
+                    "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization,content-type"}))
+        return out
+    closed, allowed = asyncio.run(preflights())
+    assert closed.status_code == 405 and "access-control-allow-origin" not in closed.headers  # off by default
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://ui.example"
+
+
+def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(tmp_path, tokenizer):
+    """--generation-config auto (the default, as vLLM): the sampling fields a model ships in its
+    generation_config.json are what a request that leaves them out gets; a request's own win."""
+    from engine.generation_config import read_generation_config
+    from server.protocol import ModelLimits, parse_chat
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 7], "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 9}))
+    config = read_generation_config(tmp_path)
+    assert config.eos_token_ids == (2, 7)
+    assert config.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    limits = ModelLimits("m", tokenizer, 2048, tokenizer.vocab_size, sampling_defaults=config.sampling_defaults)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    (params,) = parse_chat(chat, limits).params[0]
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 20)
+    (params,) = parse_chat({**chat, "temperature": 0, "top_k": -1}, limits).params[0]
+    assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.95, -1)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="temperature"):
+        read_generation_config(tmp_path)
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
@@ -438,7 +517,12 @@ BAD_BODIES = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": PROMPT, "model": 3}, "model"),
-    ("/v1/completions", {"prompt": PROMPT, "min_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "min_tokens": 4, "max_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": [1]}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"10": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"10000000": 1}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
