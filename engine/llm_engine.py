@@ -140,7 +140,9 @@ class LLMEngine:
                              f"[0, {self.tokenizer.vocab_size})")
         detok = IncrementalDetokenizer(self.tokenizer.hf, ids, params.stop, params.skip_special_tokens,
                                        params.min_tokens)
-        return Sequence(request_id, ids, params, detok, self.config.device, session, self.tokenizer.eos_token_ids)
+        matcher = self.tokenizer.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
+        return Sequence(request_id, ids, params, detok, self.config.device, session, self.tokenizer.eos_token_ids,
+                        matcher)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already finished."""

@@ -26,6 +26,7 @@ import torch
 
 from engine.outputs import Logprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Matcher, apply_masks
 
 # Dividing by a temperature this small can overflow float32 while the result is already
 # indistinguishable from argmax, so such rows are treated as greedy.
@@ -58,6 +59,8 @@ class SamplingState:
     # Tokens that may not be sampled before ``params.min_tokens`` outputs: the model's EOS ids
     # (unless ignore_eos) and the request's stop_token_ids.
     stop_ids: tuple[int, ...] = ()
+    # What the request's structured output allows next (``params.structured_outputs``).
+    matcher: Matcher | None = None
     # The prompt never changes, so its [V] presence mask is built once instead of turning a
     # possibly long token list into a tensor on every decode step.
     _prompt_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
@@ -65,11 +68,17 @@ class SamplingState:
     @classmethod
     def for_request(
         cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device | str = "cpu",
-        eos_token_ids: frozenset[int] = frozenset(),
+        eos_token_ids: frozenset[int] = frozenset(), matcher: Matcher | None = None,
     ) -> SamplingState:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         return cls(params, list(prompt_token_ids), [], make_generator(params.seed, device),
-                   tuple(sorted(stop_ids)) if params.min_tokens else ())
+                   tuple(sorted(stop_ids)) if params.min_tokens else (), matcher)
+
+    def append(self, token_id: int) -> None:
+        """The request got ``token_id`` (sampled here, or by the prefill instance it came from)."""
+        self.output_token_ids.append(token_id)
+        if self.matcher is not None:
+            self.matcher.accept(token_id)
 
     def prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """Bool [vocab_size] tensor, True for token ids that occur in the prompt."""
@@ -126,6 +135,9 @@ class Sampler:
         # no-op on float32 input and the caller's logits must not be modified.
         x = _apply_penalties(logits.float(), batch)
         x = _bias_and_bans(x, batch)
+        constrained = [i for i, state in enumerate(batch) if state.matcher is not None]
+        if constrained:
+            x = apply_masks(x, constrained, [batch[i].matcher for i in constrained])
         if not all(greedy):
             temperatures = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
             x = x / torch.tensor(temperatures, device=x.device).unsqueeze(1)

@@ -11,6 +11,8 @@ import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine.structured_output import check_spec
+
 # torch.Generator.manual_seed accepts exactly this range (signed 64-bit lows, unsigned highs).
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -125,6 +127,9 @@ class SamplingParams:
     # cached and looked up under this salt only (``paged_kv.prefix_keys.salt_root``), as vLLM's
     # ``cache_salt``. The server sets it per user under ``--cache-scope per-key``.
     cache_salt: str | None = None
+    # The answer held to a JSON schema, a regex, a choice or a grammar (vLLM's structured_outputs:
+    # exactly one of json, json_object, regex, choice, grammar; engine/structured_output.py).
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _real("temperature", self.temperature)
@@ -179,6 +184,9 @@ class SamplingParams:
                 setattr(self, name, value)
 
         self.skip_special_tokens = _boolean("skip_special_tokens", self.skip_special_tokens)
+
+        if self.structured_outputs is not None:
+            check_spec(self.structured_outputs)
 
         if self.cache_salt is not None:
             if not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:

@@ -14,6 +14,7 @@ from engine.outputs import Logprobs
 from engine.sampler import SamplingState
 from engine.sampling_params import SamplingParams
 from engine.session import SessionHint
+from engine.structured_output import Matcher
 from paged_kv import BlockTable
 from paged_kv.prefix_keys import salt_root
 
@@ -61,6 +62,7 @@ class Sequence:
         device: str = "cpu",
         session: SessionHint | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        matcher: Matcher | None = None,
     ):
         self.request_id = request_id
         self.params = params
@@ -75,7 +77,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
         # The generator lives where the logits are sampled.
-        self.sampling = SamplingState.for_request(params, prompt_token_ids, device, eos_token_ids)
+        self.sampling = SamplingState.for_request(params, prompt_token_ids, device, eos_token_ids, matcher)
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_preemptions = 0
@@ -122,6 +124,6 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        self.sampling.output_token_ids.append(token_id)
+        self.sampling.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()

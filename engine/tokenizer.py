@@ -11,6 +11,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.generation_config import read_generation_config
+from engine.structured_output import GrammarCompiler
 
 
 def _token_text(value: Any) -> str | None:
@@ -47,6 +48,14 @@ class Tokenizer:
             eos.add(self.hf.token_to_id(self.eos_token))
         self.eos_token_ids = frozenset(eos)
         self._template = None
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output specs compiled for this tokenizer (made at first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self)
+        return self._grammars
 
     def info(self, max_model_len: int) -> dict[str, Any]:
         """What a client needs to tokenize as the server does (vLLM's ``/tokenizer_info`` keys)."""

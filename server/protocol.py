@@ -36,9 +36,9 @@ _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
     "stop_token_ids", "ignore_eos", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "skip_special_tokens", "logprobs", "best_of", "logit_bias", "min_tokens", "user", "session_id", "priority",
-    "cache_salt"})
+    "cache_salt", "response_format", "structured_outputs"})
 _FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo", "suffix"},
-           "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+           "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                      "functions", "add_generation_prompt", "add_special_tokens", "echo"}}
 _MAX_LOGGED_FIELDS = 256  # names remembered as logged: a client inventing names costs a bounded set
 _logged_fields: set[str] = set()
@@ -287,7 +287,42 @@ def _common(body: dict, kind: str, limits: ModelLimits) -> tuple[dict[str, Any],
         raise ProtocolError("'best_of' other than n is not supported", "best_of")
     fields["min_tokens"] = _integer(body, "min_tokens", 0, 0)
     fields["logit_bias"] = _logit_bias(body)
+    fields["structured_outputs"] = _structured_outputs(body, limits)
     return fields, n, stream, include_usage
+
+
+def _structured_outputs(body: dict, limits: ModelLimits) -> dict[str, Any] | None:
+    """The spec (``engine.structured_output``) of OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``: what ``client.chat.completions.parse(response_format=Model)`` sends) or
+    vLLM's ``structured_outputs`` (json, json_object, regex, choice, grammar), compiled here so
+    that a bad one is a 400 naming the field."""
+    fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and vllm is not None:
+        raise ProtocolError("give 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    param, spec = "structured_outputs", vllm
+    if fmt is not None:
+        param = "response_format"
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            spec = {"json_object": True}
+        elif kind == "json_schema":
+            js = fmt.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise ProtocolError("'response_format.json_schema' must be an object with a 'schema' object",
+                                    "response_format")
+            spec = {"json": js.get("schema", {})}  # no schema: any JSON value, as OpenAI
+        else:
+            raise ProtocolError("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                                "response_format")
+    if spec is None:
+        return None
+    try:
+        limits.tokenizer.grammars.grammar(spec)
+    except ValueError as e:
+        raise ProtocolError(str(e), param) from None
+    return spec
 
 
 def _logit_bias(body: dict) -> dict[str, float] | None:
@@ -426,9 +461,6 @@ def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
     for name in ("tools", "functions"):
         if body.get(name):
             raise ProtocolError(f"'{name}' is not supported", name)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
-        raise ProtocolError("only response_format {'type': 'text'} is supported", "response_format")
     ids = _chat_prompt(body, limits)
     params = _build_params([ids], fields, max_tokens, logprobs, n, limits, key)
     return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs, **_session(body))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -88,6 +89,29 @@ def test_streaming_and_chat_through_the_cluster(cluster, colocated):
     # Done at its first token: the decode instance's reservation is released, nothing decodes.
     out = cluster.complete("The capital of France is", temperature=0, max_tokens=1)
     assert out["choices"][0]["text"] == " Paris" and out["choices"][0]["finish_reason"] == "length"
+    cluster.assert_clean()
+
+
+def test_structured_output_through_the_cluster_as_the_colocated_engine(cluster, colocated):
+    """Issue 53 item 1, disaggregated: the prefill instance masks the first token, the decode
+    instance's matcher takes that token and holds the rest; openai's parse() gets its object, and
+    the text is the colocated engine's under the same constraint."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=16)
+        legs: int = Field(ge=0, le=8)
+
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    done = client.chat.completions.parse(model=client.models.list().data[0].id, response_format=Pet, temperature=0,
+                                         max_tokens=40, messages=[{"role": "user", "content": "Describe a cat."}])
+    assert isinstance(done.choices[0].message.parsed, Pet), done.choices[0].message.content
+    spec = {"regex": "[0-9]{3}-[a-z]{2,4}"}
+    got = cluster.complete("The code is", temperature=0.9, seed=5, max_tokens=10, structured_outputs=spec)
+    (want,) = colocated.generate(["The code is"], SamplingParams(temperature=0.9, seed=5, max_tokens=10,
+                                                                 structured_outputs=spec))
+    assert got["choices"][0]["text"] == want.text and re.fullmatch(spec["regex"], want.text)
     cluster.assert_clean()
 
 

@@ -494,6 +494,60 @@ def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(tm
         read_generation_config(tmp_path)
 
 
+def test_structured_output_through_the_openai_client(oai, url):
+    """Issue 53 item 1: what `client.chat.completions.parse(response_format=Model)` and LangChain's
+    with_structured_output() send (json_schema), json_object, and vLLM's structured_outputs (regex,
+    choice, grammar), each held by the sampler's mask; a schema that does not compile is a 400."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: int = Field(ge=0, le=99)  # unbounded, the small model writes digits for ever
+
+    done = oai.chat.completions.parse(model="SmolLM2-135M-Instruct", response_format=City, temperature=0,
+                                      max_tokens=80, messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    assert isinstance(done.choices[0].message.parsed, City), done.choices[0].message.content
+    # 20 prompts of 20 answer with JSON that validates against the schema (as strict as the client
+    # makes it: no other properties, or the small model invents keys for ever).
+    strict = {**City.model_json_schema(), "additionalProperties": False}
+    topics = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Rome", "Quito", "Seoul", "Accra", "Hanoi", "Kyiv",
+              "Doha", "Riga", "Bern", "Baku", "Lagos", "Perth", "Porto", "Dakar"]
+    r = post(url, "/v1/completions", {
+        "prompt": [f"A JSON description of the city of {t}: " for t in topics], "temperature": 0, "max_tokens": 80,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "City", "schema": strict,
+                                                                   "strict": True}}})
+    assert r.status_code == 200, r.text
+    answers = [c["text"] for c in r.json()["choices"]]
+    assert all(City.model_validate_json(a) for a in answers), answers
+    obj = oai.chat.completions.create(model="SmolLM2-135M-Instruct", response_format={"type": "json_object"},
+                                      temperature=0, max_tokens=60, messages=[
+                                          {"role": "user", "content": "Give me a JSON object with a name and an age."}])
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+    def constrained(spec: dict, **body) -> str:
+        r = post(url, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 12,
+                                          "structured_outputs": spec, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    assert constrained({"choice": ["Lyon", "Nice"]}) in ("Lyon", "Nice")
+    assert re.fullmatch(r"[0-9]{2}-[a-z]{3}", constrained({"regex": r"[0-9]{2}-[a-z]{3}"}, temperature=1.0, seed=3))
+    assert constrained({"grammar": 'start: "yes" | "no"'}) in ("yes", "no")
+    streamed = sse_events(post(url, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 12,
+                                                        "stream": True, "structured_outputs": {"choice": ["Lyon", "Nice"]}}).text)
+    assert "".join(e["choices"][0]["text"] for e in streamed) in ("Lyon", "Nice")
+    for body, param in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+                         "response_format"),
+                        ({"response_format": {"type": "xml"}}, "response_format"),
+                        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+                        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+                        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+                        ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs"),
+                        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+                         "structured_outputs")]:
+        assert_error(post(url, "/v1/completions", {"prompt": PROMPT, **body}), 400, param)
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 BAD_BODIES = [
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
