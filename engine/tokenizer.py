@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.chat_template import ChatTemplates
 from engine.generation_config import read_generation_config
 from engine.structured_output import GrammarCompiler
 
@@ -19,10 +18,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
 
 
 class Tokenizer:
@@ -39,7 +34,7 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token"))
-        self.chat_template: str | None = config.get("chat_template")
+        self.templates = ChatTemplates(folder, config)
         generation = read_generation_config(folder)
         # The sampling the model ships with (``--generation-config auto`` applies it to requests).
         self.sampling_defaults = generation.sampling_defaults
@@ -47,8 +42,12 @@ class Tokenizer:
         if self.eos_token is not None and self.hf.token_to_id(self.eos_token) is not None:
             eos.add(self.hf.token_to_id(self.eos_token))
         self.eos_token_ids = frozenset(eos)
-        self._template = None
         self._grammars: GrammarCompiler | None = None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template a request without tools is rendered with (None: the model has none)."""
+        return self.templates.default
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -74,18 +73,11 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *, tools: list | None = None,
+        override: str | None = None, kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Render ``messages`` with the model's jinja2 chat template (sandboxed)."""
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; use a plain completion prompt")
-        if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        """Render ``messages`` with the model's chat template (``engine/chat_template.py``; the
+        operator's ``override`` instead when given). Raises ``ChatTemplateError`` (a ValueError)."""
+        return self.templates.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     override=override, bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     kwargs=kwargs)

@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
+from engine.chat_template import ChatTemplateError, check_template
 from server import launch
 from server.app import ServerSettings
 from server.cli import SECRET_ENV, parse_args, read_cluster_secret, read_keys
@@ -59,9 +61,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     if args.cache_scope not in ("per-key", "shared"):  # argparse leaves an env default unchecked
         sys.exit(f"error: MOONCAKE_CACHE_SCOPE must be per-key or shared, not {args.cache_scope!r}")
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text()
+            check_template(chat_template)  # a broken file stops the start, not each request
+        except (OSError, UnicodeDecodeError, ChatTemplateError) as e:
+            sys.exit(f"error: --chat-template {args.chat_template}: {e}")
     settings = ServerSettings(api_keys=api_keys, operator_key=operator_key, max_user_priority=args.max_user_priority,
                               cache_scope=args.cache_scope, allowed_origins=tuple(args.allowed_origins),
-                              generation_config=args.generation_config,
+                              generation_config=args.generation_config, chat_template=chat_template,
                               max_body_bytes=args.max_body_bytes, public_metrics=args.public_metrics)
     if args.role is not None:
         launch.serve_instance(args, secret)

@@ -101,6 +101,8 @@ class ServerSettings:
     # "auto": the model's generation_config.json sampling fields are the defaults of requests that
     # leave them out (vLLM's default); "vllm": OpenAI's defaults whatever the model ships.
     generation_config: str = "auto"
+    # The operator's chat template (--chat-template FILE's text), in place of the model's.
+    chat_template: str | None = None
     # Origins a browser may call the API from (CORS; "*": any); none: no CORS headers, as vLLM.
     allowed_origins: tuple[str, ...] = ()
 
@@ -362,7 +364,8 @@ class OpenAIServer:
         capacity = stats.get("num_blocks", 0) * stats.get("block_size", 0) or None
         vocab = getattr(c, "vocab_size", None) or c.tokenizer.vocab_size
         defaults = c.tokenizer.sampling_defaults if self.settings.generation_config == "auto" else {}
-        return ModelLimits(c.model_name, c.tokenizer, c.max_model_len, vocab, capacity, defaults)
+        return ModelLimits(c.model_name, c.tokenizer, c.max_model_len, vocab, capacity, defaults,
+                           self.settings.chat_template)
 
     # -- routes ------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -419,7 +422,10 @@ class OpenAIServer:
             return denied
         if not self.client.is_ready:
             return self._not_ready()
-        return JSONResponse(self.client.tokenizer.info(self.client.max_model_len))
+        info = self.client.tokenizer.info(self.client.max_model_len)
+        if self.settings.chat_template is not None:
+            info["chat_template"] = self.settings.chat_template
+        return JSONResponse(info)
 
     async def _read_and_parse(self, request: Request, kind: str) -> Any:
         """A user's body read (size cap), validated and tokenized by ``PARSERS[kind]``; or the

@@ -161,6 +161,9 @@ def _http_flags(p: argparse.ArgumentParser, passed_on: PassedOn) -> None:
                    "API is never a user's; shared: every key reuses every cached prefix (faster where users share "
                    "prompts such as a system prompt, and it leaks them). With no keys set there is one caller. "
                    "A request's cache_salt narrows either (env MOONCAKE_CACHE_SCOPE)")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template file to render chat requests with, in place of the model's "
+                   "(tokenizer_config.json's, or its chat_template.jinja)")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto (default): the sampling fields of the model's generation_config.json (temperature, "
                    "top_p, top_k, min_p, repetition_penalty) are the defaults of requests that leave them out; "

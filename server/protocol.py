@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2.exceptions import TemplateError
 
+from engine.chat_template import ChatTemplateError
 from engine.outputs import RequestOutput
 from engine.outputs import Logprobs
 from engine.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
@@ -39,7 +39,8 @@ _COMMON_FIELDS = frozenset({
     "cache_salt", "response_format", "structured_outputs"})
 _FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo", "suffix"},
            "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                     "functions", "add_generation_prompt", "add_special_tokens", "echo"}}
+                                     "functions", "add_generation_prompt", "add_special_tokens", "echo",
+                                     "chat_template_kwargs"}}
 _MAX_LOGGED_FIELDS = 256  # names remembered as logged: a client inventing names costs a bounded set
 _logged_fields: set[str] = set()
 
@@ -228,6 +229,7 @@ class ModelLimits:
     # The model's generation_config sampling fields, for those a request leaves out (empty:
     # ``--generation-config vllm``, the OpenAI defaults below).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    chat_template: str | None = None  # the operator's --chat-template, in place of the model's
 
 
 def check_model(body: dict, served: str) -> str:
@@ -490,10 +492,14 @@ def _chat_prompt(body: dict, limits: ModelLimits) -> list[int]:
                 raise ProtocolError(f"'messages[{i}].name' must be a string", f"messages[{i}].name")
             out["name"] = name
         rendered.append(out)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+        raise ProtocolError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     try:
-        text = limits.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
-    except (TemplateError, ValueError) as e:
-        raise ProtocolError(f"could not apply the chat template: {e}", "messages") from None
+        text = limits.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                    override=limits.chat_template, kwargs=kwargs)
+    except ChatTemplateError as e:
+        raise ProtocolError(str(e), "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages") from None
     # The template already holds any BOS / special tokens the model wants.
     ids = limits.tokenizer.encode(text, add_special_tokens=_boolean(body, "add_special_tokens", False))
     if not ids:
