@@ -72,6 +72,7 @@ from server.protocol import (
     usage,
 )
 from server.parse_worker import INLINE_BYTES, PARSERS, ParseBusy, ParseUnavailable, ParseWorker
+from server.tool_calls import ToolCallReader, read_calls
 
 log = logging.getLogger(__name__)
 
@@ -511,11 +512,18 @@ class OpenAIServer:
         choices = []
         for c in gen.choices:
             if p.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                reason = c.finish_reason
+                if p.reads_tool_calls:
+                    message["content"], calls = read_calls(c.text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls" if reason == "stop" else reason  # cut short: still "length"
                 choices.append({
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": chat_logprobs(tok, c.logprobs) if p.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason,
                     "stop_reason": c.stop_reason,
                 })
             else:
@@ -543,6 +551,7 @@ class OpenAIServer:
         tok = self.client.tokenizer
         chat = p.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
+        readers = [ToolCallReader() for _ in gen.choices] if p.reads_tool_calls else None
 
         def chunk(choices: list[dict], **extra) -> str:
             data = {"id": gen.id, "object": obj, "created": gen.created, "model": p.model,
@@ -563,7 +572,13 @@ class OpenAIServer:
             reason = c.finish_reason if out.finished else None
             ended = {"finish_reason": reason, "stop_reason": c.stop_reason if out.finished else None}
             if chat:
-                d = {"content": new_text} if new_text else {}
+                d: dict[str, Any] = {"content": new_text} if new_text else {}
+                if readers is not None:
+                    d = _tool_delta(readers[index], new_text, out.finished)
+                    if readers[index].calls and out.finished and reason == "stop":
+                        ended["finish_reason"] = "tool_calls"
+                    if not d and not out.finished and not (p.logprobs is not None and new_logprobs):
+                        return None  # held back: it may be the start of a tool call
                 lp = chat_logprobs(tok, new_logprobs) if p.logprobs is not None else None
                 return chunk([{"index": index, "delta": d, "logprobs": lp, **ended}])
             lp = None
@@ -600,6 +615,19 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         finally:
             gen.close()
+
+
+def _tool_delta(reader: ToolCallReader, text: str, finished: bool) -> dict[str, Any]:
+    """A streamed chat delta read for tool calls: the content that may go out now, and each call
+    completed (numbered across the choice: the clients accumulate deltas by that index)."""
+    content, calls = reader.feed(text)
+    if finished:
+        content += reader.finish()
+    d: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        first = len(reader.calls) - len(calls)
+        d["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]
+    return d
 
 
 def _echo(p: ParsedRequest, index: int) -> str:

@@ -23,6 +23,7 @@ from engine.outputs import Logprobs
 from engine.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
 from engine.session import PRIORITY_RANGE, SessionHint
 from engine.tokenizer import Tokenizer
+from server.tool_calls import ToolError, check_tools, for_template, forced_calls
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 128  # prompts * n per request
@@ -40,7 +41,7 @@ _COMMON_FIELDS = frozenset({
 _FIELDS = {"completion": _COMMON_FIELDS | {"prompt", "echo", "suffix"},
            "chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                      "functions", "add_generation_prompt", "add_special_tokens", "echo",
-                                     "chat_template_kwargs"}}
+                                     "chat_template_kwargs", "tool_choice", "parallel_tool_calls"}}
 _MAX_LOGGED_FIELDS = 256  # names remembered as logged: a client inventing names costs a bounded set
 _logged_fields: set[str] = set()
 
@@ -194,6 +195,7 @@ class ParsedRequest:
     score_only: bool = False  # ``max_tokens`` 0: the prompt is scored, nothing is generated
     session_id: str | None = None  # the body's session hint (``session_hint`` adds the header's)
     priority: int = 0
+    reads_tool_calls: bool = False  # a chat answer's tool calls are read back (``server/tool_calls.py``)
 
     @property
     def num_choices(self) -> int:
@@ -460,16 +462,30 @@ def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
     mct = _integer(body, "max_completion_tokens", None, 1)
     key = "max_completion_tokens" if mct is not None else "max_tokens"
     max_tokens = mct if mct is not None else max_tokens
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise ProtocolError(f"'{name}' is not supported", name)
-    ids = _chat_prompt(body, limits)
+    if body.get("functions"):
+        raise ProtocolError("'functions' (deprecated by OpenAI) is not supported: send 'tools'", "functions")
+    try:
+        tools, choice = check_tools(body.get("tools"), body.get("tool_choice"))
+    except ToolError as e:
+        raise ProtocolError(str(e), e.param) from None
+    parallel = _boolean(body, "parallel_tool_calls", True)
+    if (forced := forced_calls(tools, choice, parallel) if tools else None) is not None:
+        if fields["structured_outputs"] is not None:
+            raise ProtocolError("a required or named 'tool_choice' is a constraint of its own: it cannot be combined "
+                                "with 'response_format' or 'structured_outputs'", "tool_choice")
+        try:
+            limits.tokenizer.grammars.grammar(forced)
+        except ValueError as e:  # a tool's parameters that are not a schema llguidance takes
+            raise ProtocolError(f"the tools' parameters do not compile: {e}", "tools") from None
+        fields["structured_outputs"] = forced
+    ids = _chat_prompt(body, limits, tools)
     params = _build_params([ids], fields, max_tokens, logprobs, n, limits, key)
-    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs, **_session(body))
+    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs,
+                         reads_tool_calls=tools is not None and choice != "none", **_session(body))
 
 
-def _chat_prompt(body: dict, limits: ModelLimits) -> list[int]:
-    """The token ids of a body's ``messages`` rendered by the model's chat template."""
+def _chat_prompt(body: dict, limits: ModelLimits, tools: list[dict] | None = None) -> list[int]:
+    """The token ids of a body's ``messages`` (and ``tools``) rendered by the model's chat template."""
     add_generation_prompt = _boolean(body, "add_generation_prompt", True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -486,18 +502,28 @@ def _chat_prompt(body: dict, limits: ModelLimits) -> list[int]:
         if content is None and role != "assistant":
             raise ProtocolError(f"'messages[{i}].content' is required", f"messages[{i}].content")
         out = {"role": role, "content": content or ""}
-        name = msg.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise ProtocolError(f"'messages[{i}].name' must be a string", f"messages[{i}].name")
-            out["name"] = name
+        for field_name in ("name", "tool_call_id"):
+            value = msg.get(field_name)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise ProtocolError(f"'messages[{i}].{field_name}' must be a string", f"messages[{i}].{field_name}")
+                out[field_name] = value
+        calls = msg.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise ProtocolError(f"'messages[{i}].tool_calls' must be an assistant's array of "
+                                    "{'function': {'name', 'arguments'}}", f"messages[{i}].tool_calls")
+            out["tool_calls"] = calls
         rendered.append(out)
+    rendered = for_template(rendered)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
         raise ProtocolError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     try:
         text = limits.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                                    override=limits.chat_template, kwargs=kwargs)
+                                                    tools=tools, override=limits.chat_template, kwargs=kwargs)
     except ChatTemplateError as e:
         raise ProtocolError(str(e), "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages") from None
     # The template already holds any BOS / special tokens the model wants.

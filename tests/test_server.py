@@ -42,6 +42,31 @@ THREADS = int(os.environ.get("MOONCAKE_TEST_THREADS", "1"))
 PROMPT = "The capital of France is"
 
 
+# A Hermes-style template (as Qwen's): tools in the system turn, calls as <tool_call> JSON, results
+# as <tool_response>. SmolLM2's own template knows no tools; the server takes this one as an
+# operator's --chat-template.
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call these functions:
+{% for t in tools %}{{ t.function | tojson }}
+{% endfor %}Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == "assistant" and m.tool_calls %}<|im_start|>assistant
+{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
 def _socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -63,6 +88,7 @@ class Servers:
                                 manage_engine=False),
             "shared": build_app(self.client, ServerSettings(api_keys=(API_KEY, OTHER_KEY), cache_scope="shared"),
                                 manage_engine=False),
+            "tools": build_app(self.client, ServerSettings(chat_template=HERMES_TEMPLATE), manage_engine=False),
             "loading": build_app(self.idle, manage_engine=False),
         }
         self.sockets = {name: _socket() for name in apps}
@@ -546,6 +572,73 @@ def test_structured_output_through_the_openai_client(oai, url):
                         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
                          "structured_outputs")]:
         assert_error(post(url, "/v1/completions", {"prompt": PROMPT, **body}), 400, param)
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 20}}}}}]
+
+
+def test_a_tool_call_round_trip_through_the_openai_client(servers, tokenizer):
+    """Issue 53 item 2: tools go to the chat template, a required (or named) call is held to the
+    tool's schema, the answer comes back as tool_calls (streamed as deltas too), and the call and
+    its result in the history are rendered for the next turn, not dropped."""
+    url = servers.urls["tools"]
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, tools=WEATHER,
+                                        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+    history = question + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    rendered = tokenizer.decode(post(url, "/tokenize", {"messages": history}).json()["tokens"],
+                                skip_special_tokens=False)
+    assert "<tool_call>" in rendered and '"get_weather"' in rendered and "18 C and sunny" in rendered
+    final = oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=history, tools=WEATHER,
+                                        temperature=0, max_tokens=24)
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = oai.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, tools=WEATHER,
+                                         tool_choice=named, temperature=0, max_tokens=60, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and deltas[-1].finish_reason == "tool_calls"
+    assert json.loads(calls[0].function.arguments) == json.loads(call.function.arguments)  # greedy: the same call
+    for body, param in [({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {}}]}, "tools[0]"),
+                        ({"tools": WEATHER, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tools": WEATHER, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "tool_choice"),
+                        ({"functions": [{"name": "f"}]}, "functions")]:
+        assert_error(post(url, "/v1/chat/completions", {"messages": question, **body}), 400, param)
+
+
+def test_tool_calls_are_read_from_text_streamed_in_any_pieces():
+    from server.tool_calls import ToolCallReader, read_calls
+
+    text = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' \
+           '<tool_call>{"name": "f", "arguments": {}}</tool_call> <tool_call>not json</tool_call>'
+    content, calls = read_calls(text)
+    assert content == "Let me check. <tool_call>not json</tool_call>"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Oslo"}), ("f", {})]
+    for size in (1, 3, 7):
+        reader, got, streamed = ToolCallReader(), "", []
+        for i in range(0, len(text), size):
+            piece, new = reader.feed(text[i:i + size])
+            assert "<tool_call>" not in piece or "not json" in got + piece  # a call never leaks as content
+            got, streamed = got + piece, streamed + new
+        got += reader.finish()
+        assert got == "Let me check. <tool_call>not json</tool_call>" and len(streamed) == 2
+    assert read_calls("no calls here") == ("no calls here", [])
 
 
 # -- bad input ---------------------------------------------------------------------------------------
