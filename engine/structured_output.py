@@ -6,7 +6,7 @@ engine, in Rust; chosen over xgrammar, which is as fast here but needs transform
 tvm-ffi at run time: llguidance needs nothing) into a grammar, once per spec (``GrammarCompiler``'s
 cache). Each request then has a ``Matcher``: before a token is sampled it gives the tokens the
 grammar allows next (a bitmask, one bit per vocabulary entry, ``apply_masks`` turning the others
-to -inf), and it takes every token the request gets (``Sequence.append_token``), the first one a
+to -inf: ``engine/sampler.py``), and it takes every token the request gets (``Sequence.append_token``), the first one a
 prefill instance sampled included. Once the grammar is complete only EOS is allowed: the answer
 ends there. Measured cost: ``python -m bench.structured``.
 """
@@ -19,10 +19,10 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import numpy as np
-import torch
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch only for hints: the Conductor validates specs and never loads torch
+    import torch
+
     from engine.tokenizer import Tokenizer
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -118,6 +118,10 @@ class Matcher:
         self._m = matcher
         self._words = (vocab_size + 31) // 32
 
+    @property
+    def llguidance_matcher(self) -> llguidance.LLMatcher:
+        return self._m
+
     def fill(self, row: torch.Tensor) -> None:
         """Write the allowed-next bitmask into ``row`` (int32, contiguous, ``(vocab + 31) // 32``)."""
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), self._words * 4)
@@ -127,36 +131,3 @@ class Matcher:
         for ignore_eos can sample past the end) leaves the matcher in its error state, whose mask
         then allows only EOS."""
         self._m.consume_token(token)
-
-
-_executor: llguidance.LLExecutor | None = None
-
-
-def _masks_of(matchers: list[Matcher], words: int) -> torch.Tensor:
-    """Every matcher's allowed-next bitmask, one row each; several at once on llguidance's threads
-    (as many as torch's: the step is the process's only work while they run)."""
-    global _executor
-    masks = torch.empty(len(matchers), words, dtype=torch.int32)
-    if len(matchers) == 1:
-        matchers[0].fill(masks[0])
-        return masks
-    if _executor is None:
-        _executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
-    _executor.unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], masks.data_ptr(), words * 4,
-                                      len(matchers))
-    return masks
-
-
-def apply_masks(x: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> torch.Tensor:
-    """``x`` with, in each of ``rows``, the tokens its matcher does not allow at -inf (out of place)."""
-    vocab = x.shape[1]
-    masks = _masks_of(matchers, (vocab + 31) // 32)
-    # Bit i of word w is token 32 w + i: the little-endian bytes of the words, unpacked low bit
-    # first, are the tokens in order (numpy's unpackbits is one C loop; shifts in torch were 2-7 ms
-    # for 16 rows of a 49k vocabulary).
-    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    allowed = torch.from_numpy(bits).view(torch.bool).to(x.device)
-    if len(rows) == x.shape[0]:
-        return x.masked_fill(~allowed, float("-inf"))
-    index = torch.tensor(rows, device=x.device)
-    return x.index_put((index,), x[index].masked_fill(~allowed, float("-inf")))

@@ -621,7 +621,7 @@ def test_a_prefill_whose_caller_hangs_up_is_cancelled_at_once():
                               epochs=Epochs(None, b"k" * 32),
                               config=SimpleNamespace(secret=SECRET, url=url, role="prefill"),
                               role="prefill", roles=RoleState("prefill"), work=WorkBook(),
-                              cached_tokens=lambda token_ids: 0)
+                              cached_tokens=lambda token_ids, salt=None: 0)
     with serve_in_thread(Starlette(routes=InstanceRoutes(service).routes()), sock=sock):
         dest = KVDestination("127.0.0.1:1", RegionHandle("e", "127.0.0.1:1", 0, 1 << 20), 0, 0, 1).to_dict()
         body = PrefillRequest("p1", [1, 2, 3], SamplingParams(max_tokens=1), dest).to_dict()

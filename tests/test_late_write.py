@@ -385,13 +385,13 @@ def test_an_abort_that_comes_while_the_pool_is_asked_releases_the_pool_load(deco
     checks = iter([False, True])  # not aborted on arrival; aborted once the pool has answered
 
     class Pool:
-        async def prepare_load(self, request_id, token_ids):
+        async def prepare_load(self, request_id, token_ids, salt=None):
             return SimpleNamespace(close=lambda used: closed.append(used))
 
         def start(self, request_id, token_ids, params, load, session):
             return lambda engine: None  # never run: the engine is never reached
 
-        async def plan_store(self, request_id, token_ids):
+        async def plan_store(self, request_id, token_ids, salt=None):
             return False
 
     async def scenario():

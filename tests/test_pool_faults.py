@@ -169,7 +169,7 @@ class FakeEngineClient:
 
 
 class FakeHandoff:
-    def cached_prefix_blocks(self, token_ids) -> int:
+    def cached_prefix_blocks(self, token_ids, salt=None) -> int:
         return 0
 
 
