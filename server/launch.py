@@ -221,10 +221,9 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
     those announced in ``--etcd``; with the pool's metadata server unless there is etcd."""
     import secrets
 
-    from starlette.routing import Route
-
     from cluster.conductor.conductor import Conductor, ConductorConfig
     from cluster.conductor.placement import PlacementConfig
+    from cluster.conductor.routes import indexer_routes, registration_route
     from cluster.policies.elastic_roles import ElasticConfig
     from cluster.conductor.supervisor import Supervisor
 
@@ -274,13 +273,8 @@ def serve_conductor(args: argparse.Namespace, secret: str | None, settings: Serv
     if metadata_server is not None:
         log.info("KVCache pool metadata at %s (a pool node joins with: python -m cluster.pool --metadata %s)",
                  metadata_server.url, metadata_server.url)
-    indexer = conductor.indexer
-    app = build_app(conductor, settings,
-                    extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])],
-                    operator_routes=[Route("/query", indexer.query_route, methods=["POST"]),
-                                  Route("/query_by_hash", indexer.query_by_hash_route, methods=["POST"]),
-                                  Route("/register", indexer.register_route, methods=["POST"]),
-                                  Route("/unregister", indexer.unregister_route, methods=["POST"])])
+    app = build_app(conductor, settings, extra_routes=[registration_route(conductor)],
+                    operator_routes=indexer_routes(conductor.indexer))
     log.info("serving %r on http://%s:%d: Conductor over %d prefill + %d decode instances (%d threads each%s); "
              "/health is 503 until they are up", conductor.model_name, args.host, args.port,
              args.prefill_instances, args.decode_instances, threads,

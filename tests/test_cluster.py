@@ -16,12 +16,12 @@ import time
 
 import httpx
 import pytest
-from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from bench.chaos.load import open_fds
 from bench.harness import sse_events, until
 from cluster.conductor.conductor import Conductor, ConductorConfig
+from cluster.conductor.routes import registration_route
 from cluster.conductor.placement import PlacementConfig
 from clusters import CONTROL_AUTH, SECRET, STARTUP_S, Cluster, complete_concurrently
 from engine import SamplingParams
@@ -195,7 +195,7 @@ def test_early_rejection_answers_429_and_costs_no_prefill(cluster, admission):
     placement = PlacementConfig(admission=admission, slo_ttft_s=1e-4, slo_tbt_s=1e-4)
     conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, placement=placement,
                                           poll_interval_s=0.1, conductor_id="second"))
-    app = build_app(conductor, extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
+    app = build_app(conductor, extra_routes=[registration_route(conductor)])
     with TestClient(app) as client:
         until(lambda: client.get("/health").status_code == 200, 60, "the second Conductor to see its instances")
         for body in ({"prompt": "The capital of France is", "max_tokens": 8},

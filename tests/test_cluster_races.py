@@ -21,10 +21,10 @@ import time
 import httpx
 import pytest
 import uvicorn
-from starlette.routing import Route
 
 from bench.harness import free_port, sse_events, until
 from cluster.conductor.conductor import Conductor, ConductorConfig
+from cluster.conductor.routes import registration_route
 from cluster.conductor.placement import PlacementConfig
 from clusters import CONTROL_AUTH, RELEASE_S, SECRET, Cluster, words as _words
 from server.app import build_app
@@ -280,7 +280,7 @@ class _ServedConductor:
         self.conductor = Conductor(ConductorConfig(secret=SECRET.encode(), instances=urls, placement=placement,
                                                    poll_interval_s=0.1, conductor_id="second"))
         app = build_app(self.conductor,
-                        extra_routes=[Route("/cluster/register", self.conductor.register_route, methods=["POST"])])
+                        extra_routes=[registration_route(self.conductor)])
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -27,11 +27,11 @@ import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 import cluster.pool.config as pool_config
 from bench.harness import until
 from cluster.conductor.conductor import Conductor, ConductorConfig
+from cluster.conductor.routes import registration_route
 from cluster.conductor.registry import Registry
 from cluster.kv_stream import KVDestination
 from cluster.instance.epochs import Epochs
@@ -155,7 +155,7 @@ def _post_huge(port: int, path: str, size: int, chunked: bool, headers: dict[str
 def _conductor_app() -> tuple[Conductor, Starlette]:
     conductor = Conductor(ConductorConfig(secret=SECRET, epoch=1))
     app = build_app(conductor, manage_engine=False,
-                    extra_routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
+                    extra_routes=[registration_route(conductor)])
     return conductor, app
 
 
@@ -550,7 +550,7 @@ def test_registering_an_instance_that_does_not_fit_is_refused():
     conductor = Conductor(ConductorConfig(secret=SECRET, epoch=1))
     infos = {"http://a:1": _info("a"), "http://b:1": _info("b", weights="f" * 32)}
     conductor.registry.client = _Instances(infos)
-    app = Starlette(routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
+    app = Starlette(routes=[registration_route(conductor)])
 
     async def run() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://c",

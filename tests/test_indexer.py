@@ -17,9 +17,9 @@ import msgpack
 import pytest
 import zmq
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 from cluster.conductor.indexer import ExternalEngine, Indexer, Ours
+from cluster.conductor.routes import indexer_routes
 from bench.harness import free_port, start_server
 from bench.peers import PEER_HEALTH_TIMEOUT_S, vllm_command
 from cluster.conductor.kv_events import MAX_FRAME_BYTES
@@ -68,9 +68,7 @@ def _indexer(pool_blocks: int = 0, registrations: bool = True, allow: tuple[str,
 
 
 def _client(indexer: Indexer) -> httpx.AsyncClient:
-    app = Starlette(routes=[Route(p, f, methods=["POST"]) for p, f in (
-        ("/query", indexer.query_route), ("/query_by_hash", indexer.query_by_hash_route),
-        ("/register", indexer.register_route), ("/unregister", indexer.unregister_route))])
+    app = Starlette(routes=indexer_routes(indexer))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://indexer")
 
 

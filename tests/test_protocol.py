@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from starlette.applications import Starlette
-from starlette.routing import Route
 
 from cluster.conductor.client import InstanceClient
+from cluster.conductor.routes import registration_route
 from cluster.conductor.conductor import Conductor, ConductorConfig
 from cluster.instance.routes import _as_protocol_error
 from cluster.messenger import TransferError
@@ -297,7 +297,7 @@ def test_registration_answers_a_register_reply_and_a_malformed_body_400():
     async def call():
         conductor = Conductor(ConductorConfig(secret=secret, epoch=1))
         conductor.registry.client = _client(instance)
-        app = Starlette(routes=[Route("/cluster/register", conductor.register_route, methods=["POST"])])
+        app = Starlette(routes=[registration_route(conductor)])
         auth = ControlAuth(derive_key(secret, INSTANCE))  # instances sign with a key of their own purpose
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://c",
                                      auth=ControlAuth(derive_key(secret, CONTROL))) as http:

@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from cluster.conductor.client import InstanceClient
 from cluster.conductor.elastic import DeciderLease, ElasticRoles
@@ -59,8 +57,8 @@ from cluster.policies.snapshot import RequestInfo
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
 from cluster.metadata import MetadataStore
 from cluster.pool.objects import object_keys
-from cluster.protocol import INSTANCE, MEMBERSHIP, ControlVerifier, derive_key, verify_request
-from cluster.protocol import BadRequest, Fence, ProtocolError, RegisterReply, RegisterRequest, Unauthorized
+from cluster.protocol import INSTANCE, MEMBERSHIP, ControlVerifier, derive_key
+from cluster.protocol import BadRequest, Fence, ProtocolError, RegisterReply, RegisterRequest
 from engine.default_model import default_model_name
 from engine.model_config import ModelConfig
 from engine.default_model import resolve_model
@@ -240,11 +238,6 @@ class Conductor(EngineClient):
         await self.client.close()
         self._pool_threads.shutdown(wait=False, cancel_futures=True)
 
-    async def _pool_prefix(self, ids: list[int], salt: str | None) -> int:
-        """Engine blocks of ``ids``'s prefix (under ``salt``) the pool holds, of those a prefix cache can serve."""
-        ours = self._indexed()
-        return await self._pool_blocks(reusable_keys(ids, ours[0].block_size, salt)) if ours else 0
-
     async def _pool_blocks(self, prefix_keys: list[bytes]) -> int:
         """Engine blocks of the leading ``prefix_keys`` the pool holds; 0 without a pool, or when
         its metadata does not answer within a second (the instance still loads what it finds)."""
@@ -335,30 +328,21 @@ class Conductor(EngineClient):
             raise self.not_ready()
         return min(lens)
 
-    # -- registration (route on the Conductor's app) -----------------------------------------------
-    async def register_route(self, request: Request) -> Response:
-        # Signature first, from the headers alone; then at most 64 KiB of body (a RegisterRequest
-        # is a URL and an id): an unsigned or oversized body is never read into memory.
-        if (denied := await verify_request(self._verifier, request, 64 << 10)) is not None:
-            if isinstance(denied, Unauthorized):
-                log.info("registration refused: %s", denied)
-            return JSONResponse(denied.to_dict(), status_code=denied.status)
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None  # not JSON: refused below as not a JSON object
-        try:
-            r = RegisterRequest.from_dict(body)
-        except BadRequest as e:
-            return JSONResponse(e.to_dict(), status_code=e.status)
+    # -- registration (its signed route: cluster/conductor/routes.py) ------------------------------
+    @property
+    def verifier(self) -> ControlVerifier:
+        """Checks the signature of an instance's call (its registration) under the instances' key."""
+        return self._verifier
+
+    async def register(self, r: RegisterRequest) -> RegisterReply:
+        """An instance registering itself: polled at once; ``BadRequest`` when it does not fit."""
         rec = self.registry.add(r.url)
         if rec.instance_id != r.instance_id:
             self.registry.mark_down(rec, "re-registered")  # re-read its info on the next poll
         await self.registry.poll(rec)
         if rec.misfit is not None:  # its weights, precision or KV layout differ: kept out
-            e = BadRequest(f"instance does not fit this cluster: {rec.misfit}")
-            return JSONResponse(e.to_dict(), status_code=e.status)
-        return JSONResponse(RegisterReply(r.url, rec.up).to_dict())
+            raise BadRequest(f"instance does not fit this cluster: {rec.misfit}")
+        return RegisterReply(r.url, rec.up)
 
     # -- requests ----------------------------------------------------------------------------------
     async def generate(
@@ -458,7 +442,11 @@ class Conductor(EngineClient):
     async def _serve(self, attempt: _Attempt) -> AsyncIterator[RequestOutput]:
         """One placement of ``attempt`` and its run through the instances."""
         request_id, ids, params = attempt.request_id, attempt.prompt, attempt.params
-        pool_blocks = await self._pool_prefix(ids, params.cache_salt)
+        # The prompt's block keys, once: the pool's lookup and the placement both match them. (The
+        # instances of one cluster share one block size: a misfit is kept out.)
+        ours = self._indexed()
+        keys = reusable_keys(ids, ours[0].block_size, params.cache_salt) if ours else []
+        pool_blocks = await self._pool_blocks(keys)
         if (since := self.upkeep.last_pause_end()) is not None:
             # Right after a pause of this process, what it knows of the instances is from before
             # it: placed and admitted by fresh reports only (bounded by the polls' timeout).
@@ -473,7 +461,7 @@ class Conductor(EngineClient):
         session = attempt.session
         affinity = Affinity() if session is None else self.sessions.affinity(session.session_id, prefills, decodes)
         # A moved request was admitted once: refusing it now would lose work the client waits on.
-        placement, probed = self._place(ids, params.cache_salt, prefills, decodes, pool_blocks, admit=attempt.moves == 0,
+        placement, probed = self._place(len(ids), keys, prefills, decodes, pool_blocks, admit=attempt.moves == 0,
                                         affinity=affinity)
         booking = self.ledger.book(request_id, moved=attempt.moves > 0)
         prefill = prefills[placement.plan.instance]
@@ -524,10 +512,10 @@ class Conductor(EngineClient):
                                          and request_tbt(gaps) <= placement.slo.tbt_s)
                 yield out
 
-    def _place(self, ids: list[int], salt: str | None, prefills: list[InstanceRecord], decodes: list[InstanceRecord],
+    def _place(self, num_tokens: int, keys: list[bytes], prefills: list[InstanceRecord], decodes: list[InstanceRecord],
                pool_blocks: int, admit: bool = True, affinity: Affinity = Affinity()) -> tuple[Placement, bool]:
-        """The placement of ``ids`` (its prefix cached under ``salt``), and whether it is an admission
-        probe (``AdmissionProbes``); a refusal raises ``EngineOverloaded``."""
+        """The placement of a prompt of ``num_tokens`` whose reusable blocks have ``keys``, and
+        whether it is an admission probe (``AdmissionProbes``); a refusal raises ``EngineOverloaded``."""
         ref = prefills[0]
         layout = ref.layout
         profile = self._decode_profile() if decodes else None
@@ -538,8 +526,7 @@ class Conductor(EngineClient):
                         layout.block_size, layout.nbytes(1) // layout.block_size, seed=next(self._ids),
                         pool=self._pool is not None, decode_prefill=None if profile is None else profile.prefill,
                         prefill_factor=self.ttft_correction.factor)
-        keys = reusable_keys(ids, layout.block_size, salt)
-        info = RequestInfo(next(self._ids), len(ids), keys, min(pool_blocks, len(keys)))
+        info = RequestInfo(next(self._ids), num_tokens, keys, min(pool_blocks, len(keys)))
         now = time.monotonic()
         decode_states = [self.ledger.decode_state(r, i, now) for i, r in enumerate(decodes)]
         result = placer.place(
@@ -547,7 +534,7 @@ class Conductor(EngineClient):
             [self.ledger.queued(r) for r in prefills], decode_states, admit=admit, affinity=affinity)
         placed = isinstance(result, Placement)
         if self.elastic is not None and decodes and admit:  # arrivals only: a move was counted once
-            self.elastic.on_placed(now, len(ids), result.plan, ref.profile.prefill, prefills,
+            self.elastic.on_placed(now, num_tokens, result.plan, ref.profile.prefill, prefills,
                                    decode_states[result.decode_order[0]] if placed else None, len(decodes))
         if not placed:
             if result.placement is not None and self.probes.take():

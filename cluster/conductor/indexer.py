@@ -23,7 +23,8 @@ Mooncake's docs/source/api-reference/http/conductor-indexer.md):
 
 These routes are the operator's (``--operator-key``, as ``/stats``; without one, a user's key,
 as /v1, under ``--cache-scope shared`` only): a cached prefix is what another user's prompt began
-with. They answer for unsalted prompts (``SamplingParams.cache_salt``): a salted one never matches. ``/register`` is refused
+with. They answer for unsalted prompts (``SamplingParams.cache_salt``): a salted one never
+matches. The HTTP side is ``cluster/conductor/routes.py``. ``/register`` is refused
 unless an operator key is set and the operator listed the endpoint (``--indexer-allow``): it
 makes the Conductor connect to an address the caller names.
 """
@@ -31,7 +32,6 @@ makes the Conductor connect to an address the caller names.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -41,8 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 from cluster.conductor.kv_events import (
     MAX_BLOCK_SIZE, MAX_FRAME_BYTES, BlockHash, BlockRemoved, BlockStored, Event, decode_batch,
@@ -364,32 +362,14 @@ class Indexer:
             answer = {k: v for k, v in answer.items() if k == instance_id}
         return {"instances": answer}
 
-    # -- routes --------------------------------------------------------------------------------------
-    async def query_route(self, request: Request) -> JSONResponse:
-        return await self._answer(request, self._query_tokens)
-
-    async def query_by_hash_route(self, request: Request) -> JSONResponse:
-        return await self._answer(request, self._query_hashes)
-
-    async def register_route(self, request: Request) -> JSONResponse:
-        return await self._answer(request, self._register)
-
-    async def unregister_route(self, request: Request) -> JSONResponse:
-        return await self._answer(request, self._unregister)
-
-    async def _answer(self, request: Request, handle: Callable[[dict], Awaitable[dict]]) -> JSONResponse:
-        try:
-            body = await _json_body(request, self.max_body_bytes)
-            return JSONResponse(await handle(body))
-        except IndexerError as e:
-            return JSONResponse({"error": str(e)}, status_code=e.status)
-
-    async def _query_tokens(self, body: dict) -> dict:
+    # -- what the routes call (cluster/conductor/routes.py): a JSON body in, an answer out, an
+    # ``IndexerError`` for what the caller got wrong --------------------------------------------------
+    async def query_tokens(self, body: dict) -> dict:
         self._check_model(body)
         tokens = await asyncio.to_thread(_uints, body, "token_ids", 32)
         return await self.query(tokens, None, _instance(body, optional=True))
 
-    async def _query_hashes(self, body: dict) -> dict:
+    async def query_hashes(self, body: dict) -> dict:
         self._check_model(body)
         size = body.get("block_size")
         ours = self._ours()
@@ -398,7 +378,7 @@ class Indexer:
         hashes = await asyncio.to_thread(_uints, body, "block_hashes", 64)
         return await self.query(None, hashes, _instance(body, optional=True))
 
-    async def _register(self, body: dict) -> dict:
+    async def register(self, body: dict) -> dict:
         if not self.registrations_allowed:
             raise IndexerError("registrations need the server's operator key (--operator-key): a registration "
                                "makes the Conductor connect to the endpoint it names", 403)
@@ -427,7 +407,7 @@ class Indexer:
         log.info("indexer: following the KV events of %s at %s", instance_id, endpoint)
         return {"status": "registered successfully", "instance_id": instance_id}
 
-    async def _unregister(self, body: dict) -> dict:
+    async def unregister(self, body: dict) -> dict:
         if not self.registrations_allowed:
             raise IndexerError("registrations need the server's operator key (--operator-key)", 403)
         self._check_model(body)
@@ -503,23 +483,6 @@ def _hash_prompt(token_ids: list[int] | None, block_size: int | None, external_s
 
 def _entry(gpu: int, cpu: int, disk: int, dp_rank: int) -> dict[str, Any]:
     return {"longest_matched": disk, "gpu": gpu, "dp": {str(dp_rank): gpu}, "cpu": cpu, "disk": disk}
-
-
-async def _json_body(request: Request, limit: int) -> dict:
-    size = 0
-    chunks = []
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise IndexerError(f"the body is over {limit} bytes (the server's --max-body-bytes)", 413)
-        chunks.append(chunk)
-    try:
-        body = await asyncio.to_thread(json.loads, b"".join(chunks))
-    except (ValueError, RecursionError):
-        raise IndexerError("the body must be JSON") from None
-    if not isinstance(body, dict):
-        raise IndexerError("the body must be a JSON object")
-    return body
 
 
 def _uints(body: dict, name: str, bits: int) -> list[int]:
