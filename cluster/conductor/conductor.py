@@ -45,6 +45,8 @@ from cluster.conductor.flow import Counters, RequestFlow, RequestMoved
 from cluster.conductor.indexer import MAX_BODY_BYTES, Indexer, Ours
 from cluster.conductor.ledger import Ledger
 from cluster.conductor.placement import AdmissionProbes, Placement, PlacementConfig, Placer, TTFTCorrection
+from cluster.conductor.pool_lookup import PoolLookup
+from cluster.conductor.prestaging import PreStager
 from cluster.conductor.registry import InstanceRecord, Registry
 from cluster.conductor.sessions import SessionTable
 from cluster.conductor.upkeep import Upkeep
@@ -52,13 +54,12 @@ from cluster.metadata.membership import LeasedKey
 from cluster.policies.cost_model import DecodeStepModel, InstanceProfile
 from cluster.policies.early_rejection import SLO, request_tbt
 from cluster.policies.elastic_roles import ElasticConfig
-from cluster.policies.sessions import Affinity, prestage_delay
+from cluster.policies.sessions import Affinity
 from cluster.policies.snapshot import RequestInfo
 from cluster.pool.index import CLIENT_COUNTERS, PoolIndex
 from cluster.metadata import MetadataStore
-from cluster.pool.objects import object_keys
 from cluster.protocol import INSTANCE, MEMBERSHIP, ControlVerifier, derive_key
-from cluster.protocol import BadRequest, Fence, ProtocolError, RegisterReply, RegisterRequest
+from cluster.protocol import BadRequest, Fence, RegisterReply, RegisterRequest
 from engine.default_model import default_model_name
 from engine.model_config import ModelConfig
 from engine.default_model import resolve_model
@@ -72,7 +73,6 @@ from paged_kv.prefix_keys import reusable_keys
 
 log = logging.getLogger(__name__)
 
-MAX_PRESTAGING = 1024
 
 @dataclass(frozen=True)
 class ConductorConfig:
@@ -153,7 +153,6 @@ class Conductor(EngineClient):
         self.ttft_correction = TTFTCorrection()
         self.probes = AdmissionProbes(config.placement.probe_share)
         self.sessions = SessionTable()
-        self._prestaging = 0  # pre-stagings waiting or under way
         self.registry = Registry(self.client, config.poll_interval_s, config.poll_timeout_s,
                                  on_new_incarnation=self.ledger.forget)
         for url in config.instances:
@@ -166,9 +165,12 @@ class Conductor(EngineClient):
         # Pool metadata calls run on threads of their own: a lookup that outlives its 1 s wait
         # (etcd down: up to its client timeout) must not take the default executor's few threads.
         self._pool_threads = ThreadPoolExecutor(2, thread_name_prefix="pool-lookup")
-        self._pool_down_until = 0.0
+        self.pool_lookup = PoolLookup(pool, self.registry, self._pool_threads)
+        # With pre-staging and a pool, a session's KV comes up from SSD before its next turn.
+        self.prestager = PreStager(self.sessions, self.registry, self.client, self._spawn,
+                                   lambda: self.config.session_prestage and self._pool is not None)
         self._model_name = config.served_model_name or default_model_name(config.model)
-        self.indexer = Indexer(self._model_name, self._indexed, self._pool_blocks, config.indexer_registrations,
+        self.indexer = Indexer(self._model_name, self._indexed, self.pool_lookup.blocks, config.indexer_registrations,
                                allow=config.indexer_allow, reserved=self._own_addresses,
                                max_body_bytes=config.max_body_bytes)
         self._tokenizer: Tokenizer | None = None
@@ -237,27 +239,6 @@ class Conductor(EngineClient):
         await self.registry.close()
         await self.client.close()
         self._pool_threads.shutdown(wait=False, cancel_futures=True)
-
-    async def _pool_blocks(self, prefix_keys: list[bytes]) -> int:
-        """Engine blocks of the leading ``prefix_keys`` the pool holds; 0 without a pool, or when
-        its metadata does not answer within a second (the instance still loads what it finds)."""
-        records = [r for r in self.registry.records if r.up and r.layout is not None and r.info.pool is not None]
-        if self._pool is None or not records:
-            return 0
-        namespace, per_object = records[0].info.pool.namespace, records[0].info.pool.blocks_per_object
-        keys = object_keys(namespace, prefix_keys, per_object)
-        if not keys:
-            return 0
-        if time.monotonic() < self._pool_down_until:
-            return 0  # it failed a moment ago: do not queue a lookup behind the hung one
-        try:
-            run = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
-                self._pool_threads, self._pool.lookup, keys), 1.0)
-        except Exception as exc:  # noqa: BLE001 -- the pool is a cache: no error of it fails a request
-            self._pool_down_until = time.monotonic() + 1.0
-            log.warning("pool lookup failed; placing without it: %s", exc)
-            return 0
-        return len(run) * per_object
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -405,39 +386,7 @@ class Conductor(EngineClient):
         if salt is None:  # a salted prompt's blocks are no one else's to look up by hash
             self.indexer.learn(tokens[:-1])
         if session is not None:
-            self._turn_ended(session, tokens[:-1], salt)
-
-    def _turn_ended(self, session: SessionHint, tokens: list[int], salt: str | None) -> None:
-        """A session's turn ended. With pre-staging (``session_prestage``), its KV is brought up
-        from the pool's SSD tiers when its next turn is likely near (``prestage_delay``)."""
-        now = time.monotonic()
-        delay = prestage_delay(self.sessions.ended(session.session_id, now))
-        if not self.config.session_prestage or self._pool is None or delay is None:
-            return
-        if self._prestaging >= MAX_PRESTAGING:
-            return  # each holds a turn's tokens while it waits: bounded
-        self._prestaging += 1
-        self._spawn(self._prestage(session, tokens, salt, now, delay))
-
-    async def _prestage(self, session: SessionHint, tokens: list[int], salt: str | None, ended_at: float,
-                        delay: float) -> None:
-        try:
-            await asyncio.sleep(delay)
-            if self.sessions.idle_since(session.session_id) != ended_at:
-                return  # its next turn came first
-            # The instance its next turn likely prefills on (any that reads the pool can ask).
-            up = [r for r in self.registry.up("prefill", "both") if r.info.pool is not None]
-            rec = next((r for r in up if r.url == self.sessions.last_prefill(session.session_id)), None) or \
-                (up[0] if up else None)
-            if rec is None:
-                return
-            promoted = await self.client.prestage(rec.url, tokens, session, salt)
-            self.sessions.prestages += 1
-            self.sessions.prestaged_objects += promoted
-        except ProtocolError as e:
-            log.info("pre-staging session %s failed: %s", session.session_id, e)
-        finally:
-            self._prestaging -= 1
+            self.prestager.turn_ended(session, tokens[:-1], salt)
 
     async def _serve(self, attempt: _Attempt) -> AsyncIterator[RequestOutput]:
         """One placement of ``attempt`` and its run through the instances."""
@@ -446,7 +395,7 @@ class Conductor(EngineClient):
         # instances of one cluster share one block size: a misfit is kept out.)
         ours = self._indexed()
         keys = reusable_keys(ids, ours[0].block_size, params.cache_salt) if ours else []
-        pool_blocks = await self._pool_blocks(keys)
+        pool_blocks = await self.pool_lookup.blocks(keys)
         if (since := self.upkeep.last_pause_end()) is not None:
             # Right after a pause of this process, what it knows of the instances is from before
             # it: placed and admitted by fresh reports only (bounded by the polls' timeout).
