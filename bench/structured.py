@@ -1,4 +1,4 @@
-"""``python -m bench.structured``: what structured output costs (issue 53 item 1).
+"""``python -m bench.structured``: what structured output costs per decode step, and to compile.
 
 * **Per step**: ``--rows`` prompts decoded ``--steps`` tokens at once, plain and held to a
   grammar that stays open the whole run (every step computes a mask for every row), alternated

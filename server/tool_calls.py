@@ -1,4 +1,4 @@
-"""Tool calling (issue 53 item 2): a chat request's ``tools`` go to the chat template, and what the
+"""Tool calling: a chat request's ``tools`` go to the chat template, and what the
 model answers is read back into OpenAI's ``tool_calls``.
 
 The format read is Hermes' (Qwen 2.5 and 3, Hermes 2 and 3, and the templates that copy them):

@@ -1,4 +1,4 @@
-"""Pre-staging (issue 42 item 4, ``session_prestage``): when a hinted session's turn ends, its KV is
+"""Pre-staging (``session_prestage``): when a hinted session's turn ends, its KV is
 brought up from the pool's SSD tiers to DRAM shortly before its next turn is likely to arrive
 (``cluster/policies/sessions.py`` ``prestage_delay``, from its recent think times), by the
 prefill instance that turn will likely run on. A turn that comes first cancels nothing: the
