@@ -511,7 +511,7 @@ class AsyncLLMEngine(EngineClient):
             "num_free_blocks": bm.pool.num_free,
             "num_used_blocks": bm.pool.num_in_use,
             "num_cached_blocks": bm.pool.num_cached_unused,
-            "num_retained_blocks": bm.pool.num_retained,  # of those, sessions' (issue 42)
+            "num_retained_blocks": bm.pool.num_retained,  # of those, sessions'
             "retained_evictions": bm.pool.num_retained_evictions,
             "kv_cache_usage": s.kv_cache_usage,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate,

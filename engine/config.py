@@ -43,7 +43,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    # Soft retention (issue 42): the blocks of a request with a session hint stay cached ahead of
+    # Soft retention: the blocks of a request with a session hint stay cached ahead of
     # cold ones this long after it ends (a bias on eviction, never a pin), and retained blocks
     # hold at most this share of the cache. The default spans the think times of chat and agent
     # sessions (minutes); beyond it a session's KV is as cold as any other.

@@ -1,4 +1,4 @@
-"""Cores that follow the load between the engines of one host (issue 39).
+"""Cores that follow the load between the engines of one host.
 
 Two instances on one small machine, a prefill and a decode one, each started with half the
 cores, leave half of the machine idle whenever one of them has nothing to do: a decode batch runs

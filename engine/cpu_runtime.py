@@ -91,7 +91,7 @@ class HeapBound:
     back only once traffic pauses. Under steady heavy traffic it never pauses, and the heap grows
     far past what any step holds at once: the steps' temporaries are sized by their rows, which
     change every step, so freed blocks rarely fit the next ones and the heap fragments (256 rows
-    of decodes: 94 MiB more live at the peak than at rest, the heap 420 MiB more, issue 40). So
+    of decodes: 94 MiB more live at the peak than at rest, the heap 420 MiB more). So
     after a step, at most every ``every_s``, this reads the process's private resident memory and
     trims the heap when it grew more than ``budget`` bytes since the last trim (what the next
     steps need is faulted in again, once a check at most); steady traffic that reuses what it

@@ -12,7 +12,7 @@
 * ``export_prefix``: cached prefix blocks are packed into a buffer for another instance (or for
   the KVCache pool); ``add_loading``: a request whose prefix arrives from the pool layer by layer
   during its first step;
-* ``switch_role``: a prefill engine becomes a decode one or back (issue 32), once it holds nothing;
+* ``switch_role``: a prefill engine becomes a decode one or back, once it holds nothing;
 * ``layout`` / ``cache_report``: the KV page geometry, and what the prefix cache holds (as
   changes since a version the caller saw).
 

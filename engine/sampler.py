@@ -104,7 +104,7 @@ class SamplerOutput:
 # Rows sampled in one pass. A pass holds a few float32 copies of its rows' logits over the whole
 # vocabulary (the penalised logits, their tempered copy, probabilities, noise): at 256 rows of a
 # 49k vocabulary ~250 MB at once, which the allocator then keeps, and which made most of a decode
-# instance's private memory growth under overload (issue 40, item 5: +280 MiB above its
+# instance's private memory growth under overload (+280 MiB above its
 # baseline at 10x the sustainable load). In passes of this many rows the sampler's temporaries
 # stay ~30 MB at any batch; a row's token does not depend on the pass it is in.
 ROWS_PER_PASS = 32

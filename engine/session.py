@@ -1,4 +1,4 @@
-"""A request's session hint: which conversation or agent run it belongs to (issue 42).
+"""A request's session hint: which conversation or agent run it belongs to.
 
 Chat and agent workloads come in sessions: a turn ends, the user or a tool thinks, and the next
 turn resends everything before it plus a little. A hint lets the serving system keep that KV

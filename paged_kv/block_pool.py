@@ -10,7 +10,7 @@ Every block is in exactly one of three states, and ``check_integrity`` verifies 
 
 so that ``free + cached + in use == total`` at all times.
 
-Soft retention (issue 42): a session's blocks may be released with a ``Retention`` (keep until
+Soft retention: a session's blocks may be released with a ``Retention`` (keep until
 a deadline, at a priority). Retained blocks are cached blocks still: a hit takes them back and an
 allocation may evict them, so retention never refuses an allocation. It only orders eviction:
 cold (unretained) blocks go first, LRU; then retained blocks whose deadline passed; then live

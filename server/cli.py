@@ -333,10 +333,10 @@ def _placement_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
 
 
 def _elastic_flags(c: argparse._ArgumentGroup, passed_on: PassedOn) -> None:
-    """Elastic roles (issue 32): instances moved between prefill and decode."""
+    """Elastic roles: instances moved between prefill and decode."""
     e = ElasticConfig()
     c.add_argument("--elastic-roles", action="store_true",
-                   help="(Conductor) move instances between prefill and decode as the load shifts (issue 32), "
+                   help="(Conductor) move instances between prefill and decode as the load shifts, "
                    "weighing the SLO misses it predicts (needs --slo-ttft-s and --slo-tbt-s; --predicted-decode-s "
                    "is the decode time it assumes to predict a decode instance's drain); off: the roles stay as started")
     c.add_argument("--elastic-interval-s", type=_positive_float, default=e.interval_s,

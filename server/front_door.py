@@ -5,8 +5,8 @@ uvicorn's h11 protocol closes a connection that sits idle between requests after
 ``timeout_keep_alive``, but any byte cancels that timer, and nothing bounds how long the head or
 the body of a request may take to arrive: a client that connects and says nothing, or sends a
 header byte every ten seconds ("slowloris"), holds a connection and a file descriptor for ever,
-and enough of them exhaust the process's open files (issue 31 measured 500 such connections
-still open after 75 s). So:
+and enough of them exhaust the process's open files (500 such connections were
+measured still open after 75 s). So:
 
 * **head deadline** (``header_timeout_s``): from the moment a connection can start a request
   (its opening, or the end of the previous response) to the end of the request's headers.
@@ -34,7 +34,7 @@ whose callers are the Conductors) one client may not take the whole door:
 
 Loopback clients are exempt: on this host they are the cluster itself, the operator's tools, or
 a balancer in front that speaks for many clients. The request cap knows more than an address
-(issue 52): a request carrying one of the users' API keys (``client_keys``) is counted against
+: a request carrying one of the users' API keys (``client_keys``) is counted against
 that key, wherever it comes from (through a balancer on this host too); one from a balancer the
 operator trusts (``trusted_proxies``) against the address that balancer saw, the last one in its
 ``X-Forwarded-For`` (the shipped server/haproxy.cfg sets it, after dropping any the client sent);

@@ -77,7 +77,7 @@ class _EngineCollector(Collector):
         yield gauge("mooncake:kv_blocks_cached", "KV blocks holding a reusable prefix, unused.",
                     s["num_cached_blocks"])
         instances = s.get("instances")
-        if instances is not None:  # a Conductor: each instance's role (elastic roles move them, issue 32)
+        if instances is not None:  # a Conductor: each instance's role (elastic roles move them)
             roles = GaugeMetricFamily("mooncake:instance_role", "1 for the role each instance serves now "
                                       "(switching: the role it is leaving).", labels=["model_name", "instance", "role"])
             for rec in instances:

@@ -2,7 +2,7 @@
 
 HF tokenizers' ``encode`` holds the GIL while it runs: on the event loop, or on a thread of the
 server's process, a prompt of a megabyte stops every other stream for a few tenths of a second,
-and thirty of them for seconds (issue 31 measured a 12.5 s pause of an innocent stream). So a
+and thirty of them for seconds (a 12.5 s pause of an innocent stream was measured). So a
 body over ``INLINE_BYTES`` is handed to a worker process (``python -m server.parse_worker``,
 which loads the same tokenizer), one at a time, over a pipe of pickled messages
 (``multiprocessing.connection``), while the event loop serves everyone else; a smaller body is

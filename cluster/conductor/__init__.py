@@ -7,7 +7,7 @@
 * ``flow.py``: one request through the instances, with its compensations;
 * ``client.py``: the only HTTP to instances (typed calls, timeouts, error mapping);
 * ``registry.py``: polling the instances (health, cached prefix keys);
-* ``elastic.py``: elastic roles (``--elastic-roles``, issue 32): the policy asked every
+* ``elastic.py``: elastic roles (``--elastic-roles``): the policy asked every
   interval with what placement predicted, and the switch of one instance between prefill and decode;
 * ``supervisor.py``: starting and restarting the instance processes of a cluster on this machine.
 

@@ -68,7 +68,7 @@ def _reply(cls: type[R], data: Any, what: str) -> R:
 # How long an idle connection to an instance is kept for the next call: well under the time an
 # instance's server keeps one (uvicorn's ``timeout_keep_alive``, 5 s). At equal times (httpx's
 # default was 5 s too) a call sent on a connection the instance was closing at that moment broke
-# with a ReadError, and a healthy decode instance was marked down mid-stream (bench.chaos, issue 40).
+# with a ReadError, and a healthy decode instance was marked down mid-stream (bench.chaos).
 KEEPALIVE_EXPIRY_S = 2.0
 
 # Failures of this process, not of the instance it called: out of descriptors or memory.

@@ -98,7 +98,7 @@ class ConductorConfig:
     conductor_id: str = ""
     epoch: int | None = None
     members_interval_s: float = 1.0  # with etcd: how often the announced instances are listed
-    # Elastic roles (issue 32, ``elastic.py``): None: off, the roles stay as started. A switch
+    # Elastic roles (``elastic.py``): None: off, the roles stay as started. A switch
     # that has not ended within elastic_drain_s is given up on (the instance keeps its role).
     elastic: ElasticConfig | None = None
     elastic_drain_s: float = 60.0
@@ -107,7 +107,7 @@ class ConductorConfig:
     indexer_registrations: bool = False
     indexer_allow: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES  # of the indexer's requests, as the server's others (--max-body-bytes)
-    # Pre-stage a session's KV from the pool's SSD tiers before its next turn (issue 42 item 4).
+    # Pre-stage a session's KV from the pool's SSD tiers before its next turn.
     session_prestage: bool = False
 
     def __post_init__(self) -> None:

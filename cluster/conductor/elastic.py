@@ -1,4 +1,4 @@
-"""The Conductor's elastic roles (issue 32, ``--elastic-roles``): it moves one instance at a time
+"""The Conductor's elastic roles (``--elastic-roles``): it moves one instance at a time
 between prefill and decode as the load shifts, instead of only refusing requests.
 
 What it decides with is the simulator's (``bench/sim/roles.py``): the same policy,
@@ -25,7 +25,7 @@ an idle instance; live, instances share cores (three single-thread instances on 
 bench.disagg's elastic deployment), and with the idle model the policy saw no TBT miss coming
 while the real steps broke the SLO.
 
-Several Conductors (issue 41): one decides for the cluster. With etcd, each Conductor with
+Several Conductors: one decides for the cluster. With etcd, each Conductor with
 elastic roles asks for the decider key (``DeciderLease``, ``membership.hold_decider``) and
 decides only while it surely holds it; the others place as usual and see the switches through
 their polls (a draining instance is out of everyone's placement). The minimum per role then holds

@@ -1,4 +1,4 @@
-"""The indexer API (issue 42): other routers ask the Conductor how much of a prompt each instance holds.
+"""The indexer API: other routers ask the Conductor how much of a prompt each instance holds.
 
 The Conductor already keeps the index a KV-aware router needs: each instance's cached prefix
 keys (polled, ``registry.py``) and the KVCache pool's objects (``cluster/pool/index.py``). This

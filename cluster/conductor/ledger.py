@@ -10,7 +10,7 @@ its own ``Booking`` (``flow.py``: where it stands, step by step, on the request 
 ledger holds the open ones and adds them up per instance (``load``), and from those loads come
 the snapshots the policies read (``cluster/policies/snapshot.py``).
 
-Other Conductors may front the same instances (issue 41). Their requests are not in this ledger,
+Other Conductors may front the same instances. Their requests are not in this ledger,
 but every poll answer says what each Conductor's requests make the instance do
 (``InstanceState.work``): the snapshots add the others' part of it (``Others``) to this
 Conductor's own exact bookings, so N Conductors neither admit N times what an instance can take
@@ -47,7 +47,7 @@ class _Arrivals:
     each was predicted to take, from its successive reports. A report is up to a poll interval
     old when it is read, and the others go on placing meanwhile: at 10 requests a second over
     four Conductors each missed about one request's prefill (0.4 s) of the queue it admitted
-    against, and their TTFT p90 grew 18% over one Conductor's (issue 41, bench.conductors).
+    against, and their TTFT p90 grew 18% over one Conductor's (bench.conductors).
     ``since`` is what arrived after the report at the recent pace, in predicted seconds."""
 
     WEIGHT = 0.3  # of the latest report, in the moving averages

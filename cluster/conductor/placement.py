@@ -9,19 +9,19 @@ decode instance instead: the same functions the simulator calls. On top of them 
 ``max_queued_prefills`` requests wait on one prefill instance; beyond it a request is refused
 (it would only hold decode KV idle while it waits).
 
-Admission is on by default (issue 41): prediction-based early rejection against the operator's
+Admission is on by default: prediction-based early rejection against the operator's
 SLOs, or, where none are set, against each request's default ones (``default_slo``: 10x its
 TTFT and 5x its TBT alone on an idle cluster, with floors), so an overloaded cluster refuses early
 what it could not serve in reasonable time instead of letting every TTFT grow. The queue bound
 stays as a backstop.
 
 The prefill cost model was calibrated on an idle instance; live, instances share cores with each
-other and with the Conductors, and first tokens take longer than it predicts (issue 41: admitted
+other and with the Conductors, and first tokens take longer than it predicts (admitted
 requests met the TTFT SLO 4% of the time at 4x overload). ``TTFTCorrection`` learns how much
 longer from every request's predicted and actual TTFT, and placement predicts with the model
 scaled by it (``ScaledPrefill``); default SLOs stay those of the calibrated, idle model.
 
-How often is a refusal wrong (issue 41 item 3)? Only admitting the request tells: a refusal by
+How often is a refusal wrong? Only admitting the request tells: a refusal by
 the admission policy carries the placement it refused (``Refusal.placement``), and the Conductor
 admits a ``probe_share`` of them all the same (``AdmissionProbes``), timing each against the SLOs
 it was judged by. The queue bound's refusals are never probed.
@@ -72,7 +72,7 @@ class PlacementConfig:
     # Of the requests admission refuses, this share is admitted all the same and timed: the
     # live false-reject rate (``AdmissionProbes``). 0: none, and no rate.
     probe_share: float = 0.02
-    # Sticky sessions (issue 42): a session's next turn stays on the instance its last ran on
+    # Sticky sessions: a session's next turn stays on the instance its last ran on
     # while that costs at most this much predicted TTFT over the scheduler's choice (and meets
     # the SLO). Bounded by the SLO alone, the simulator's agentic trace took 35-79% more TTFT p50
     # for at most 1% more goodput (bench/README.md); None: sessions are not sticky.

@@ -52,7 +52,7 @@ class InstanceRecord:
     misfit: str | None = None  # why it does not fit the instances up (kept down), if it does not
     state: InstanceState | None = None
     state_at: float = 0.0  # monotonic, when ``state`` was answered
-    # Elastic roles (issue 32): the role the instance drains toward (its polled state), and the
+    # Elastic roles: the role the instance drains toward (its polled state), and the
     # one this Conductor decided to move it to (set before the instance knows, until it serves
     # it or gave up). Either keeps it out of placement (``Registry.up``).
     switching_to: str | None = None
@@ -146,7 +146,7 @@ class Registry:
 
     def suspect(self, rec: InstanceRecord, reason: str) -> None:
         """A call to ``rec`` timed out. A loaded instance can be slow to answer one call and
-        healthy all the same (issue 52: a decode instance marked down under load, up again 0.2 s
+        healthy all the same (a decode instance marked down under load, up again 0.2 s
         later), so a timeout alone does not mark it down: a poll now decides, as every poll does
         (``poll``: no state in ``poll_timeout_s`` means down). At most one such probe at a time."""
         if not rec.up or rec.url in self._probes:

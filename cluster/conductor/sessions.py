@@ -1,5 +1,5 @@
 """Where each hinted session's last turn ran, for sticky placement, and how long it thinks,
-for pre-staging (issue 42).
+for pre-staging.
 
 The Conductor notes, per ``session_id`` a request carried (``engine.session.SessionHint``), the
 instances its turn was placed on, when it ended and its last few think times; the next turn's
@@ -43,7 +43,7 @@ class SessionTable:
         self.turns = 0  # placements of hinted requests
         self.followed = 0  # of which a later turn, whose last instance was still up
         self.kept = 0  # of those, placed where the last turn ran
-        self.prestages = 0  # pre-stagings asked of an instance (issue 42 item 4)
+        self.prestages = 0  # pre-stagings asked of an instance
         self.prestaged_objects = 0  # pool objects they brought up from an SSD tier
 
     def affinity(self, session_id: str, prefills: Sequence[InstanceRecord],

@@ -10,7 +10,7 @@ counted where ``/stats`` shows it, and retried):
 * ``watch_pool``: with a KVCache pool, its totals for ``/stats``;
 * ``watch_pauses``: gaps in this process's own event loop (SIGSTOP, a long GC, a starved VM):
   ``paused_between`` tells whether one fell inside an interval, so that a request's TTFT that
-  includes our own pause is not taken as the instances' speed (issue 52).
+  includes our own pause is not taken as the instances' speed.
 
 The registry's polls (``registry.py``) and elastic roles (``elastic.py``) keep loops of their own.
 """

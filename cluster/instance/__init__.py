@@ -12,6 +12,6 @@
 * ``decode.py``: continue decoding from received KV, and whole (colocated) requests;
 * ``replication.py``: hot-prefix push and adopt;
 * ``roles.py``: an elastic instance's role and its switch between prefill and decode (drain, then
-  change; issue 32);
+  change);
 * ``routes.py``: the ``/instance/*`` control routes over all of these.
 """

@@ -1,4 +1,4 @@
-"""Which epoch of each Conductor an instance takes (issue 40): the one its claim in etcd carries.
+"""Which epoch of each Conductor an instance takes: the one its claim in etcd carries.
 
 Every control call names its Conductor and that Conductor's epoch (``cluster.protocol.Fence``),
 signed with the Conductors' key. Any holder of that key could name *another* Conductor's id with

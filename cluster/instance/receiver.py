@@ -15,7 +15,7 @@ The record of a reservation is kept until its take-over has run on the engine th
 to ``release`` or expiry, never leaked. Receive staging that a sender may still be writing into
 (anything not known to be ``settled``) is reused only after twice the transfer timeout.
 
-A late write cannot corrupt (issue 23 §5): the receive staging is guarded, each reservation's
+A late write cannot corrupt: the receive staging is guarded, each reservation's
 range is opened under a fresh generation (``KVDestination.generation``) and closed the moment the
 reservation ends (released, expired, or taken over), so the Messenger refuses a write for it from
 then on; the range also holds a checksum per layer (written by the sender), verified before the

@@ -1,4 +1,4 @@
-"""An elastic instance's role, and its switch between prefill and decode (issue 32).
+"""An elastic instance's role, and its switch between prefill and decode.
 
 A prefill or decode instance serves one role; a Conductor started with ``--elastic-roles`` may
 move it to the other (``POST /instance/role``, ``SwitchRoleRequest``) without reloading anything:

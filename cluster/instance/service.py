@@ -243,7 +243,7 @@ class InstanceService:
         return Replicator(self.client, self._handoff, self.transfer, self.send, self.receiver,
                           self.config.transfer_timeout_s)
 
-    # -- elastic roles (issue 32) -----------------------------------------------------------------
+    # -- elastic roles -----------------------------------------------------------------
     @property
     def role(self) -> str:
         """The role served now: the one started with, until a Conductor switches it."""

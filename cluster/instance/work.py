@@ -2,7 +2,7 @@
 
 Two things need this record. Ownership: only the Conductor that started a request aborts it, and
 an id runs for one Conductor at a time (``claim`` raises ``NotOwner``). And the load the instance
-reports in every poll answer (``InstanceState.work``, issue 41): each Conductor books its own
+reports in every poll answer (``InstanceState.work``): each Conductor books its own
 requests exactly, so what it needs from the instance is the others' work, grouped by Conductor id
 so that every poller can leave out its own.
 

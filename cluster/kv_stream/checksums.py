@@ -1,4 +1,4 @@
-"""A checksum per layer of a request's KV, in a trailer after the KV (issue 23 §5).
+"""A checksum per layer of a request's KV, in a trailer after the KV.
 
 The sender writes each layer's checksum with that layer's last write (``KVSender``, or a
 replication push in one piece: ``layer_checksums``); the decode instance verifies every layer

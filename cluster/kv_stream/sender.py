@@ -10,7 +10,7 @@ chunk's is still in flight when the prompt is done. The decode instance then unp
 buffer into its pages with ``kernels.scatter_kv`` (``engine.disaggregation.KVHandoff.admit``).
 The wire layout of a request's KV in staging is ``engine.kv_layout.KVLayout``.
 
-A late write cannot corrupt (issue 23 §5). The reservation's range is opened under a
+A late write cannot corrupt. The reservation's range is opened under a
 **generation** (``KVDestination.generation``) that every write names; the decode instance's
 Messenger refuses a write whose generation is not the range's current one (``StaleWrite``), so
 the bytes of a prefill that kept writing after the reservation was released never land in the

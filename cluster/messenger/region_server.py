@@ -55,10 +55,10 @@ ControlHandler = Callable[[dict, dict], tuple[Status, dict]]
 # that hold the secret finish in a round trip.
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKES = 64
-# And at most this many from one address, so that one stranger cannot hold every slot (issue 40)
+# And at most this many from one address, so that one stranger cannot hold every slot
 # while peers elsewhere wait. Past either bound a newcomer takes the slot of the oldest connection
 # still in its handshake (from its address, else from any): a silent stranger cannot lock out a
-# peer of the same host that holds the secret (issue 52), which needs its slot for a round trip
+# peer of the same host that holds the secret, which needs its slot for a round trip
 # only. Once half the slots are taken, a new connection's handshake gets this much time only: a
 # stranger must then come back every fraction of a second to keep its slots.
 MAX_HANDSHAKES_PER_ADDRESS = 16

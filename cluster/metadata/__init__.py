@@ -1,6 +1,6 @@
 """The cluster's metadata store: its membership and the pool's object index, held under leases.
 
-A package of the cluster's own (issue 41): Conductors find the instances and claim their ids
+A package of the cluster's own: Conductors find the instances and claim their ids
 in it (``membership``), elastic roles elect their decider in it, and the KVCache pool keeps its
 index there (``cluster.pool``).
 

@@ -6,7 +6,7 @@ metadata store's second user, beside the pool's index: the same contract, other 
   URL and role under a lease it keeps alive. When it dies the lease runs out and the key is gone.
   The record carries a MAC under the cluster's membership key (``derive_key(secret,
   MEMBERSHIP)``) over its id, URL and role: whoever can write to etcd but holds no secret cannot
-  add an instance (one such write once sent a fake instance 14 of 20 requests, issue 40).
+  add an instance (one such write once sent a fake instance 14 of 20 requests).
 * Every Conductor **lists** the announced instances (``list_instances``) every second or so and
   polls each it finds (``cluster.conductor.registry``); a record whose MAC fails is not listed
   but counted (``Listing.refused``, the Conductor's /metrics). Instances named by hand
@@ -350,7 +350,7 @@ def conductor_epoch(store: MetadataStore, key: bytes, conductor_id: str) -> int 
 # -- the cluster's one elastic-roles decider ------------------------------------------------------
 
 # Held by the one Conductor that decides role switches (``cluster/conductor/elastic.py``): two
-# deciding each on its own view could switch the last two decode instances at once (issue 41).
+# deciding each on its own view could switch the last two decode instances at once.
 ELASTIC_DECIDER = "members/elastic/decider"
 
 

@@ -7,6 +7,6 @@ the simulator (``bench/sim``), so both decide identically. Nothing here does I/O
   decode load balancer;
 * ``early_rejection.py``: admission under overload (§7: early rejection and its prediction);
 * ``elastic_roles.py``: when to move one instance between prefill and decode, and which
-  (issue 32: elastic roles instead of refusals);
+  (elastic roles instead of refusals);
 * ``cost_model.py``: predicted prefill time and decode step time, fitted at an instance's start.
 """

@@ -38,7 +38,7 @@ class SLO:
             raise ValueError(f"SLOs must be positive: {self}")
 
 
-# The SLOs a request is held to when the operator sets none (issue 41): the arXiv paper's
+# The SLOs a request is held to when the operator sets none: the arXiv paper's
 # end-to-end ones, TTFT within 10x and TBT within 5x what the request would see run alone on an
 # idle cluster (its prompt's prefill, one decode step at its context), as the calibrated cost
 # models predict them; with floors, since a few-token prompt alone would get a TTFT bound a

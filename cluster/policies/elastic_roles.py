@@ -1,4 +1,4 @@
-"""Elastic roles (issue 32): when to move one instance between prefill and decode, and which.
+"""Elastic roles: when to move one instance between prefill and decode, and which.
 
 A fixed split of instances can only refuse requests when the load shifts between the stages
 (arXiv 2407.00079 §7: early rejection makes prefill and decode load swing in anti-phase). This
@@ -77,7 +77,7 @@ class Role(str, Enum):
 
 @dataclass(frozen=True)
 class ElasticConfig:
-    """The policy's knobs. The defaults suit the overload experiment (bench/README.md, issue 32):
+    """The policy's knobs. The defaults suit the overload experiment (bench/README.md):
     requests of ~26 s of decode, a TTFT SLO of 30 s, ~6 requests a second on 16 instances.
 
     * ``interval_s``: how often the policy is asked;

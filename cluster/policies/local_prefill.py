@@ -1,4 +1,4 @@
-"""Where a prompt is prefilled, chosen per request (issue 39): on a prefill instance, as Mooncake
+"""Where a prompt is prefilled, chosen per request: on a prefill instance, as Mooncake
 does, or on the decode instance that will decode it.
 
 Local prefill saves the queue behind other prompts on the prefill instance and the KV's trip

@@ -1,4 +1,4 @@
-"""Sticky placement for sessions (issue 42): pure code, called by the Conductor and the simulator.
+"""Sticky placement for sessions: pure code, called by the Conductor and the simulator.
 
 A session's next turn resends its last turn's prompt and output plus a little, and that KV is
 where the last turn ran: in the prefix cache of its prefill (or colocated) instance, retained
@@ -53,8 +53,8 @@ def sticky_decode(order: Sequence[int], sticky: int | None, tbt_with: Callable[[
 
 
 def prestage_delay(thinks: Sequence[float], lead: float = 0.5) -> float | None:
-    """How long after a session's turn ends to pre-stage its KV for the next one (issue 42
-    item 4): ``lead`` of its shortest recent think time, when the think so far is still below
+    """How long after a session's turn ends to pre-stage its KV for the next one:
+    ``lead`` of its shortest recent think time, when the think so far is still below
     every recent one and its next turn likely near; None before it has thought once."""
     if not thinks:
         return None

@@ -13,7 +13,7 @@ requests). An object's life:
   A reader that overran its lease may read bytes of a later object: its checksum check fails
   and the read is a miss, never another object's KV.
 * Eviction is LRU over sealed, unleased objects, when an allocation would take DRAM use past
-  ``high_watermark``. A session's objects (a touch with ``retain``: issue 42) go after the cold
+  ``high_watermark``. A session's objects (a touch with ``retain``) go after the cold
   ones until ``session_retention_s`` has passed since, lowest priority first; they never pin
   (when nothing else is evictable they go too) and hold at most ``retained_share`` of DRAM
   (beyond it the lowest-ranked turn cold). With an SSD tier the victim moves down to it (a demotion) and stays

@@ -81,7 +81,7 @@ in ``X-Mooncake-Answer-Signature`` (over its status and body), a streamed one li
 line with its index). The Conductor's client checks each (``check_answer``, ``check_line``) and
 takes one that fails for no answer (``ForgedAnswer``, counted): a process on the path, or one
 listed by mistake, cannot put words in an instance's mouth (a fake once sent " Berlin." to 14
-clients, issue 40). Nothing is encrypted (prompts and outputs are readable on the wire), so
+clients). Nothing is encrypted (prompts and outputs are readable on the wire), so
 hosts should still talk over a trusted network or TLS.
 """
 

@@ -350,7 +350,7 @@ class PrestageReply:
 # -- polls and registration -------------------------------------------------------------------------
 
 _ROLES = ("prefill", "decode", "both")
-SWITCHABLE_ROLES = ("prefill", "decode")  # the roles an elastic instance moves between (issue 32)
+SWITCHABLE_ROLES = ("prefill", "decode")  # the roles an elastic instance moves between
 
 
 @dataclass(frozen=True)
@@ -493,7 +493,7 @@ class ConductorWork:
     prefills queued or running there as (age s, prompt tokens, of them cached), the decodes
     running there as (age s, prompt tokens, context tokens now), and the prompts of the KV
     reservations whose KV is still on its way. Every Conductor books its own requests exactly
-    (``cluster/conductor/ledger.py``) and adds what the instance reports of the others' (issue 41):
+    (``cluster/conductor/ledger.py``) and adds what the instance reports of the others':
     so N Conductors in front of one instance see its whole load, not 1/N of it."""
 
     prefills: list[tuple[float, int, int]] = field(default_factory=list)
@@ -530,7 +530,7 @@ class InstanceState:
     ``/stats`` but places by its ledger, never by them, so their keys stay the engine's to name.
     On the wire one flat object, ``stats`` beside the other fields, as an instance's ``/stats``.
     Two of its keys are read by name (``from_dict`` checks them): ``role``, the role it serves now
-    (an elastic instance's changes, issue 32), and ``switching_to``, the role it drains toward.
+    (an elastic instance's changes), and ``switching_to``, the role it drains toward.
     Elastic roles also reads the engine's decode step counters (``decode_steps`` and its three
     sums, ``cluster/conductor/elastic.py`` ``StepSlowdown``) where they are there."""
 
