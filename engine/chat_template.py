@@ -27,7 +27,12 @@ RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
 
 
 class ChatTemplateError(ValueError):
-    """The chat template failed on a request (or is not there): the request's to fix (400)."""
+    """The chat template failed on a request (or is not there): the request's to fix (400).
+    ``param``: the request field to blame."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _raise_exception(message: str) -> None:
@@ -96,7 +101,7 @@ class ChatTemplates:
         name, text = self.choose(tools, override)
         extra = dict(kwargs or {})
         if bad := sorted(RESERVED & set(extra)):
-            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(bad)}")
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(bad)}", "chat_template_kwargs")
         try:
             template = self._compiled.get(text)
             if template is None:

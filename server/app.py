@@ -302,12 +302,13 @@ class OpenAIServer:
             scoped = f"{user}:{hashlib.sha256(session.session_id.encode()).hexdigest()}"
         return SessionHint(scoped, session.priority)
 
-    def _caller(self, request: Request) -> str | None:
-        """Whose cache a request reads and fills under ``cache_scope`` per-key: its user's, the
-        operator's; None where callers share one (shared scope, or no keys: one caller)."""
+    def _caller(self, request: Request, user: str | None) -> str | None:
+        """Whose cache a request of ``user`` (``_user``) reads and fills under ``cache_scope``
+        per-key: its user's, the operator's; None where callers share one (shared scope, or no
+        keys: one caller)."""
         if self.settings.cache_scope != "per-key":
             return None
-        if (user := self._user(request)) is not None:
+        if user is not None:
             return f"key {user}"
         op = self.settings.operator_key
         return "operator" if op and _same(_bearer(request), op) else None
@@ -468,11 +469,12 @@ class OpenAIServer:
         parsed = await self._read_and_parse(request, kind)
         if isinstance(parsed, Response):
             return parsed
+        user = self._user(request)  # found by comparing every key: once, for its session and its cache
         try:
-            session = self._scoped(parsed.session_hint(request.headers.get("x-session-id")), self._user(request))
+            session = self._scoped(parsed.session_hint(request.headers.get("x-session-id")), user)
         except ProtocolError as e:
             return _protocol_error(e)
-        self._salted(parsed, self._caller(request))
+        self._salted(parsed, self._caller(request, user))
 
         gen = _Generation(self.client, self.metrics, parsed, prefix, session, request.headers.get("x-request-id"))
         handed_over = False

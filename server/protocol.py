@@ -47,12 +47,13 @@ _logged_fields: set[str] = set()
 
 
 def _note_unknown_fields(body: dict, kind: str) -> None:
-    new = [str(k)[:64] for k in body if k not in _FIELDS[kind] and k not in _logged_fields]
-    new = new[: max(0, _MAX_LOGGED_FIELDS - len(_logged_fields))]
+    # Names as logged (and remembered): cut to 64 characters, so that a long one is logged once too.
+    names = {str(k)[:64] for k in body if k not in _FIELDS[kind]}
+    new = sorted(names - _logged_fields)[: max(0, _MAX_LOGGED_FIELDS - len(_logged_fields))]
     if new:
         _logged_fields.update(new)
         log.warning("ignoring field(s) this server does not use in /v1/%s requests: %s (each name is logged once)",
-                    "chat/completions" if kind == "chat" else "completions", ", ".join(sorted(new)))
+                    "chat/completions" if kind == "chat" else "completions", ", ".join(new))
 
 
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' max_tokens when the body has none (OpenAI, vLLM)
@@ -322,10 +323,16 @@ def _structured_outputs(body: dict, limits: ModelLimits) -> dict[str, Any] | Non
                                 "response_format")
     if spec is None:
         return None
+    return _compiled(spec, limits, param)
+
+
+def _compiled(spec: dict[str, Any], limits: ModelLimits, param: str, what: str = "") -> dict[str, Any]:
+    """``spec`` once it compiles (the engine compiles it again from the cache), else a 400 naming
+    ``param`` (``what``: what the spec was made of, before the compiler's message)."""
     try:
         limits.tokenizer.grammars.grammar(spec)
     except ValueError as e:
-        raise ProtocolError(str(e), param) from None
+        raise ProtocolError(f"{what}{e}", param) from None
     return spec
 
 
@@ -473,11 +480,8 @@ def parse_chat(body: Any, limits: ModelLimits) -> ParsedRequest:
         if fields["structured_outputs"] is not None:
             raise ProtocolError("a required or named 'tool_choice' is a constraint of its own: it cannot be combined "
                                 "with 'response_format' or 'structured_outputs'", "tool_choice")
-        try:
-            limits.tokenizer.grammars.grammar(forced)
-        except ValueError as e:  # a tool's parameters that are not a schema llguidance takes
-            raise ProtocolError(f"the tools' parameters do not compile: {e}", "tools") from None
-        fields["structured_outputs"] = forced
+        # A tool's parameters may not be a schema llguidance takes.
+        fields["structured_outputs"] = _compiled(forced, limits, "tools", "the tools' parameters do not compile: ")
     ids = _chat_prompt(body, limits, tools)
     params = _build_params([ids], fields, max_tokens, logprobs, n, limits, key)
     return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs,
@@ -525,7 +529,7 @@ def _chat_prompt(body: dict, limits: ModelLimits, tools: list[dict] | None = Non
         text = limits.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                                     tools=tools, override=limits.chat_template, kwargs=kwargs)
     except ChatTemplateError as e:
-        raise ProtocolError(str(e), "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages") from None
+        raise ProtocolError(str(e), e.param) from None
     # The template already holds any BOS / special tokens the model wants.
     ids = limits.tokenizer.encode(text, add_special_tokens=_boolean(body, "add_special_tokens", False))
     if not ids:
