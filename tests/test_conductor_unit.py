@@ -38,6 +38,15 @@ def _info(instance_id: str, role: str):
     return httpx.Response(200, json=info.to_dict())
 
 
+async def _polled(handler) -> tuple[InstanceClient, Registry, InstanceRecord]:
+    """A registry of one instance (``http://inst:1``) answered by ``handler``, polled once."""
+    client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
+    reg = Registry(client)
+    rec = reg.add("http://inst:1")
+    await reg.poll(rec)
+    return client, reg, rec
+
+
 def _state(instance_id: str = "one"):
     """Its ``/instance/state``: no cached keys, no statistics."""
     import httpx
@@ -252,10 +261,7 @@ def test_a_local_out_of_descriptors_marks_no_instance_down(caplog):
         return _state()
 
     async def scenario():
-        client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
-        reg = Registry(client)
-        rec = reg.add("http://inst:1")
-        await reg.poll(rec)
+        client, reg, rec = await _polled(handler)
         assert rec.up
         fail["with"] = OSError(errno.EMFILE, "Too many open files")
         await reg.poll(rec)
@@ -320,10 +326,7 @@ def test_a_call_that_times_out_marks_down_only_an_instance_the_probe_finds_down(
         return _state()
 
     async def scenario():
-        client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
-        reg = Registry(client)
-        rec = reg.add("http://inst:1")
-        await reg.poll(rec)
+        client, reg, rec = await _polled(handler)
         assert rec.up
         reg.suspect(rec, "generate: ReadTimeout")
         reg.suspect(rec, "generate: ReadTimeout")  # one probe at a time
@@ -383,10 +386,7 @@ def test_after_a_pause_the_instances_are_polled_once_before_any_placement():
         return _state()
 
     async def scenario():
-        client = InstanceClient(SECRET, Fence("", 1), transport=signed_transport(handler, SECRET))
-        reg = Registry(client)
-        rec = reg.add("http://inst:1")
-        await reg.poll(rec)
+        client, reg, rec = await _polled(handler)
         before = rec.state_at
         resumed = time.monotonic()
         await asyncio.gather(*(reg.refresh(resumed) for _ in range(5)))  # five requests after the pause
