@@ -240,7 +240,7 @@ def announce(store: MetadataStore, key: bytes, instance_id: str, url: str, role:
 
 
 def list_instances(store: MetadataStore, key: bytes,
-                   verdicts: dict[str, tuple[str, Member | None]] | None = None) -> Listing:
+                   verdicts: dict[str, tuple[str, tuple[Member, int] | None]] | None = None) -> Listing:
     """The instances announced now whose records carry a valid, unexpired MAC under the membership
     ``key``; the others are refused (their keys in ``Listing.refused``). ``verdicts``: a caller that
     lists again and again keeps each record's value and verdict there (record name -> (value,
